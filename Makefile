@@ -1,0 +1,33 @@
+# Two commands work on a fresh machine: `make run` and `make test`.
+# Both build .venv in the repo (torch installed first, pinned), then do their job.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8501
+
+.PHONY: run test test-all install clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+run: $(STAMP)
+	@echo "mixscope: open http://$(HOST):$(PORT) in your browser (Ctrl-C stops the server)"
+	PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Home.py --server.headless true --server.address $(HOST) \
+		--server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+# everything, slow tests included (GPU tests still skip without CUDA)
+test-all: $(STAMP)
+	$(PY) -m pytest -m ""
+
+clean:
+	rm -rf $(VENV) .pytest_cache

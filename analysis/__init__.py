@@ -1,0 +1,1 @@
+"""Pure functions: model + text -> pandas tables -> plotly figures (shared by the app and the exporter)."""

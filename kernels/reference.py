@@ -1,0 +1,60 @@
+"""Plain-PyTorch reference of every kernel. The Triton kernels are tested against these.
+
+Shapes: B batch, H query heads, G key/value groups (H % G == 0, head h reads group h // (H/G)),
+T new (query) positions, S cached + new (key) positions, D head width, C channels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
+    """[T, S] bool, True where allowed: the T queries are the last T of the S positions."""
+    q_pos = torch.arange(s - t, s, device=device).unsqueeze(1)
+    return torch.arange(s, device=device).unsqueeze(0) <= q_pos
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+              need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal softmax attention with grouped K/V: q [B,H,T,D], k/v [B,G,S,D] -> out [B,H,T,D].
+
+    Returns (out, probs [B,H,T,S] or None). K/V are never expanded to H heads.
+    """
+    b, h, t, d = q.shape
+    g, s = k.shape[1], k.shape[2]
+    if h % g:
+        raise ValueError(f"{h} query heads cannot share {g} key/value groups")
+    if not need_weights:
+        mask = None if t == 1 else causal_mask(t, s, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g != h), None
+    r = h // g
+    qg = q.reshape(b, g, r, t, d)
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale          # [B,G,R,T,S]
+    scores = scores.masked_fill(~causal_mask(t, s, q.device), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = probs @ v.unsqueeze(2)                                        # [B,G,R,T,D]
+    return out.reshape(b, h, t, d), probs.reshape(b, h, t, s)
+
+
+def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Extractor lag sum y_i = sum_{j<=i} x_j * w_{i-j} for i = start..S-1 (lag 0 = the paper's w_1).
+
+    x [B,S,C]. w is [L] (ME: one scalar per lag), [L,C] (WE/HE: per channel) or
+    [L,C,C_out] (SHE: a matrix per lag, x_j W_{i-j}). Returns [B, S-start, C or C_out].
+    A causal convolution whose kernel spans every lag up to S-1, run only over the
+    outputs asked for: O((S-start) S C) for ME/WE/HE, O((S-start) S C C_out) for SHE.
+    """
+    b, s, c = x.shape
+    if s > w.shape[0]:
+        raise ValueError(f"sequence of {s} positions exceeds the {w.shape[0]} lag weights")
+    # conv1d is a cross-correlation: kernel tap k meets lag s-1-k, hence the flip.
+    taps = w[:s].flip(0)
+    if w.dim() == 1:
+        weight, groups = taps.view(1, 1, s).expand(c, 1, s), c
+    elif w.dim() == 2:
+        weight, groups = taps.t().unsqueeze(1), c
+    else:
+        weight, groups = taps.permute(2, 1, 0), 1
+    xp = F.pad(x.transpose(1, 2), (s - 1, 0))[..., start:]
+    return F.conv1d(xp, weight, groups=groups).transpose(1, 2)

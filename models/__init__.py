@@ -1,0 +1,1 @@
+"""mixscope models: config, token mixers, decoder, caches, checkpoints, generation."""

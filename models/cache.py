@@ -1,0 +1,54 @@
+"""Static (preallocated) decode state, gpt-fast style: no reallocation while generating."""
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One layer's state: named buffers [batch, *lead, capacity, width], filled up to `length`.
+
+    Attention keeps K and V here (a single group for MQA/MHE, K only when K is V);
+    Extractors keep the window of past sub-layer inputs.
+    """
+
+    def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.capacity = capacity
+        self.length = 0
+        self.buffers = {name: torch.zeros(batch, *shape[:-1], capacity, shape[-1], dtype=dtype, device=device)
+                        for name, shape in spec.items()}
+
+    def append(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Write the new positions (dim -2 of each tensor) and return views of everything so far."""
+        if set(new) != set(self.buffers):
+            raise ValueError(f"cache holds {sorted(self.buffers)}, got {sorted(new)}")
+        t = next(iter(new.values())).shape[-2]
+        end = self.length + t
+        if end > self.capacity:
+            raise ValueError(f"cache full: {self.length} + {t} positions exceed capacity {self.capacity}")
+        for name, value in new.items():
+            self.buffers[name][..., self.length:end, :] = value
+        self.length = end
+        return {name: buf[..., :end, :] for name, buf in self.buffers.items()}
+
+    def nbytes(self) -> int:
+        """Bytes holding live positions (what the state costs now, not what was reserved)."""
+        return sum(buf[..., :self.length, :].numel() * buf.element_size() for buf in self.buffers.values())
+
+
+class DecodeCache:
+    """The whole model's decode state: one LayerCache per block."""
+
+    def __init__(self, layers: list[LayerCache]):
+        self.layers = layers
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)

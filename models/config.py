@@ -1,0 +1,87 @@
+"""One dataclass describes a model; it round-trips through JSON (config.json)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a valid model; the message says which field and why."""
+
+
+@dataclass
+class ModelConfig:
+    mixer: str = "mha"          # registry name, see models.mixers.MIXERS
+    vocab_size: int = 8192
+    context: int = 256          # l: max positions, and the Extractors' number of lag weights
+    d_model: int = 128          # d_m
+    n_layers: int = 4
+    n_heads: int = 8            # n
+    d_head: int | None = None   # d_h; default d_model // n_heads
+    d_ff: int | None = None     # feed-forward width; default 4 * d_model
+    dropout: float = 0.0
+    ln_eps: float = 1e-5
+    init_std: float = 0.02      # embeddings, feed-forward, attention projections (GPT-2)
+    extractor_init_std: float = 0.01  # Extractor paper: all weights N(0, 0.01)
+    head_embed_std: float = 0.02      # MHE head embeddings: small random, heads must differ
+    extractor_out: bool = True  # the Extractors' optional output projection W^out
+
+    def __post_init__(self) -> None:
+        if self.d_head is None:
+            if self.n_heads <= 0 or self.d_model % self.n_heads:
+                raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head explicitly")
+            self.d_head = self.d_model // self.n_heads
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        self.validate()
+
+    def validate(self) -> None:
+        from models.mixers import MIXERS  # late import: mixers import this module
+
+        if self.mixer not in MIXERS:
+            raise ConfigError(f"unknown mixer {self.mixer!r}; choose one of: {', '.join(MIXERS)}")
+        for name in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_head", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        MIXERS[self.mixer].check_config(self)
+
+    # --- JSON round trip -------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            return cls.from_json(path.read_text(encoding="utf-8"))
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"{path}: {e}") from None

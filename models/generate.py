@@ -1,0 +1,192 @@
+"""Autoregressive generation with the static decode cache: prefill once, then one position per step.
+
+Sampling: greedy, temperature, top-k, top-p, seed, stop tokens. A per-token callback receives a
+TokenEvent (id, probability, latency) so a UI can stream tokens and timings.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenEvent:
+    index: int          # position among the new tokens, from 0
+    token_id: int
+    logprob: float      # log p(token) under the model itself (temperature 1, no filtering)
+    latency_s: float    # wall time to produce this token (the first one includes the prefill)
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    new_ids: list[int]
+    events: list[TokenEvent]
+    stop_reason: str    # "max_new_tokens" | "stop_token" | "callback"
+    notes: list[str] = field(default_factory=list)
+    prefill_s: float = 0.0
+    cache_bytes: int = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.new_ids
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Steady-state rate: tokens after the first over the time they took."""
+        rest = sum(e.latency_s for e in self.events[1:])
+        return (len(self.events) - 1) / rest if rest > 0 else float("nan")
+
+    @property
+    def perplexity(self) -> float:
+        """Perplexity of the generated tokens under the model."""
+        if not self.events:
+            return float("nan")
+        return math.exp(-sum(e.logprob for e in self.events) / len(self.events))
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Mask (to -inf) all but the top-k tokens and the smallest set whose probability reaches top_p."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p   # mass before this token already reaches p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
+             seed: int | None = None, stop_ids: Sequence[int] = (),
+             callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
+    """Generate up to max_new_tokens after prompt_ids (one sequence).
+
+    max_new_tokens is clamped so that prompt + new tokens fit the context window; the result's
+    notes say so. A callback returning False stops generation after that token.
+    """
+    context = model.config.context
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("empty prompt: generation needs at least one prompt token")
+    if len(prompt) >= context:
+        raise ValueError(f"prompt has {len(prompt)} tokens but the context window is {context}: "
+                         f"shorten it to at most {context - 1} tokens")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    notes = []
+    room = context - len(prompt)
+    if max_new_tokens > room:
+        notes.append(f"max_new_tokens {max_new_tokens} clamped to {room}: prompt ({len(prompt)} tokens) "
+                     f"+ new tokens must fit the context window of {context}")
+        log.warning(notes[-1])
+        max_new_tokens = room
+    greedy = greedy or temperature == 0
+    device = model.wte.weight.device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    stops = set(int(s) for s in stop_ids)
+
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_cache(batch=1, capacity=len(prompt) + max_new_tokens)
+        t0 = time.perf_counter()
+        logits = model(torch.tensor([prompt], device=device), cache=cache).logits[0, -1]
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        new_ids, events, stop_reason = [], [], "max_new_tokens"
+        for i in range(max_new_tokens):
+            logprobs = logits.float().log_softmax(-1)
+            if greedy:
+                token = int(logits.argmax())
+            else:
+                probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
+                token = int(torch.multinomial(probs, 1, generator=gen))
+            event = TokenEvent(i, token, float(logprobs[token]), time.perf_counter() - t0)
+            new_ids.append(token)
+            events.append(event)
+            if callback is not None and callback(event) is False:
+                stop_reason = "callback"
+                break
+            if token in stops:
+                stop_reason = "stop_token"
+                break
+            if i + 1 == max_new_tokens:
+                break
+            t0 = time.perf_counter()
+            logits = model(torch.tensor([[token]], device=device), cache=cache).logits[0, -1]
+            _sync(device)
+        return GenerationResult(prompt, new_ids, events, stop_reason, notes, prefill_s, cache.nbytes())
+    finally:
+        model.train(was_training)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from models.checkpoint import CheckpointError, load_model_dir
+
+    ap = argparse.ArgumentParser(prog="python -m models.generate", description="Generate text from a model directory.")
+    ap.add_argument("model_dir")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout, logs to stderr")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    try:
+        loaded = load_model_dir(args.model_dir)
+        prompt = loaded.tokenizer.encode(args.prompt).ids
+        res = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, greedy=args.greedy, seed=args.seed)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = loaded.tokenizer.decode(res.new_ids)
+    ms = [e.latency_s * 1000 for e in res.events]
+    summary = {
+        "model_dir": str(loaded.path), "prompt": args.prompt, "text": text, "new_tokens": len(res.new_ids),
+        "stop_reason": res.stop_reason, "notes": res.notes, "prefill_ms": res.prefill_s * 1000,
+        "ms_per_token": ms, "mean_ms_per_token": sum(ms) / len(ms), "tokens_per_s": res.decode_tokens_per_s,
+        "perplexity": res.perplexity, "cache_bytes": res.cache_bytes,
+        "device": str(loaded.model.wte.weight.device),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(args.prompt + text)
+        print(f"[{len(res.new_ids)} tokens, {summary['mean_ms_per_token']:.1f} ms/token, "
+              f"{summary['tokens_per_s']:.1f} tokens/s, cache {res.cache_bytes} bytes]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

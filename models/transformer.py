@@ -1,0 +1,92 @@
+"""Pre-LN decoder language model: token + learned position embeddings, [LN -> mixer, LN -> GELU FFN]
+blocks with residuals, final LN, output head tied to the token embedding (nanoGPT's shape)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.cache import DecodeCache
+from models.config import ModelConfig
+from models.mixers import build_mixer
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        nn.init.normal_(self.up.weight, std=cfg.init_std)
+        nn.init.normal_(self.down.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        nn.init.zeros_(self.up.bias)
+        nn.init.zeros_(self.down.bias)
+
+    def forward(self, x):
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.mixer = build_mixer(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ffn = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cache=None, record=None):
+        x = x + self.drop(self.mixer(self.ln_1(x), cache, record))
+        return x + self.ffn(self.ln_2(x))
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                 # [B,T,vocab]
+    loss: torch.Tensor | None = None     # mean next-token cross-entropy, when targets were given
+    cache: DecodeCache | None = None
+    diagnostics: list[dict] | None = None  # per layer, only when asked for
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        nn.init.normal_(self.wte.weight, std=cfg.init_std)
+        nn.init.normal_(self.wpe.weight, std=cfg.init_std)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:
+        capacity = self.config.context if capacity is None else min(capacity, self.config.context)
+        p = self.wte.weight
+        return DecodeCache([b.mixer.new_cache(batch, capacity, p.dtype, p.device) for b in self.blocks])
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: DecodeCache | None = None,
+                diagnostics: bool = False) -> ModelOutput:
+        """idx [B,T] token ids. With a cache, idx holds the next T positions and the cache is extended."""
+        b, t = idx.shape
+        start = 0 if cache is None else cache.length
+        if start + t > self.config.context:
+            raise ValueError(f"{start + t} positions exceed the context window of {self.config.context}")
+        pos = torch.arange(start, start + t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        records = [{} for _ in self.blocks] if diagnostics else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i])
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return ModelOutput(logits=logits, loss=loss, cache=cache, diagnostics=records)
+
+    def cache_bytes_per_token(self) -> int:
+        """Decode-state bytes each new position adds, summed over layers."""
+        size = self.wte.weight.element_size()
+        return sum(b.mixer.cache_numel_per_token() for b in self.blocks) * size

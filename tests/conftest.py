@@ -1,0 +1,13 @@
+import os
+
+# Triton kernels run on CPU through the interpreter; it must be set before triton.jit runs.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(1234)
+    yield

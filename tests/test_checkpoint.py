@@ -1,0 +1,142 @@
+"""Model directories: bit-exact round trip, and one clear error per kind of damage."""
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.checkpoint import CheckpointError, file_sha256, load_model_dir, save_model_dir
+from models.tokenizer import train_bpe
+from models.transformer import DecoderLM
+from tests.helpers import ALL_MIXERS, tiny_config
+
+TEXT = ["The quick brown fox jumps over the lazy dog.", "A stitch in time saves nine!"] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe(TEXT, vocab_size=280, min_frequency=1)
+
+
+@pytest.fixture
+def model_dir(tmp_path, tokenizer):
+    model = DecoderLM(tiny_config("mha", vocab_size=300))
+    return save_model_dir(tmp_path / "m", model, tokenizer, {"steps": 0})
+
+
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
+def test_round_trip_is_bit_exact(mixer, tmp_path, tokenizer):
+    model = DecoderLM(tiny_config(mixer, vocab_size=300))
+    save_model_dir(tmp_path / mixer, model, tokenizer, {"steps": 7, "seed": 3})
+    loaded = load_model_dir(tmp_path / mixer)
+    assert loaded.config == model.config
+    a, b = model.state_dict(), loaded.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert loaded.card["steps"] == 7 and loaded.card["mixer"] == mixer and "code_version" in loaded.card
+    ids = tokenizer.encode("The quick fox").ids
+    assert loaded.tokenizer.encode("The quick fox").ids == ids
+    with torch.no_grad():
+        assert torch.equal(model.eval()(torch.tensor([ids])).logits, loaded.model(torch.tensor([ids])).logits)
+
+
+def test_wrong_path(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model_dir(tmp_path / "nowhere")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        load_model_dir(tmp_path / "file")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json", "card.json"])
+def test_missing_file_is_named(model_dir, name):
+    (model_dir / name).unlink()
+    with pytest.raises(CheckpointError, match=f"{name} is missing"):
+        load_model_dir(model_dir)
+
+
+def test_truncated_weights(model_dir):
+    path = model_dir / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
+        load_model_dir(model_dir)
+
+
+def test_garbage_weights(model_dir):
+    (model_dir / "model.safetensors").write_bytes(os.urandom(4096))
+    with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
+        load_model_dir(model_dir)
+
+
+class _Boom:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_is_never_unpickled(model_dir, tmp_path):
+    marker = tmp_path / "unpickled"
+    (model_dir / "model.safetensors").write_bytes(pickle.dumps(_Boom(str(marker))))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model_dir(model_dir)
+    assert not marker.exists()
+
+
+def test_weights_that_do_not_match_the_config(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["d_model"], cfg["n_heads"] = 32, 4
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model.safetensors does not match config.json: shape mismatch blocks.0.ffn.down.bias: file \(16,\) vs config \(32,\)"):
+        load_model_dir(model_dir)
+
+
+def test_missing_and_unexpected_tensors(model_dir):
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["extra.bias"] = tensors.pop("blocks.1.mixer.W_Q")
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensors \['blocks.1.mixer.W_Q'\]; unexpected tensors \['extra.bias'\]"):
+        load_model_dir(model_dir)
+
+
+def test_config_of_another_variant_is_a_mismatch(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["mixer"] = "mqa"
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="shape mismatch blocks.0.mixer.W_K"):
+        load_model_dir(model_dir)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{broken", "config.json is not valid JSON"),
+    ('{"mixer": "nope"}', "config.json: unknown mixer 'nope'"),
+    ('{"colour": 1}', "config.json: unknown config field"),
+    ("[1, 2]", "config.json must hold a JSON object"),
+])
+def test_bad_config(model_dir, content, message):
+    (model_dir / "config.json").write_text(content)
+    with pytest.raises(CheckpointError, match=message):
+        load_model_dir(model_dir)
+
+
+def test_bad_card_and_tokenizer(model_dir):
+    (model_dir / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(CheckpointError, match="tokenizer.json could not be loaded"):
+        load_model_dir(model_dir)
+    (model_dir / "card.json").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointError, match="card.json is not valid JSON"):
+        load_model_dir(model_dir)
+
+
+def test_tokenizer_larger_than_vocabulary(tmp_path, tokenizer):
+    save_model_dir(tmp_path / "m", DecoderLM(tiny_config("me", vocab_size=100)), tokenizer)
+    with pytest.raises(CheckpointError, match="tokenizer.json has 280 tokens but config.json sets vocab_size=100"):
+        load_model_dir(tmp_path / "m")
+
+
+def test_save_leaves_no_temporary_files_and_hash_is_stable(model_dir):
+    assert sorted(p.name for p in model_dir.iterdir()) == ["card.json", "config.json", "model.safetensors", "tokenizer.json"]
+    assert file_sha256(model_dir / "model.safetensors") == file_sha256(model_dir / "model.safetensors")
