@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-all install clean
+.PHONY: run test test-all install clean data zoo results
 
 install: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): requirements.txt
 run: $(STAMP)
 	@echo "mixscope: open http://$(HOST):$(PORT) in your browser (Ctrl-C stops the server)"
 	PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Home.py --server.headless true --server.address $(HOST) \
-		--server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false
+		--server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false --client.toolbarMode viewer
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -31,3 +31,20 @@ test-all: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# --- data and the default zoo (about 90 minutes on a 2-core CPU) ---
+ZOO := mha sha mqa skv el-att mhe-add mhe-mul he we me she
+
+data/manifest.json: | $(STAMP)
+	$(PY) -m models.data prepare --out data
+
+data: data/manifest.json
+
+zoo: $(STAMP) data/manifest.json
+	@for m in $(ZOO); do \
+		$(PY) -m models.train --config configs/zoo/$$m.json --out assets/models/$$m || echo "zoo: $$m failed"; \
+	done
+	$(PY) -m models.results
+
+results: $(STAMP)
+	$(PY) -m models.results

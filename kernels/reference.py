@@ -37,17 +37,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     return out.reshape(b, h, t, d), probs.reshape(b, h, t, s)
 
 
-def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0) -> torch.Tensor:
+def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0, method: str = "auto") -> torch.Tensor:
     """Extractor lag sum y_i = sum_{j<=i} x_j * w_{i-j} for i = start..S-1 (lag 0 = the paper's w_1).
 
     x [B,S,C]. w is [L] (ME: one scalar per lag), [L,C] (WE/HE: per channel) or
     [L,C,C_out] (SHE: a matrix per lag, x_j W_{i-j}). Returns [B, S-start, C or C_out].
-    A causal convolution whose kernel spans every lag up to S-1, run only over the
-    outputs asked for: O((S-start) S C) for ME/WE/HE, O((S-start) S C C_out) for SHE.
+    method: "direct" (a causal convolution whose kernel spans every lag up to S-1, run only over
+    the outputs asked for: O((S-start) S C) for ME/WE/HE, O((S-start) S C C_out) for SHE), "fft"
+    (whole sequences only: O(S log S) per channel, and SHE becomes one C x C_out product per
+    frequency), or "auto" (fft for whole sequences longer than 16, else direct).
     """
     b, s, c = x.shape
     if s > w.shape[0]:
         raise ValueError(f"sequence of {s} positions exceeds the {w.shape[0]} lag weights")
+    if method == "auto":
+        method = "fft" if start == 0 and s > 16 else "direct"
+    if method == "fft":
+        if start:
+            raise ValueError("the fft method computes whole sequences only (start=0)")
+        return _lag_conv_fft(x, w[:s])
     # conv1d is a cross-correlation: kernel tap k meets lag s-1-k, hence the flip.
     taps = w[:s].flip(0)
     if w.dim() == 1:
@@ -58,3 +66,17 @@ def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0) -> torch.Tensor:
         weight, groups = taps.permute(2, 1, 0), 1
     xp = F.pad(x.transpose(1, 2), (s - 1, 0))[..., start:]
     return F.conv1d(xp, weight, groups=groups).transpose(1, 2)
+
+
+def _lag_conv_fft(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Causal convolution by FFT, zero-padded to 2S so nothing wraps around."""
+    s = x.shape[1]
+    xf = torch.fft.rfft(x, n=2 * s, dim=1)                     # [B,F,C]
+    wf = torch.fft.rfft(w.to(x.dtype), n=2 * s, dim=0)         # [F] | [F,C] | [F,C,C_out]
+    if w.dim() == 1:
+        yf = xf * wf[:, None]
+    elif w.dim() == 2:
+        yf = xf * wf
+    else:
+        yf = torch.einsum("bfi,fio->bfo", xf, wf)
+    return torch.fft.irfft(yf, n=2 * s, dim=1)[:, :s]

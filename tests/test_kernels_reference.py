@@ -31,17 +31,25 @@ def test_attention_matches_loops(h, g, t, s, need_weights):
     assert (probs is not None) == need_weights
 
 
+@pytest.mark.parametrize("method", ["direct", "fft", "auto"])
 @pytest.mark.parametrize("wshape", ["scalar", "channel", "matrix"])
-@pytest.mark.parametrize("s,start", [(1, 0), (9, 0), (9, 4), (9, 8)])
-def test_lag_conv_matches_loops(wshape, s, start):
-    c, lags = 5, 12
+@pytest.mark.parametrize("s,start", [(1, 0), (9, 0), (9, 4), (9, 8), (23, 0), (23, 20)])
+def test_lag_conv_matches_loops(wshape, s, start, method):
+    if method == "fft" and start:
+        pytest.skip("fft computes whole sequences")
+    c, lags = 5, 24
     x = torch.randn(2, s, c, dtype=torch.float64)
     w = {"scalar": torch.randn(lags), "channel": torch.randn(lags, c), "matrix": torch.randn(lags, c, 3)}[wshape].double()
     want = torch.zeros(2, s - start, 3 if wshape == "matrix" else c, dtype=torch.float64)
     for i in range(start, s):
         for j in range(i + 1):
             want[:, i - start] += x[:, j] @ w[i - j] if wshape == "matrix" else x[:, j] * w[i - j]
-    torch.testing.assert_close(reference.lag_conv(x, w, start), want)
+    torch.testing.assert_close(reference.lag_conv(x, w, start, method), want)
+
+
+def test_lag_conv_fft_refuses_partial_sequences():
+    with pytest.raises(ValueError, match="whole sequences"):
+        reference.lag_conv(torch.randn(1, 5, 2), torch.randn(8), start=2, method="fft")
 
 
 def test_lag_conv_refuses_more_positions_than_lags():

@@ -1,0 +1,143 @@
+"""Sliding-window perplexity on held-out documents, and the MHE paper's PRR / PEoP.
+
+    python -m models.evaluate MODEL_DIR [--split test] [--stride 256] [--data DIR] [--json]
+
+Each document is scored on its own (windows never cross documents), starting from <|endoftext|>;
+windows hold at most `context` tokens and advance by `stride`; every token is scored exactly once,
+with all the history the window has (at least context - stride tokens once the document is long).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from models.tokenizer import EOS
+
+log = logging.getLogger("models.evaluate")
+
+
+def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """For a sequence of n tokens (n - 1 targets): (begin, end, n_scored) per window.
+
+    The window feeds tokens [begin, end) and predicts [begin+1, end+1); its last n_scored
+    predictions are the ones not scored before.
+    """
+    if not 0 < stride <= context:
+        raise ValueError(f"stride must be in [1, context={context}], got {stride}")
+    out, scored = [], 0
+    for begin in range(0, max(n - 1, 0), stride):
+        end = min(begin + context, n - 1)
+        out.append((begin, end, end - scored))
+        scored = end
+        if end == n - 1:
+            break
+    return out
+
+
+@torch.inference_mode()
+def score_documents(model, docs: list[list[int]], stride: int, batch_size: int = 16, progress: bool = False) -> dict:
+    """Summed negative log-likelihood and count over all targets of the documents (token id lists)."""
+    context = model.config.context
+    jobs = [(doc[b:e], doc[b + 1:e + 1], k) for doc in docs for b, e, k in windows(len(doc), context, stride)]
+    jobs.sort(key=lambda j: len(j[0]))  # equal lengths batch together
+    was_training = model.training
+    model.eval()
+    device = model.wte.weight.device
+    nll, count = 0.0, 0
+    bar = tqdm(total=len(jobs), desc="evaluating", disable=not progress, file=sys.stderr)
+    i = 0
+    while i < len(jobs):
+        length = len(jobs[i][0])
+        group = [j for j in jobs[i:i + batch_size] if len(j[0]) == length]
+        x = torch.tensor([j[0] for j in group], device=device)
+        y = torch.tensor([j[1] for j in group], device=device)
+        logp = model(x).logits.float().log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # [b, length]
+        for row, (_, _, k) in zip(logp, group):
+            nll -= float(row[-k:].double().sum())
+            count += k
+        i += len(group)
+        bar.update(len(group))
+    bar.close()
+    model.train(was_training)
+    return {"nll": nll, "tokens": count, "loss": nll / max(count, 1), "perplexity": math.exp(nll / max(count, 1))}
+
+
+def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
+    eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        raise ValueError(f"tokenizer has no {EOS} token")
+    return [[eos, *enc.ids] for enc in tokenizer.encode_batch(texts)]
+
+
+def paper_metrics(ppl: float, attn_params: int, mha: tuple[float, int] | None, sha: tuple[float, int] | None) -> dict:
+    """PRR vs MHA (1 - (s - s_MHA)/s_MHA for perplexity) and PEoP vs SHA (negated for perplexity)."""
+    out = {"prr": None, "peop": None}
+    if mha:
+        out["prr"] = 1 - (ppl - mha[0]) / mha[0]
+    if sha and attn_params != sha[1]:
+        out["peop"] = -((ppl / sha[0]) - 1) / ((attn_params / sha[1]) - 1)
+    return out
+
+
+def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, data_dir: str | Path | None = None,
+                 progress: bool = False) -> dict:
+    from models.checkpoint import file_sha256, load_model_dir
+    from models.data import load_documents
+    from models.params import count_parameters
+
+    loaded = load_model_dir(model_dir)
+    data_dir = Path(data_dir or loaded.card.get("data", {}).get("dir", "data"))
+    docs = encode_documents(loaded.tokenizer, load_documents(data_dir, split))
+    res = score_documents(loaded.model, docs, stride, progress=progress)
+    counts = count_parameters(loaded.model)
+    card_sha = loaded.card.get("data", {}).get(f"{split}_sha256")
+    now_sha = file_sha256(data_dir / f"{split}.txt")
+    return {"model_dir": str(loaded.path), "mixer": loaded.config.mixer, "split": split, "stride": stride,
+            "data_dir": str(data_dir), "data_matches_card": card_sha == now_sha if card_sha else None,
+            "tokens": res["tokens"], "loss": res["loss"], "perplexity": res["perplexity"],
+            "parameters": counts, "attention_parameters": counts["mixer"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from models.checkpoint import CheckpointError
+    from models.data import DataError
+
+    ap = argparse.ArgumentParser(prog="python -m models.evaluate")
+    ap.add_argument("model_dir")
+    ap.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    ap.add_argument("--stride", type=int, default=256)
+    ap.add_argument("--data", default=None, help="prepared data directory (default: the one on the model card)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout, logs to stderr")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    try:
+        result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True)
+        parent = Path(args.model_dir).resolve().parent
+        ref = {}
+        for name in ("mha", "sha"):  # the zoo's baselines, evaluated the same way
+            if (parent / name).is_dir():
+                r = result if Path(result["model_dir"]).resolve() == parent / name else \
+                    evaluate_dir(parent / name, args.split, args.stride, args.data)
+                ref[name] = (r["perplexity"], r["attention_parameters"])
+        result |= paper_metrics(result["perplexity"], result["attention_parameters"], ref.get("mha"), ref.get("sha"))
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['mixer']}: {args.split} perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
+              f"(stride {args.stride}); PRR {result['prr']}, PEoP {result['peop']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

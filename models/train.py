@@ -1,0 +1,380 @@
+"""Train a model from a config file into a model directory.
+
+    python -m models.train --config configs/zoo/mha.json --out assets/models/mha
+    torchrun --nproc_per_node 4 -m models.train --config ... --out ...     (DistributedDataParallel)
+
+A config file holds {"base": "other.json" (optional), "model": {ModelConfig fields}, "train": {TrainConfig
+fields}}; "base" is merged underneath. Batches depend only on (seed, step): every variant trained with the
+same seed sees identical batches in identical order, and so does a resumed run. Training state is
+checkpointed to OUT/train_state.safetensors; running the same command again resumes from it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from models.checkpoint import file_sha256, save_model_dir
+from models.config import ConfigError, ModelConfig
+from models.data import DataError, load_documents, load_tokens, manifest_sha256
+from models.evaluate import encode_documents, score_documents
+from models.transformer import DecoderLM
+
+log = logging.getLogger("models.train")
+STATE = "train_state.safetensors"
+LOG = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    data: str = "data"
+    steps: int = 1000
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1337
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 8
+    checkpoint_interval: int = 100
+    eval_stride: int = 256
+    compile: bool = False  # torch.compile, CUDA only
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config_file(path: str | Path, _seen=()) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: 'base' chain loops back on itself")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    unknown = set(raw) - {"base", "model", "train"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key(s) {sorted(unknown)}; expected base, model, train")
+    if "base" in raw:
+        raw = _merge(read_config_file(path.parent / raw.pop("base"), (*_seen, path.resolve())), raw)
+    return raw
+
+
+def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
+    raw = read_config_file(path)
+    try:
+        model_cfg = ModelConfig.from_dict(raw.get("model", {}))
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{path}: model: {e}") from None
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(raw.get("train", {})) - known
+    if unknown:
+        raise ConfigError(f"{path}: train: unknown field(s) {sorted(unknown)}")
+    tc = TrainConfig(**raw.get("train", {}))
+    for name in ("steps", "batch_size", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval"):
+        if not isinstance(getattr(tc, name), int) or getattr(tc, name) < 1:
+            raise ConfigError(f"{path}: train.{name} must be a positive integer, got {getattr(tc, name)!r}")
+    if not 0 < tc.eval_stride <= model_cfg.context:
+        raise ConfigError(f"{path}: train.eval_stride ({tc.eval_stride}) must be in [1, model.context={model_cfg.context}]")
+    if tc.warmup < 0 or tc.lr <= 0 or tc.min_lr < 0:
+        raise ConfigError(f"{path}: train.lr, min_lr and warmup must be positive")
+    return model_cfg, tc, raw
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warmup, then cosine decay from lr to min_lr at the last step."""
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    progress = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def batch_offsets(seed: int, step: int, n_tokens: int, context: int, batch_size: int) -> np.ndarray:
+    """Start offsets of the batch for this step: a function of (seed, step) only."""
+    return np.random.default_rng([seed, step]).integers(0, n_tokens - context - 1, size=batch_size)
+
+
+def get_batch(tokens: np.ndarray, offsets: np.ndarray, context: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([tokens[o:o + context + 1] for o in offsets]).astype(np.int64)
+    t = torch.from_numpy(rows).to(device)
+    return t[:, :-1], t[:, 1:]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay weight matrices only. Head embeddings and lag weights are what the analysis pages study, and
+    decay would pull them towards zero (identical heads, a shrunken lag profile), so they are left alone."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        (no_decay if p.dim() < 2 or leaf in ("e_Q", "e_K", "e_V", "w_ext") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def config_hash(raw: dict) -> str:
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_state(path: Path, model, opt, step: int, meta: dict) -> None:
+    tensors = {f"model/{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    for idx, st in opt_state["state"].items():
+        for k, v in st.items():
+            tensors[f"opt/{idx}/{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    tensors["rng/torch"] = torch.get_rng_state()
+    groups = [{k: v for k, v in g.items()} for g in opt_state["param_groups"]]
+    meta = dict(meta, step=step, param_groups=groups)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"state": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, model, opt) -> dict:
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["state"])
+    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a readable training state ({e}); delete it to start over") from None
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model/")})
+    state: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("opt/"):
+            _, idx, name = k.split("/", 2)
+            state.setdefault(int(idx), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta.pop("param_groups")})
+    torch.set_rng_state(tensors["rng/torch"])
+    return meta
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+class StopFlag:
+    """SIGINT/SIGTERM only raise a flag; the loop stops at the next step boundary, so the saved state is
+    never half an optimizer step."""
+
+    def __init__(self):
+        self.reason = None
+
+    def __call__(self, signum, frame):
+        self.reason = signal.Signals(signum).name
+
+
+def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_after: int | None = None,
+          progress: bool = True) -> dict:
+    """Train (or resume) and write the model directory; returns the card. stop_after: leave after that
+    many steps of this run with the state saved, as an interruption would (used by tests)."""
+    model_cfg, tc, raw = load_run_config(config_path)
+    out = Path(out)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if device == "auto":
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        if tc.batch_size % world:
+            raise ConfigError(f"batch_size {tc.batch_size} does not split over {world} processes")
+    main_proc = rank == 0
+
+    train_tokens = load_tokens(tc.data, "train")
+    valid_tokens = load_tokens(tc.data, "valid")
+    from tokenizers import Tokenizer
+    tok_path = Path(tc.data) / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    if tokenizer.get_vocab_size() > model_cfg.vocab_size:
+        raise ConfigError(f"{tok_path} has {tokenizer.get_vocab_size()} tokens, more than vocab_size={model_cfg.vocab_size}")
+    if min(train_tokens.size, valid_tokens.size) <= model_cfg.context + 1:
+        raise DataError(f"{tc.data}: the train and valid splits need more than context+1={model_cfg.context + 1} tokens")
+
+    torch.manual_seed(tc.seed)  # same init for the same variant and seed
+    model = DecoderLM(model_cfg).to(dev)
+    opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                            fused=dev.type == "cuda")
+    out.mkdir(parents=True, exist_ok=True)
+    state_path, log_path = out / STATE, out / LOG
+    start, tokens_seen, elapsed = 0, 0, 0.0
+    if state_path.exists():
+        meta = load_state(state_path, model, opt)
+        if meta["config_hash"] != config_hash(raw):
+            raise ConfigError(f"{state_path} was written by a different config; delete it to start over")
+        start, tokens_seen, elapsed = meta["step"], meta["tokens_seen"], meta["elapsed_s"]
+        if main_proc:
+            log.info("resuming %s from step %d", out, start)
+    if main_proc:  # the curve keeps exactly the steps the state has seen
+        lines = log_path.read_text().splitlines() if log_path.exists() and start else []
+        log_path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start))
+
+    fwd = model
+    if tc.compile and dev.type == "cuda":
+        fwd = torch.compile(model)
+    if world > 1:  # MHE-ADD's e^K gets no gradient by construction (papers.md), hence unused parameters
+        fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=model_cfg.mixer == "mhe-add")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    ctx = model_cfg.context
+    valid_offsets = np.linspace(0, valid_tokens.size - ctx - 2, tc.eval_batches * tc.batch_size).astype(np.int64)
+
+    @torch.no_grad()
+    def valid_loss() -> float:
+        model.eval()
+        losses = []
+        for i in range(0, len(valid_offsets), tc.batch_size):
+            x, y = get_batch(valid_tokens, valid_offsets[i:i + tc.batch_size], ctx, dev)
+            with autocast:
+                losses.append(float(model(x, targets=y).loss))
+        model.train()
+        return float(np.mean(losses))
+
+    def record(entry: dict) -> None:
+        if main_proc:
+            with log_path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    stop = StopFlag()
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if world == 1 else {}
+
+    model.train()
+    bar = tqdm(total=tc.steps, initial=start, desc=f"train {model_cfg.mixer}", disable=not (progress and main_proc),
+               file=sys.stderr, dynamic_ncols=True)
+    recent: list[float] = []
+    status = "ok"
+    t_last, tok_last = time.perf_counter(), tokens_seen
+    step = start
+    try:
+        while step < tc.steps:
+            if stop_after is not None and step - start >= stop_after:
+                stop.reason = f"stop_after={stop_after}"
+            if stop.reason:
+                break
+            t0 = time.perf_counter()
+            lr = lr_at(step, tc)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            offsets = batch_offsets(tc.seed, step, train_tokens.size, ctx, tc.batch_size)[rank::world]
+            x, y = get_batch(train_tokens, offsets, ctx, dev)
+            with autocast:
+                loss = fwd(x, targets=y).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = loss.detach()
+            if world > 1:  # log the global batch's loss, not this process's share
+                torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
+            loss_value = float(loss)
+            step += 1
+            tokens_seen += tc.batch_size * ctx
+            elapsed += time.perf_counter() - t0
+            recent = (recent + [loss_value])[-tc.log_interval:]
+            if not math.isfinite(loss_value):
+                status = f"diverged: loss {loss_value} at step {step}"
+                record({"step": step, "kind": "train", "loss": loss_value, "lr": lr})
+                break
+            if step % tc.log_interval == 0 or step == tc.steps:
+                now = time.perf_counter()
+                rate = (tokens_seen - tok_last) / max(now - t_last, 1e-9)
+                t_last, tok_last = now, tokens_seen
+                record({"step": step, "kind": "train", "loss": loss_value, "lr": lr, "tokens": tokens_seen,
+                        "tokens_per_s": rate, "elapsed_s": elapsed})
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
+            if step % tc.eval_interval == 0 or step == tc.steps:
+                record({"step": step, "kind": "valid", "loss": valid_loss(), "tokens": tokens_seen})
+            if main_proc and step % tc.checkpoint_interval == 0 and step < tc.steps:
+                save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
+                                                          "elapsed_s": elapsed})
+            bar.update(1)
+    finally:
+        bar.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if stop.reason:
+        if main_proc:
+            save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
+                                                      "elapsed_s": elapsed})
+            log.warning("stopped at step %d (%s); run the same command again to resume", step, stop.reason)
+        return {"status": "interrupted", "steps": step}
+
+    card = {}
+    if main_proc:
+        card = finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev,
+                      valid_loss() if status == "ok" else float("nan"))
+        state_path.unlink(missing_ok=True)
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return card
+
+
+def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev, v_loss) -> dict:
+    test = {"perplexity": float("nan"), "tokens": 0}
+    if status == "ok":
+        docs = encode_documents(tokenizer, load_documents(tc.data, "test"))
+        test = score_documents(model.float(), docs, tc.eval_stride)
+    data = Path(tc.data)
+    card = {
+        "status": status, "config": model_cfg.to_dict(), "train": dataclasses.asdict(tc), "config_hash": config_hash(raw),
+        "data": {"dir": str(tc.data), "manifest_sha256": manifest_sha256(data),
+                 "test_sha256": file_sha256(data / "test.txt")},
+        "steps": step, "tokens_seen": tokens_seen, "wall_time_s": elapsed,
+        "train_tokens_per_s": tokens_seen / elapsed if elapsed else None,
+        "device": device_name(dev), "torch": torch.__version__, "seed": tc.seed,
+        "final_train_loss": float(np.mean(recent)) if recent else None, "final_valid_loss": v_loss,
+        "test_perplexity": test["perplexity"], "test_tokens": test["tokens"], "eval_stride": tc.eval_stride,
+    }
+    save_model_dir(out, model.cpu(), tokenizer, card)
+    return card
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m models.train")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True, help="model directory to write (and resume in)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    try:
+        card = train(args.config, args.out, args.device)
+    except (ConfigError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if card.get("status") == "interrupted":
+        return 130
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{args.out}: {card['status']}, test perplexity {card['test_perplexity']:.3f}, "
+              f"{card['train_tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    return 0 if card.get("status", "ok") == "ok" else 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
