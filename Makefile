@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-all install clean data zoo results
+.PHONY: run test test-all install clean data zoo results chromium
 
 install: $(STAMP)
 
@@ -17,16 +17,26 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
+# Debian's chromium renders figure exports (kaleido) and runs the browser tests.
+CHROMIUM := /usr/bin/chromium
+chromium:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian chromium (figure export, browser tests)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "missing $(CHROMIUM): install Debian's chromium (sudo apt-get install chromium) for figure export and browser tests"; exit 1; fi
+
 run: $(STAMP)
+	@$(MAKE) --no-print-directory chromium || echo "(the app runs; PNG/SVG/PDF export will say what is missing)"
 	@echo "mixscope: open http://$(HOST):$(PORT) in your browser (Ctrl-C stops the server)"
-	PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Home.py --server.headless true --server.address $(HOST) \
+	PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Models.py --server.headless true --server.address $(HOST) \
 		--server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false --client.toolbarMode viewer
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest
 
 # everything, slow tests included (GPU tests still skip without CUDA)
-test-all: $(STAMP)
+test-all: $(STAMP) chromium
 	$(PY) -m pytest -m ""
 
 clean:

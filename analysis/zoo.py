@@ -1,13 +1,16 @@
-"""The table of model directories the app can open."""
+"""The table of model directories the app can open, with the numbers from their cards."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
 
 from models.checkpoint import CheckpointError, load_model_dir
-from models.params import count_parameters
+from models.evaluate import paper_metrics
+from models.params import COMPONENTS, count_parameters
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,22 +27,63 @@ def find_model_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.json").exists())
 
 
-def describe(path: Path) -> dict:
+def describe(path: Path, loaded=None) -> dict:
     """One table row for a model directory; a broken directory gives its error instead of numbers."""
     row = {"model": path.name, "path": str(path)}
     try:
-        loaded = load_model_dir(path)
+        loaded = loaded or load_model_dir(path)
     except CheckpointError as e:
         return row | {"error": str(e)}
-    cfg, model = loaded.config, loaded.model
+    cfg, model, card = loaded.config, loaded.model, loaded.card
     counts = count_parameters(model)
     return row | {
         "mixer": cfg.mixer, "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads,
-        "context": cfg.context, "params": counts["total"], "mixer params": counts["mixer"],
-        "mixer out params": counts["mixer_out"], "cache bytes/token": model.cache_bytes_per_token(),
+        "context": cfg.context, "attention params": counts["mixer"], "total params": counts["total"],
+        **{f"{c} params": counts[c] for c in COMPONENTS},
+        "test ppl": card.get("test_perplexity"), "KV-cache bytes/token": model.cache_bytes_per_token(),
+        "train steps": card.get("steps"), "train tokens": card.get("tokens_seen"),
+        "train tokens/s": card.get("train_tokens_per_s"), "status": card.get("status", "untrained"),
         "error": None,
     }
 
 
-def zoo_table(paths: list[Path]) -> pd.DataFrame:
-    return pd.DataFrame([describe(p) for p in paths])
+def with_paper_metrics(table: pd.DataFrame) -> pd.DataFrame:
+    """PRR vs the table's MHA model and PEoP vs its SHA model (papers.md), where those exist."""
+    if table.empty or "mixer" not in table:
+        return table.assign(PRR=None, PEoP=None)
+    ok = table[table["error"].isna() & table["test ppl"].notna()]
+    ref = {m: (r["test ppl"], r["attention params"]) for m in ("mha", "sha")
+           for _, r in ok[ok["mixer"] == m].head(1).iterrows()}
+    metrics = [paper_metrics(r["test ppl"], r["attention params"], ref.get("mha"), ref.get("sha"))
+               if r["error"] is None and pd.notna(r.get("test ppl")) else {"prr": None, "peop": None}
+               for _, r in table.iterrows()]
+    return table.assign(PRR=[m["prr"] for m in metrics], PEoP=[m["peop"] for m in metrics])
+
+
+def zoo_table(paths: list[Path], loader=None) -> pd.DataFrame:
+    rows = []
+    for p in paths:
+        try:
+            loaded = loader(p) if loader else None
+        except CheckpointError as e:
+            rows.append({"model": p.name, "path": str(p), "error": str(e)})
+            continue
+        rows.append(describe(p, loaded))
+    table = pd.DataFrame(rows)
+    if "error" not in table:
+        table["error"] = None
+    table["error"] = table["error"].astype(object).where(table["error"].notna(), None)
+    return with_paper_metrics(table)
+
+
+def efficiency_figure(table: pd.DataFrame) -> go.Figure:
+    """Test perplexity against attention parameters (the MHE paper's efficiency view)."""
+    ok = table[table["test ppl"].notna()] if "test ppl" in table else table.iloc[0:0]
+    if "error" in ok:
+        ok = ok[ok["error"].isna()]
+    fig = px.scatter(ok, x="attention params", y="test ppl", text="model", color="mixer", log_x=True,
+                     title="test perplexity vs attention parameters (lower left is better)",
+                     hover_data=["total params", "KV-cache bytes/token"])
+    fig.update_traces(textposition="top center", marker={"size": 12})
+    fig.update_layout(height=460, showlegend=False)
+    return fig

@@ -59,7 +59,9 @@ def score_documents(model, docs: list[list[int]], stride: int, batch_size: int =
         group = [j for j in jobs[i:i + batch_size] if len(j[0]) == length]
         x = torch.tensor([j[0] for j in group], device=device)
         y = torch.tensor([j[1] for j in group], device=device)
-        logp = model(x).logits.float().log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # [b, length]
+        logits = model(x).logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, float64 kept
+        logp = logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # [b, length]
         for row, (_, _, k) in zip(logp, group):
             nll -= float(row[-k:].double().sum())
             count += k

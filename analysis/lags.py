@@ -1,0 +1,71 @@
+"""Extractor lag weights: how much each lag (distance to the past token) contributes, per layer."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from models.mixers.extractor import Extractor
+
+
+def extractor_layers(model) -> list[Extractor]:
+    return [b.mixer for b in model.blocks if isinstance(b.mixer, Extractor)]
+
+
+def lag_table(model) -> pd.DataFrame:
+    """One row per (layer, lag): RMS and signed mean of the lag's weights over channels
+    (ME: the scalar itself; SHE: over the d x d matrix)."""
+    rows = []
+    for layer, m in enumerate(extractor_layers(model)):
+        prof = m.lag_profile()
+        for lag, (rms, mean) in enumerate(zip(prof["rms"].tolist(), prof["mean"].tolist())):
+            rows.append({"layer": layer, "lag": lag, "rms": rms, "mean": mean})
+    return pd.DataFrame(rows)
+
+
+def lag_channel(model, layer: int) -> np.ndarray:
+    """[lags, channels] for WE/HE; for SHE the per-lag matrix norms [lags, 1]; for ME the scalars [lags, 1]."""
+    w = extractor_layers(model)[layer].w_ext.detach().float().cpu().numpy()
+    if w.ndim == 1:
+        return w[:, None]
+    if w.ndim == 3:
+        return np.linalg.norm(w, axis=(1, 2))[:, None]
+    return w
+
+
+def mass_in_first(table: pd.DataFrame, k: int) -> pd.DataFrame:
+    """Share of each layer's squared lag weight that sits in lags 0..k-1."""
+    t = table.assign(sq=table["rms"] ** 2)
+    total = t.groupby("layer")["sq"].sum()
+    first = t[t["lag"] < k].groupby("layer")["sq"].sum()
+    return pd.DataFrame({"layer": total.index, f"share_first_{k}": (first / total).values})
+
+
+def profile_figure(table: pd.DataFrame, value: str, title: str, log_x: bool = True) -> go.Figure:
+    df = table.assign(lag1=table["lag"] + 1, layer=table["layer"].astype(str))
+    fig = px.line(df, x="lag1", y=value, color="layer", log_x=log_x, title=title,
+                  labels={"lag1": "lag + 1 (the paper's index k of w_k)", value: value})
+    if value == "mean":
+        fig.add_hline(y=0, line_dash="dot", line_color="grey")
+    fig.update_layout(height=420)
+    return fig
+
+
+def lag_channel_figure(m: np.ndarray, title: str, max_lags: int | None = None) -> go.Figure:
+    z = m[:max_lags] if max_lags else m
+    lim = float(np.abs(z).max()) or 1.0
+    fig = go.Figure(go.Heatmap(z=z.T, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim,
+                               hovertemplate="lag %{x}, channel %{y}: %{z:.4f}<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title="lag", yaxis_title="channel", height=460)
+    return fig
+
+
+def cumulative_figure(table: pd.DataFrame, title: str) -> go.Figure:
+    t = table.assign(sq=table["rms"] ** 2).sort_values(["layer", "lag"])
+    t["share"] = t.groupby("layer")["sq"].cumsum() / t.groupby("layer")["sq"].transform("sum")
+    t = t.assign(lag1=t["lag"] + 1, layer=t["layer"].astype(str))
+    fig = px.line(t, x="lag1", y="share", color="layer", log_x=True, title=title,
+                  labels={"lag1": "first k lags", "share": "share of squared weight"})
+    fig.update_layout(height=380, yaxis_range=[0, 1.02])
+    return fig

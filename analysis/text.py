@@ -1,0 +1,54 @@
+"""User text in: uploads and pasted text become clean strings, or a clear refusal; then tokens with labels."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePath
+
+MAX_CHARS = 20_000          # what the pages analyse at once; longer text is refused with this number
+ALLOWED_SUFFIXES = (".txt", ".md")
+
+
+class TextError(ValueError):
+    """Text the app cannot use; the message is shown to the user as it is."""
+
+
+def decode_upload(name: str, data: bytes, max_chars: int = MAX_CHARS) -> str:
+    suffix = PurePath(name).suffix.lower()
+    if suffix not in ALLOWED_SUFFIXES:
+        raise TextError(f"{name}: only {' and '.join(ALLOWED_SUFFIXES)} files are accepted")
+    if b"\x00" in data[:8192]:
+        raise TextError(f"{name} looks like a binary file (it contains NUL bytes), not text")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise TextError(f"{name} is not UTF-8 text (invalid byte 0x{data[e.start]:02x} at position {e.start}); "
+                        "save it as UTF-8 and upload it again") from None
+    return check_text(text, max_chars, what=name)
+
+
+def check_text(text: str, max_chars: int = MAX_CHARS, what: str = "The text") -> str:
+    if not text or not text.strip():
+        raise TextError(f"{what} is empty: paste or upload some text")
+    if len(text) > max_chars:
+        raise TextError(f"{what} has {len(text):,} characters; the limit is {max_chars:,}. Use a shorter excerpt")
+    return text
+
+
+@dataclass
+class Tokens:
+    ids: list[int]
+    labels: list[str]    # readable token text: spaces as '·', newlines as '⏎'
+    offsets: list[tuple[int, int]]
+
+
+def tokenize(tokenizer, text: str) -> Tokens:
+    enc = tokenizer.encode(text)
+    labels = [text[a:b].replace(" ", "·").replace("\n", "⏎") or tokenizer.id_to_token(i)
+              for i, (a, b) in zip(enc.ids, enc.offsets)]
+    return Tokens(list(enc.ids), labels, [tuple(o) for o in enc.offsets])
+
+
+def window(tokens: Tokens, start: int, size: int) -> Tokens:
+    """A slice of at most `size` tokens from `start` (the model sees no more than its context)."""
+    end = min(len(tokens.ids), start + size)
+    return Tokens(tokens.ids[start:end], tokens.labels[start:end], tokens.offsets[start:end])

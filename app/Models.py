@@ -1,0 +1,35 @@
+"""Models: the zoo as a table, with the efficiency view (perplexity vs attention parameters)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, wherever streamlit was started
+
+import streamlit as st  # noqa: E402
+
+from app.common import export_buttons, load, model_paths, setup  # noqa: E402
+
+from analysis.zoo import efficiency_figure, models_root, zoo_table  # noqa: E402
+
+setup("Models")
+st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SKV, EL-ATT, MHE-ADD, MHE-MUL "
+           "or an Extractor (SHE, HE, WE, ME). Pick a page on the left to look inside one.")
+
+st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir")
+paths = model_paths()
+if not paths:
+    st.info(f"No models found in {models_root()}. Train one (see README), or add a model directory by path above.")
+    st.stop()
+
+table = zoo_table(paths, loader=lambda p: load(str(p)))
+good = table[table["error"].isna()].drop(columns=["error", "path"])
+st.subheader(f"{len(good)} model(s) found")
+for _, row in table[table["error"].notna()].iterrows():
+    st.error(f"{row['model']}: {row['error']}")
+if len(good):
+    st.dataframe(good, hide_index=True, width="stretch")
+    st.caption("attention params: the token mixer without its output projection. PRR vs the MHA model, PEoP vs the SHA "
+               "model (papers.md). KV-cache bytes/token: decode state each new token adds, all layers, float32.")
+    if good["test ppl"].notna().any():
+        fig = efficiency_figure(good)
+        st.plotly_chart(fig, width="stretch")
+        export_buttons(fig, good, "zoo_efficiency", settings={"models": list(good["model"])})

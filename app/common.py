@@ -1,0 +1,116 @@
+"""What every page shares: cached model loading, the model picker, text input, export buttons.
+UI only: the numbers and figures come from analysis/ and models/."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import streamlit as st
+
+from analysis import export
+from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
+from analysis.zoo import find_model_dirs, models_root
+from models.checkpoint import CheckpointError, load_model_dir
+
+SAMPLE_TEXT = ("The committee met again on Tuesday. After a long debate about the harbour, the roads and the "
+               "price of bread, the members agreed that the new bridge would be built in the spring, and that "
+               "every town along the river would share its cost.")
+
+
+def setup(title: str) -> None:
+    st.set_page_config(page_title=f"mixscope · {title}", layout="wide")
+    st.title(title)
+
+
+@st.cache_resource(max_entries=16, show_spinner="Loading model…")
+def load(path: str):
+    return load_model_dir(path)
+
+
+def model_paths() -> list[Path]:
+    paths = find_model_dirs(models_root())
+    extra = st.session_state.get("extra_path", "").strip()
+    if extra:
+        paths.append(Path(extra).expanduser())
+    return paths
+
+
+def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accept=None, default: str | None = None):
+    """A model selector; returns the loaded model, or None (with the reason shown) if none can be used.
+    accept(loaded) -> None or a reason string filters models a page cannot show."""
+    paths = model_paths()
+    if not paths:
+        where.info(f"No models in {models_root()}: add a model directory by path on the Models page.")
+        return None
+    names = [p.name for p in paths]
+    index = names.index(default) if default in names else 0
+    name = where.selectbox(label, names, index=index, key=key)
+    path = paths[names.index(name)]
+    try:
+        loaded = load(str(path))
+    except CheckpointError as e:
+        where.error(str(e))
+        return None
+    reason = accept(loaded) if accept else None
+    if reason:
+        st.info(f"{name} ({loaded.config.mixer}): {reason}")
+        return None
+    return loaded
+
+
+def text_input(key: str = "text") -> str | None:
+    """Paste or upload; returns usable text, or None after showing why not. Shared by all pages."""
+    mode = st.radio("Text", ["paste", "upload a .txt or .md file"], horizontal=True, key=f"{key}_mode")
+    if mode == "paste":
+        text = st.text_area(f"Paste text (at most {MAX_CHARS:,} characters)", value=st.session_state.get("shared_text", SAMPLE_TEXT),
+                            height=140, key=f"{key}_area")
+        try:
+            text = check_text(text)
+        except TextError as e:
+            st.warning(str(e))
+            return None
+    else:
+        upload = st.file_uploader("Upload", type=["txt", "md"], key=f"{key}_upload")
+        if upload is None:
+            st.info("Choose a UTF-8 .txt or .md file.")
+            return None
+        try:
+            text = decode_upload(upload.name, upload.getvalue())
+        except TextError as e:
+            st.error(str(e))
+            return None
+    st.session_state["shared_text"] = text
+    return text
+
+
+def tokens_for(loaded, text: str):
+    toks = tokenize(loaded.tokenizer, text)
+    if not toks.ids:
+        st.warning("The text produced no tokens.")
+        return None
+    return toks
+
+
+def window_picker(toks, context: int, key: str, size: int | None = None):
+    """For texts longer than what one view shows, a start-position slider instead of a frozen page."""
+    size = min(size or context, context)
+    if len(toks.ids) <= size:
+        return toks, 0
+    start = st.slider(f"Window start (text has {len(toks.ids)} tokens; showing {size})", 0, len(toks.ids) - size, 0,
+                      key=key)
+    return window(toks, start, size), start
+
+
+def export_buttons(fig, table, name: str, model_dir=None, text: str | None = None, settings: dict | None = None,
+                   key: str | None = None) -> None:
+    """PNG / SVG / PDF rendered only when clicked, plus CSV of the data and the JSON sidecar."""
+    key = key or name
+    cols = st.columns(5)
+    for col, fmt in zip(cols, export.FORMATS):
+        col.download_button(fmt.upper(), data=lambda fmt=fmt: export.figure_bytes(fig, fmt), file_name=f"{name}.{fmt}",
+                            mime=export.FORMATS[fmt], on_click="ignore", key=f"dl_{key}_{fmt}")
+    cols[3].download_button("CSV", data=export.csv_bytes(table), file_name=f"{name}.csv", mime="text/csv",
+                            on_click="ignore", key=f"dl_{key}_csv")
+    meta = export.sidecar(model_dir, text, settings or {}, name)
+    cols[4].download_button("JSON", data=json.dumps(meta, indent=2), file_name=f"{name}.json", mime="application/json",
+                            on_click="ignore", key=f"dl_{key}_json")

@@ -1,0 +1,51 @@
+"""Extractors: the learned lag weights of SHE, HE, WE and ME."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pandas as pd  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from analysis import lags  # noqa: E402
+from app.common import export_buttons, pick_model, setup  # noqa: E402
+
+
+def only_extractors(loaded):
+    return None if lags.extractor_layers(loaded.model) else "not an Extractor model; pick she, he, we or me."
+
+
+setup("Extractors")
+st.caption("Weights are indexed by lag i - j (0 = the token itself). ME: one scalar per lag. WE/HE: one vector per "
+           "lag (a depthwise causal convolution). SHE: one d x d matrix per lag.")
+loaded = pick_model(accept=only_extractors, default="me")
+if loaded is None:
+    st.stop()
+cfg, model = loaded.config, loaded.model
+table = lags.lag_table(model)
+
+value = "mean" if cfg.mixer == "me" else "rms"
+label = {"mean": "the lag weight w_k", "rms": "RMS of the lag's weights over channels" if cfg.mixer != "she"
+         else "RMS of the lag's d x d matrix"}[value]
+log_x = st.checkbox("Log lag axis", value=True, key="ext_logx")
+fig = lags.profile_figure(table, value, f"{cfg.mixer}: {label}, per layer", log_x=log_x)
+st.plotly_chart(fig, width="stretch")
+export_buttons(fig, table, f"lags_profile_{cfg.mixer}", loaded.path, None, {"value": value})
+
+k = st.slider("How much weight sits in the first k lags?", 1, cfg.context, 8, key="ext_k")
+share = lags.mass_in_first(table, k)
+st.dataframe(share.style.format({f"share_first_{k}": "{:.1%}"}), hide_index=True)
+cum = lags.cumulative_figure(table, f"{cfg.mixer}: cumulative share of squared lag weight")
+st.plotly_chart(cum, width="stretch")
+export_buttons(cum, share, f"lags_cumulative_{cfg.mixer}", loaded.path, None, {"k": k}, key="cum")
+
+if cfg.mixer in ("we", "he", "she"):
+    layer = st.selectbox("Layer", range(cfg.n_layers), key="ext_layer")
+    max_lags = st.slider("Lags shown", 8, cfg.context, min(64, cfg.context), key="ext_maxlags")
+    mat = lags.lag_channel(model, layer)
+    title = (f"{cfg.mixer}: lag x channel weights, layer {layer}" if cfg.mixer != "she"
+             else f"she: Frobenius norm of W_k per lag, layer {layer}")
+    heat = lags.lag_channel_figure(mat, title, max_lags)
+    st.plotly_chart(heat, width="stretch")
+    export_buttons(heat, pd.DataFrame(mat[:max_lags]), f"lags_channels_{cfg.mixer}_l{layer}", loaded.path, None,
+                   {"layer": layer, "lags": max_lags}, key="heat")

@@ -1,0 +1,48 @@
+"""Attribution: which earlier tokens drove one next-token prediction (captum)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import streamlit as st  # noqa: E402
+
+from analysis import attribution  # noqa: E402
+from app.common import export_buttons, load, pick_model, setup, text_input, tokens_for, window_picker  # noqa: E402
+
+
+@st.cache_data(max_entries=32, show_spinner="Computing attributions…")
+def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | None, method: str, steps: int):
+    return attribution.attribute(load(path).model, list(ids), position, target, method, steps)
+
+
+setup("Attribution")
+loaded = pick_model(default="mha")
+if loaded is None:
+    st.stop()
+cfg, tok = loaded.config, loaded.tokenizer
+text = text_input()
+if text is None:
+    st.stop()
+toks = tokens_for(loaded, text)
+if toks is None:
+    st.stop()
+view, start = window_picker(toks, cfg.context, "attr_window")
+n = len(view.ids)
+c1, c2, c3 = st.columns(3)
+position = c1.slider("Prediction made after token #", 0, n - 1, n - 1, key="attr_pos") if n > 1 else 0
+c1.caption(f"after {view.labels[position]!r}")
+method = c2.selectbox("Method", attribution.METHODS, key="attr_method")
+steps = c3.slider("Integrated-gradients steps", 4, attribution.MAX_STEPS, 16, key="attr_steps",
+                  disabled=method != "integrated gradients")
+choices = ["the model's top choice"] + (["the actual next token"] if position < n - 1 else [])
+which = st.radio("Explain", choices, horizontal=True, key="attr_target")
+target = view.ids[position + 1] if which == "the actual next token" else None
+
+scores, target, logprob = cached_attr(str(loaded.path), tuple(view.ids), position, target, method, int(steps))
+df = attribution.attribution_table(scores, view.labels)
+name = tok.decode([target])
+st.markdown(f"Explaining **{name!r}** after position {position} (log p = {logprob:.3f}).")
+fig = attribution.attribution_figure(df, f"{cfg.mixer}: {method} for next token {name!r}")
+st.plotly_chart(fig, width="stretch")
+export_buttons(fig, df, "attribution", loaded.path, text, {"method": method, "steps": int(steps), "position": position,
+                                                          "target": target, "window_start": start})

@@ -1,0 +1,70 @@
+"""Compare: two models on the same text, side by side."""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from analysis import maps, tokens  # noqa: E402
+from analysis.text import tokenize, window  # noqa: E402
+from app.common import export_buttons, load, pick_model, setup, text_input  # noqa: E402
+
+
+@st.cache_data(max_entries=32, show_spinner="Running the models…")
+def run(path: str, text: str, size: int):
+    loaded = load(path)
+    toks = window(tokenize(loaded.tokenizer, text), 0, min(size, loaded.config.context))
+    lp = tokens.token_logprobs(loaded.model, toks.ids)
+    m, kind = maps.mixing_maps(loaded.model, toks.ids)
+    times = []
+    for _ in range(3):  # forward latency over the text, median of 3
+        t0 = time.perf_counter()
+        tokens.token_logprobs(loaded.model, toks.ids)
+        times.append(time.perf_counter() - t0)
+    return toks, lp, m, kind, float(np.median(times))
+
+
+setup("Compare")
+a = pick_model("Model A", key="model", default="mha")
+b = pick_model("Model B", key="model2", default="mhe-mul")
+if a is None or b is None:
+    st.stop()
+text = text_input()
+if text is None:
+    st.stop()
+size = min(a.config.context, b.config.context, 128)
+ta, lpa, ma, ka, sa = run(str(a.path), text, size)
+tb, lpb, mb, kb, sb = run(str(b.path), text, size)
+st.caption(f"Both models read the first {size} tokens at most. Tokenizers may differ; per-token views line up "
+           "by position only when they match.")
+cols = st.columns(2)
+for col, name, loaded, lp, secs in ((cols[0], "A", a, lpa, sa), (cols[1], "B", b, lpb, sb)):
+    col.metric(f"{name}: {loaded.path.name} perplexity on this text", f"{tokens.perplexity(lp):.2f}")
+    col.metric(f"{name}: forward latency ({len(lp) + 1} tokens)", f"{secs * 1000:.1f} ms")
+
+df = pd.concat([tokens.surprisal_table(ta.labels, lpa, f"A: {a.path.name}"),
+                tokens.surprisal_table(tb.labels, lpb, f"B: {b.path.name}")])
+fig = tokens.surprisal_figure(df, "per-token surprisal")
+st.plotly_chart(fig, width="stretch")
+export_buttons(fig, df, "compare_surprisal", None, text, {"A": str(a.path), "B": str(b.path)})
+
+layers = min(ma.shape[0], mb.shape[0])
+c1, c2 = st.columns(2)
+layer = c1.selectbox("Layer", range(layers), index=layers - 1, key="cmp_layer")
+head = c2.selectbox("Head (A and B)", range(min(ma.shape[1], mb.shape[1])), key="cmp_head")
+left, right = st.columns(2)
+fa = maps.map_figure(ma[layer, min(head, ma.shape[1] - 1)], ta.labels, f"A {a.path.name}: layer {layer}")
+fb = maps.map_figure(mb[layer, min(head, mb.shape[1] - 1)], tb.labels, f"B {b.path.name}: layer {layer}")
+left.plotly_chart(fa, width="stretch", key="cmp_a")
+right.plotly_chart(fb, width="stretch", key="cmp_b")
+if ta.ids == tb.ids and ka == kb == "attention":
+    diff = maps.difference_figure(ma[layer, head], mb[layer, head], ta.labels, f"A - B: layer {layer}, head {head}")
+    st.plotly_chart(diff, width="stretch", key="cmp_diff")
+    export_buttons(diff, maps.maps_table((ma - mb)[layer:layer + 1, head:head + 1], ta.labels), "compare_difference",
+                   None, text, {"A": str(a.path), "B": str(b.path), "layer": layer, "head": head})
+else:
+    st.info("The difference map needs two attention models with the same tokenizer.")

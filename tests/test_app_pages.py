@@ -1,0 +1,139 @@
+"""Every page of the app against the real models in assets/models (streamlit AppTest, no browser)."""
+import json
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from analysis import maps
+from analysis.zoo import find_model_dirs, models_root
+
+APP = Path(__file__).resolve().parent.parent / "app"
+PAGES = ["Models.py"] + sorted(p.name for p in (APP / "pages").glob("*.py"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zoo():
+    names = {p.name for p in find_model_dirs(models_root())}
+    missing = {"mha", "sha", "mhe-mul", "mhe-add", "we", "me"} - names
+    assert not missing, f"the shipped zoo in {models_root()} lacks {missing}"
+    return names
+
+
+def last_layer(model: str) -> int:
+    return json.loads((models_root() / model / "config.json").read_text())["n_layers"] - 1
+
+
+def page(name: str) -> AppTest:
+    path = APP / name if name == "Models.py" else APP / "pages" / name
+    return AppTest.from_file(str(path), default_timeout=180)
+
+
+def titles(at) -> list[str]:
+    return [json.loads(c.proto.spec)["layout"].get("title", {}).get("text") for c in at.get("plotly_chart")]
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_page_renders_without_exceptions(name):
+    at = page(name).run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error]
+
+
+def test_models_page_table_and_efficiency_view(zoo):
+    at = page("Models.py").run()
+    table = at.dataframe[0].value
+    assert set(zoo) <= set(table["model"]) and {"attention params", "test ppl", "PRR", "PEoP",
+                                                "KV-cache bytes/token"} <= set(table.columns)
+    assert table.loc[table["mixer"] == "mha", "PRR"].iloc[0] == pytest.approx(1.0)
+    assert "perplexity vs attention parameters" in titles(at)[0]
+    at.text_input(key="extra_path").input("/nonexistent/model").run()
+    assert any("does not exist" in e.value for e in at.error)
+    assert len(at.dataframe[0].value) == len(table)   # the others keep working
+
+
+def test_generate_streams_and_reports_speed():
+    at = page("1_Generate.py").run()
+    at.number_input(key="gen_n").set_value(8)
+    at.checkbox(key="gen_greedy").check()
+    at.button(key="gen_go").click().run()
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    assert float(metrics["tokens/s (decode)"]) > 0 and "cache memory" in metrics
+    assert any("kernel path: attention=reference" in c.value for c in at.caption)
+    assert len(at.dataframe[0].value) == 8
+
+
+def test_generate_refuses_an_empty_prompt():
+    at = page("1_Generate.py").run()
+    at.text_area(key="gen_prompt").input("   ").run()
+    at.button(key="gen_go").click().run()
+    assert "prompt is empty" in at.warning[0].value
+
+
+def test_attention_selectors_change_the_view_without_rerunning_the_model(monkeypatch):
+    st.cache_data.clear()
+    calls = []
+    real = maps.mixing_maps
+    monkeypatch.setattr(maps, "mixing_maps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    at = page("2_Attention.py").run()
+    assert titles(at)[-1] == f"mha: layer {last_layer('mha')}, head 0"
+    at.selectbox(key="attn_layer").select(1).run()
+    at.selectbox(key="attn_head").select(2).run()
+    assert titles(at)[-1] == "mha: layer 1, head 2" and len(calls) == 1
+
+
+def test_attention_long_text_gets_a_window_and_bad_text_a_message():
+    at = page("2_Attention.py").run()
+    at.text_area(key="text_area").input("the river and the town " * 120).run()
+    assert any("Window start" in s.label for s in at.slider)
+    at.text_area(key="text_area").input("x" * 20_001).run()
+    assert "the limit is 20,000" in at.warning[0].value
+    at.text_area(key="text_area").input("").run()
+    assert "empty" in at.warning[0].value
+
+
+def test_attention_page_on_extractor_and_mhe_add():
+    at = page("2_Attention.py").run()
+    at.sidebar.selectbox(key="model").select("we").run()
+    assert "Extractor mixing weights" in titles(at)[0]
+    at.sidebar.selectbox(key="model").select("mhe-add").run()
+    assert any("e^K" in i.value for i in at.info)
+
+
+def test_heads_page_mhe_and_side_by_side():
+    at = page("3_Heads.py").run()
+    assert titles(at)[0].startswith("mhe-mul: e_Q")
+    at.selectbox(key="a_kind").select("g").run()
+    assert titles(at)[0].startswith("mhe-mul: g")
+    at.sidebar.checkbox(key="heads_side").check().run()
+    assert not at.exception and any(t.startswith("mha: W_Q") for t in titles(at))
+    at.sidebar.selectbox(key="model").select("me").run()
+    assert any("no per-head parameters" in i.value for i in at.info)
+
+
+def test_extractors_page():
+    at = page("4_Extractors.py").run()
+    assert titles(at)[0].startswith("me: the lag weight")
+    at.sidebar.selectbox(key="model").select("we").run()
+    assert any("lag x channel" in t for t in titles(at))
+    at.sidebar.selectbox(key="model").select("mha").run()
+    assert any("not an Extractor model" in i.value for i in at.info)
+
+
+def test_attribution_methods():
+    at = page("5_Attribution.py").run()
+    first = titles(at)[0]
+    assert "integrated gradients" in first
+    at.selectbox(key="attr_method").select("saliency").run()
+    assert "saliency" in titles(at)[0] and not at.exception
+    at.radio(key="attr_target").set_value("the model's top choice").run()
+    at.slider(key="attr_pos").set_value(3).run()
+    assert "after position 3" in at.markdown[0].value
+
+
+def test_compare_two_models():
+    at = page("6_Compare.py").run()
+    assert {"per-token surprisal", f"A - B: layer {last_layer('mha')}, head 0"} <= set(titles(at))
+    assert len(at.metric) == 4

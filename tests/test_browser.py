@@ -1,0 +1,110 @@
+"""The app in a real browser: headless Debian chromium driven by Playwright, the server started as `make run` does.
+Screenshots go to test-output/screenshots/."""
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHOTS = REPO / "test-output" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+PAGES = ["", "Generate", "Attention", "Heads", "Extractors", "Attribution", "Compare"]
+
+pytestmark = pytest.mark.browser
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    port = free_port()
+    cmd = [sys.executable, "-m", "streamlit", "run", "app/Models.py", "--server.headless", "true", "--server.address",
+           "127.0.0.1", "--server.port", str(port), "--server.fileWatcherType", "none",
+           "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("streamlit did not start: " + proc.stdout.read().decode()[-2000:])
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        yield b
+        b.close()
+
+
+def wait_idle(page, timeout=120_000):
+    """Streamlit shows a running indicator while the script runs; wait for it to go."""
+    page.wait_for_selector("[data-testid='stApp']", timeout=timeout)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
+    page.wait_for_timeout(500)
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_every_page_renders(server, browser, name):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{server}/{name}")
+    wait_idle(page)
+    page.wait_for_selector("h1", timeout=60_000)
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.screenshot(path=str(SHOTS / f"{name or 'Models'}.png"), full_page=True)
+    assert not errors, errors
+    page.close()
+
+
+def test_upload_text_and_export_a_figure(server, browser, tmp_path):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    upload = tmp_path / "upload.txt"
+    upload.write_text("In the spring the council met by the river. They spoke of bread, of roads, and of the bridge.")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    page.goto(f"{server}/Attention")
+    wait_idle(page)
+    page.get_by_text("upload a .txt or .md file").click()
+    wait_idle(page)
+    page.locator("input[type='file']").set_input_files(str(upload))
+    wait_idle(page)
+    page.wait_for_selector("text=Overview", timeout=120_000)
+    page.screenshot(path=str(SHOTS / "Attention_upload.png"), full_page=True)
+    with page.expect_download(timeout=120_000) as dl:
+        page.get_by_role("button", name="PNG", exact=True).first.click()
+    path = tmp_path / dl.value.suggested_filename
+    dl.value.save_as(path)
+    assert dl.value.suggested_filename == "maps_overview.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"caf\xe9")
+    page.locator("input[type='file']").set_input_files(str(bad))
+    wait_idle(page)
+    page.wait_for_selector("text=is not UTF-8 text", timeout=60_000)
+    page.screenshot(path=str(SHOTS / "Attention_bad_upload.png"), full_page=True)
+    page.close()

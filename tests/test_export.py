@@ -1,0 +1,81 @@
+"""Figure export: real PNG/SVG/PDF files from kaleido, CSV equal to the plotted data, a complete sidecar."""
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import export, maps
+from analysis.text import TextError, decode_upload, tokenize
+from analysis.zoo import models_root
+from models.checkpoint import file_sha256, load_model_dir
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = "The bridge over the river was finished in the spring, and the town was glad of it."
+
+
+@pytest.fixture(scope="module")
+def mha():
+    return load_model_dir(models_root() / "mha")
+
+
+def test_bundle_files_are_what_they_claim(tmp_path, mha):
+    toks = tokenize(mha.tokenizer, TEXT)
+    m, kind = maps.mixing_maps(mha.model, toks.ids)
+    fig = maps.map_figure(m[1, 2], toks.labels, "layer 1 head 2")
+    table = maps.maps_table(m[1:2, 2:3], toks.labels)
+    meta = export.sidecar(mha.path, TEXT, {"layer": 1, "head": 2}, "map")
+    paths = {p.suffix: p for p in export.write_bundle(fig, table, tmp_path, "map", meta)}
+    assert paths[".png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in paths[".svg"].read_bytes()[:400]
+    assert paths[".pdf"].read_bytes()[:5] == b"%PDF-"
+    assert all(p.stat().st_size > 500 for p in paths.values())
+    # the CSV holds exactly the plotted (causal) entries
+    csv = pd.read_csv(paths[".csv"])
+    z = np.array(fig.data[0].z, dtype=float)
+    assert len(csv) == np.isfinite(z).sum()
+    np.testing.assert_allclose(csv["weight"].to_numpy(), z[csv["query_pos"], csv["key_pos"]], rtol=1e-6)
+    side = json.loads(paths[".json"].read_text())
+    assert side["checkpoint_sha256"] == file_sha256(mha.path / "model.safetensors")
+    assert side["text_sha256"] == hashlib.sha256(TEXT.encode()).hexdigest()
+    assert side["settings"] == {"layer": 1, "head": 2} and {"torch", "plotly", "kaleido"} <= set(side["versions"])
+
+
+def test_cli_writes_every_figure_for_a_model(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    res = subprocess.run([sys.executable, "-m", "analysis.export", str(models_root() / "mhe-mul"), "--text", str(text),
+                          "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    for stem in ("maps_overview", "surprisal", "attribution_last", "heads_pca_e_Q", "heads_pca_g"):
+        assert {f"{stem}.{ext}" for ext in ("png", "svg", "pdf", "csv", "json")} <= names
+
+
+def test_cli_refuses_bad_text(tmp_path):
+    bad = tmp_path / "b.txt"
+    bad.write_bytes(b"\xff\xfe\x00\x00binary")
+    res = subprocess.run([sys.executable, "-m", "analysis.export", str(models_root() / "me"), "--text", str(bad),
+                          "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "binary" in res.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name,data,message", [
+    ("a.txt", b"", "is empty"),
+    ("a.md", b"  \n\t", "is empty"),
+    ("a.txt", b"caf\xe9 au lait", "not UTF-8 text (invalid byte 0xe9 at position 3)"),
+    ("a.txt", b"PK\x03\x04\x00\x00zip", "binary file"),
+    ("a.pdf", b"%PDF-1.4", "only .txt and .md files"),
+    ("a.txt", b"x" * 20_001, "the limit is 20,000"),
+])
+def test_uploads_are_refused_with_a_reason(name, data, message):
+    with pytest.raises(TextError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        decode_upload(name, data)
+
+
+def test_good_upload_keeps_text():
+    assert decode_upload("n.md", "\ufeffĀ café — ok\n".encode("utf-8")) == "Ā café — ok\n"
