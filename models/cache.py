@@ -12,11 +12,13 @@ class LayerCache:
     """
 
     def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, track_alive: bool = False):
         self.capacity = capacity
         self.length = 0
         self.buffers = {name: torch.zeros(batch, *shape[:-1], capacity, shape[-1], dtype=dtype, device=device)
                         for name, shape in spec.items()}
+        # context pruning: which cached positions are still kept (a dropped one stays dropped)
+        self.alive = torch.ones(batch, capacity, dtype=torch.bool, device=device) if track_alive else None
 
     def append(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Write the new positions (dim -2 of each tensor) and return views of everything so far."""

@@ -27,6 +27,11 @@ class ModelConfig:
     extractor_init_std: float = 0.01  # Extractor paper: all weights N(0, 0.01)
     head_embed_std: float = 0.02      # MHE head embeddings: small random, heads must differ
     extractor_out: bool = True  # the Extractors' optional output projection W^out
+    prune: bool = False         # adaptively sparse attention (papers.md section 3), softmax mixers only
+    prune_r: int = 64           # width r of the interaction projections W^Qint, W^Kint
+    prune_beta: float = 2.0     # initial beta: positive, so nothing is dropped at first
+    pattern: str = "dense"      # fixed sparse baselines: "local" (window of pattern_k) or "strided" (Child et al.)
+    pattern_k: int = 64
 
     def __post_init__(self) -> None:
         if self.d_head is None:
@@ -42,10 +47,14 @@ class ModelConfig:
 
         if self.mixer not in MIXERS:
             raise ConfigError(f"unknown mixer {self.mixer!r}; choose one of: {', '.join(MIXERS)}")
-        for name in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_head", "d_ff"):
+        for name in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_head", "d_ff", "prune_r", "pattern_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.pattern not in ("dense", "local", "strided"):
+            raise ConfigError(f"pattern must be dense, local or strided, got {self.pattern!r}")
+        if self.pattern != "dense" and self.prune:
+            raise ConfigError("a fixed sparse pattern and context pruning are alternatives; choose one")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         MIXERS[self.mixer].check_config(self)

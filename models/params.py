@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-COMPONENTS = ("embeddings", "mixer", "mixer_out", "feed_forward", "norms", "adapters")
+COMPONENTS = ("embeddings", "mixer", "mixer_out", "pruning", "feed_forward", "norms", "adapters")
 
 
 def component_of(name: str, model: nn.Module) -> str:
@@ -11,6 +11,8 @@ def component_of(name: str, model: nn.Module) -> str:
     parts = name.split(".")
     if "adapter" in name:
         return "adapters"
+    if "pruning" in parts:
+        return "pruning"
     if parts[0] in ("wte", "wpe"):
         return "embeddings"
     if "mixer" in parts:
@@ -25,7 +27,8 @@ def component_of(name: str, model: nn.Module) -> str:
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> dict[str, int]:
     """Counts per component plus 'total'. 'mixer' is the token mixer without its output
-    projection (the papers' "attention parameters"); 'mixer_out' is W_O / W^out."""
+    projection (the papers' "attention parameters"); 'mixer_out' is W_O / W^out; 'pruning' the interaction
+    projections and beta of context pruning."""
     counts = dict.fromkeys(COMPONENTS, 0)
     for name, p in model.named_parameters():
         if trainable_only and not p.requires_grad:

@@ -33,6 +33,7 @@ from models.checkpoint import file_sha256, save_model_dir
 from models.config import ConfigError, ModelConfig
 from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
+from models.mixers.pruning import alpha_schedule
 from models.transformer import DecoderLM
 
 log = logging.getLogger("models.train")
@@ -59,6 +60,10 @@ class TrainConfig:
     checkpoint_interval: int = 100
     eval_stride: int = 256
     compile: bool = False  # torch.compile, CUDA only
+    init_from: str | None = None  # a model directory to start from (fine-tuning; e.g. a dense base for pruning)
+    gamma: float = 0.3            # context pruning: weight of the sparsity loss
+    alpha_end: float = 8.0        # context pruning: alpha rises 1 -> alpha_end on a cosine over alpha_steps
+    alpha_steps: int | None = None  # default: all steps
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -138,6 +143,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def ctx_pairs(n: int) -> int:
+    """n (n - 1): the normaliser of the paper's sparsity loss for sequences of n tokens."""
+    return n * (n - 1)
+
+
 def config_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -173,6 +183,26 @@ def load_state(path: Path, model, opt) -> dict:
     opt.load_state_dict({"state": state, "param_groups": meta.pop("param_groups")})
     torch.set_rng_state(tensors["rng/torch"])
     return meta
+
+
+PRUNING_FIELDS = {"prune", "prune_r", "prune_beta", "pattern", "pattern_k"}
+
+
+def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenizer) -> None:
+    """Start from a trained model directory whose config matches except for pruning / pattern fields;
+    only the new pruning parameters may be missing from it."""
+    from models.checkpoint import load_model_dir
+    base = load_model_dir(path)
+    a, b = base.config.to_dict(), model_cfg.to_dict()
+    differ = sorted(k for k in a if k not in PRUNING_FIELDS and a[k] != b[k])
+    if differ:
+        raise ConfigError(f"init_from {path}: its config differs in {', '.join(f'{k} ({a[k]} vs {b[k]})' for k in differ)}")
+    if base.tokenizer.to_str() != data_tokenizer.to_str():
+        raise ConfigError(f"init_from {path}: its tokenizer.json is not the data directory's tokenizer")
+    result = model.load_state_dict(base.model.state_dict(), strict=False)
+    missing = [k for k in result.missing_keys if ".pruning." not in k]
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"init_from {path}: weights do not fit (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]})")
 
 
 def device_name(device: torch.device) -> str:
@@ -219,7 +249,12 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         raise DataError(f"{tc.data}: the train and valid splits need more than context+1={model_cfg.context + 1} tokens")
 
     torch.manual_seed(tc.seed)  # same init for the same variant and seed
-    model = DecoderLM(model_cfg).to(dev)
+    model = DecoderLM(model_cfg)
+    if tc.init_from:
+        init_from(model, model_cfg, tc.init_from, tokenizer)
+    model = model.to(dev)
+    pruning = model_cfg.prune
+    n_pairs = model_cfg.n_layers * ctx_pairs(model_cfg.context)
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                             fused=dev.type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +291,16 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         model.train()
         return float(np.mean(losses))
 
+    @torch.no_grad()
+    def valid_sparsity() -> float:
+        """Share of earlier tokens dropped at inference (step function), over the first valid batch."""
+        model.eval()
+        x, _ = get_batch(valid_tokens, valid_offsets[:tc.batch_size], ctx, dev)
+        keeps = [d["keep"] for d in model(x, diagnostics=True).diagnostics]
+        model.train()
+        kept = sum(float(k.float().tril(-1).sum()) for k in keeps)
+        return 1 - kept / (len(keeps) * x.shape[0] * ctx * (ctx - 1) / 2)
+
     def record(entry: dict) -> None:
         if main_proc:
             with log_path.open("a") as f:
@@ -283,13 +328,18 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                 g["lr"] = lr
             offsets = batch_offsets(tc.seed, step, train_tokens.size, ctx, tc.batch_size)[rank::world]
             x, y = get_batch(train_tokens, offsets, ctx, dev)
+            if pruning:
+                model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, 1.0, tc.alpha_end))
             with autocast:
-                loss = fwd(x, targets=y).loss
+                res = fwd(x, targets=y)
+                loss = res.loss
+                if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
+                    loss = loss + tc.gamma * res.prune_mass / n_pairs
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss = loss.detach()
+            loss = res.loss.detach()  # the logged loss is the LM loss alone (the sparsity term is logged apart)
             if world > 1:  # log the global batch's loss, not this process's share
                 torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
             loss_value = float(loss)
@@ -305,11 +355,18 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                 now = time.perf_counter()
                 rate = (tokens_seen - tok_last) / max(now - t_last, 1e-9)
                 t_last, tok_last = now, tokens_seen
-                record({"step": step, "kind": "train", "loss": loss_value, "lr": lr, "tokens": tokens_seen,
-                        "tokens_per_s": rate, "elapsed_s": elapsed})
+                entry = {"step": step, "kind": "train", "loss": loss_value, "lr": lr, "tokens": tokens_seen,
+                         "tokens_per_s": rate, "elapsed_s": elapsed}
+                if pruning:
+                    entry |= {"alpha": model.blocks[0].mixer.pruning.alpha,
+                              "kept_fraction_soft": float(res.prune_mass.detach()) * 2 / n_pairs}
+                record(entry)
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
             if step % tc.eval_interval == 0 or step == tc.steps:
-                record({"step": step, "kind": "valid", "loss": valid_loss(), "tokens": tokens_seen})
+                entry = {"step": step, "kind": "valid", "loss": valid_loss(), "tokens": tokens_seen}
+                if pruning:
+                    entry["sparsity"] = valid_sparsity()
+                record(entry)
             if main_proc and step % tc.checkpoint_interval == 0 and step < tc.steps:
                 save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
                                                           "elapsed_s": elapsed})
@@ -327,8 +384,9 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
 
     card = {}
     if main_proc:
+        extra = {"final_valid_sparsity": valid_sparsity()} if pruning and status == "ok" else {}
         card = finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev,
-                      valid_loss() if status == "ok" else float("nan"))
+                      valid_loss() if status == "ok" else float("nan"), extra)
         state_path.unlink(missing_ok=True)
     if world > 1:
         torch.distributed.barrier()
@@ -336,7 +394,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     return card
 
 
-def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev, v_loss) -> dict:
+def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev, v_loss,
+           extra: dict) -> dict:
     test = {"perplexity": float("nan"), "tokens": 0}
     if status == "ok":
         docs = encode_documents(tokenizer, load_documents(tc.data, "test"))
@@ -351,7 +410,7 @@ def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed
         "device": device_name(dev), "torch": torch.__version__, "seed": tc.seed,
         "final_train_loss": float(np.mean(recent)) if recent else None, "final_valid_loss": v_loss,
         "test_perplexity": test["perplexity"], "test_tokens": test["tokens"], "eval_stride": tc.eval_stride,
-    }
+    } | extra
     save_model_dir(out, model.cpu(), tokenizer, card)
     return card
 

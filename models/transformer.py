@@ -49,6 +49,7 @@ class ModelOutput:
     loss: torch.Tensor | None = None     # mean next-token cross-entropy, when targets were given
     cache: DecodeCache | None = None
     diagnostics: list[dict] | None = None  # per layer, only when asked for
+    prune_mass: torch.Tensor | None = None  # training with pruning: sum over layers of sum_{j<k} I_{k,j}
 
 
 class DecoderLM(nn.Module):
@@ -84,7 +85,16 @@ class DecoderLM(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
-        return ModelOutput(logits=logits, loss=loss, cache=cache, diagnostics=records)
+        mass = None
+        if self.training and cache is None and self.config.prune:
+            mass = sum(b.mixer.prune_mass for b in self.blocks)
+        return ModelOutput(logits=logits, loss=loss, cache=cache, diagnostics=records, prune_mass=mass)
+
+    def set_alpha(self, alpha: float) -> None:
+        """The alpha of every layer's alpha-sigmoid (training; inference always uses the step)."""
+        for b in self.blocks:
+            if getattr(b.mixer, "pruning", None) is not None:
+                b.mixer.pruning.alpha = alpha
 
     def cache_bytes_per_token(self) -> int:
         """Decode-state bytes each new position adds, summed over layers."""

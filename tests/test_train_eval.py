@@ -207,3 +207,24 @@ def test_torchrun_two_processes_match_one(tmp_path, data_dir):
     assert res.returncode == 0, res.stderr[-2000:]
     for a, b in zip(curve(tmp_path / "one"), curve(tmp_path / "two")):
         assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def test_pruning_fine_tune_starts_from_the_dense_model(tmp_path, data_dir):
+    dense_cfg = write_config(tmp_path / "dense.json", data_dir, mixer="mha", steps=3)
+    train(dense_cfg, tmp_path / "dense", progress=False)
+    raw = json.loads(dense_cfg.read_text())
+    raw["model"] |= {"prune": True, "prune_r": 8}
+    raw["train"] |= {"init_from": str(tmp_path / "dense"), "steps": 3, "lr": 1e-12, "min_lr": 1e-12, "gamma": 5.0}
+    (tmp_path / "pruned.json").write_text(json.dumps(raw))
+    card = train(tmp_path / "pruned.json", tmp_path / "pruned", progress=False)
+    dense = load_model_dir(tmp_path / "dense").model.state_dict()
+    pruned = load_model_dir(tmp_path / "pruned").model.state_dict()
+    assert {k for k in pruned if k not in dense} == {k for k in pruned if ".pruning." in k}
+    assert all(torch.allclose(dense[k], pruned[k], atol=1e-6) for k in dense)   # lr ~ 0: the dense weights carried over
+    train_lines = [e for e in curve(tmp_path / "pruned") if e["kind"] == "train"]
+    assert train_lines[0]["alpha"] == pytest.approx(1.0) and 0 < train_lines[-1]["kept_fraction_soft"] <= 1
+    assert 0 <= card["final_valid_sparsity"] <= 1 and [e for e in curve(tmp_path / "pruned") if "sparsity" in e]
+    raw["model"]["d_model"] = 32
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"differs in d_ff .*d_model \(16 vs 32\)"):
+        train(tmp_path / "bad.json", tmp_path / "bad", progress=False)

@@ -14,6 +14,7 @@ from torch import nn
 import kernels
 from models.config import ConfigError
 from models.mixers.base import Mixer, register
+from models.mixers.pruning import ContextPruning, pattern_mask
 
 
 def split_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -37,6 +38,9 @@ class Attention(Mixer):
         self.scale = 1.0 / math.sqrt(cfg.d_head)
         # GPT-2 residual scaling: output projections start smaller in deeper models
         self.W_O = nn.Parameter(torch.randn(n_heads * cfg.d_head, cfg.d_model) * cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.pruning = ContextPruning(cfg.d_model, cfg.prune_r, cfg.prune_beta) if cfg.prune else None
+        self.prune_mass = None  # training: sum over j < k of I_{k,j}, batch mean (for the sparsity loss)
+        self.pattern, self.pattern_k = cfg.pattern, cfg.pattern_k
 
     n_groups = property(lambda self: self.n_heads)
 
@@ -50,17 +54,43 @@ class Attention(Mixer):
         spec = {"k": (self.n_groups, self.d_head)}
         if not self.kv_shared:
             spec["v"] = (self.n_groups, self.d_head)
+        if self.pruning is not None:
+            spec["k_int"] = (self.pruning.r,)
         return spec
 
     def forward(self, x, cache=None, record=None):
         q, k, v = self.project(x)
-        if cache is not None:
-            past = cache.append(**({"k": k} if self.kv_shared else {"k": k, "v": v}))
+        bias = keep = None
+        if cache is None:
+            if self.pruning is not None:
+                log_i, keep = self.pruning.log_keep(x)
+                bias = log_i[:, None]
+                if self.training:
+                    self.prune_mass = keep.tril(-1).sum((1, 2)).mean()
+        else:
+            new = {"k": k} if self.kv_shared else {"k": k, "v": v}
+            if self.pruning is not None:
+                if self.training:
+                    raise RuntimeError("incremental decoding with context pruning runs at inference only (model.eval())")
+                new["k_int"] = self.pruning.keys(x)
+            past = cache.append(**new)
             k = past["k"]
             v = k if self.kv_shared else past["v"]
-        o, probs = kernels.attention(q, k, v, scale=self.scale, need_weights=record is not None)
+            if self.pruning is not None:
+                s = cache.length
+                keep = self.pruning.step_keep(x, past["k_int"], cache.alive[:, :s])
+                cache.alive[:, :s] = keep[:, -1]
+                bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))[:, None]
+                keep = keep.to(q.dtype)
+        fixed = pattern_mask(q.shape[2], k.shape[2], self.pattern, self.pattern_k, q.device)
+        if fixed is not None:  # the local / strided baselines
+            bias = torch.zeros(fixed.shape, dtype=q.dtype, device=q.device).masked_fill(~fixed, float("-inf"))[None, None]
+            keep = fixed.to(q.dtype)[None].expand(q.shape[0], -1, -1)
+        o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=record is not None)
         if record is not None:
             record["attn"] = probs
+            if keep is not None:
+                record["keep"] = keep
         return self.head_outputs(o).transpose(1, 2).flatten(2) @ self.W_O
 
 

@@ -38,7 +38,8 @@ class Mixer(nn.Module):
         raise NotImplementedError
 
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> LayerCache:
-        return LayerCache(self.cache_spec(), batch, capacity, dtype, device)
+        return LayerCache(self.cache_spec(), batch, capacity, dtype, device,
+                          track_alive=getattr(self, "pruning", None) is not None)
 
     def cache_numel_per_token(self) -> int:
         total = 0

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from models.config import ConfigError
 from models.mixers.base import Mixer, register
 
 
@@ -25,6 +26,11 @@ class Extractor(Mixer):
     lag_shape: tuple[str, ...] = ()  # per-lag weight shape, in units of d_model ("d")
     in_projection = False            # HE: project before the lag sum
     adjust = True                    # all but ME
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.prune:
+            raise ConfigError(f"context pruning needs softmax attention; {cfg.mixer} is an Extractor")
 
     def __init__(self, cfg):
         super().__init__()

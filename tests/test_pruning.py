@@ -1,0 +1,237 @@
+"""Context pruning (papers.md section 3) against brute force and literal loops."""
+import math
+
+import pytest
+import torch
+
+from models.config import ConfigError, ModelConfig
+from models.mixers import build_mixer
+from models.mixers.pruning import alpha_schedule, alpha_sigmoid, sparsity
+from models.transformer import DecoderLM
+from tests.helpers import ATTENTION, randomize, tiny_config
+
+
+def brute_force(x: float, alpha: float) -> float:
+    """argmax over a fine grid of p of p x + H_alpha(p) (papers' Eq. 8-9)."""
+    p = torch.linspace(0, 1, 200_001, dtype=torch.float64)
+    if alpha == 1:
+        h = -(p * p.clamp_min(1e-300).log() + (1 - p) * (1 - p).clamp_min(1e-300).log())
+    else:
+        h = (p - p**alpha + (1 - p) - (1 - p) ** alpha) / (alpha * (alpha - 1))
+    return float(p[torch.argmax(p * x + h)])
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0, 3.0, 8.0])
+def test_alpha_sigmoid_is_the_argmax(alpha):
+    xs = torch.tensor([-3.0, -1.0, -0.4, -0.1, 0.0, 0.05, 0.3, 0.9, 2.5], dtype=torch.float64)
+    got = alpha_sigmoid(xs, alpha)
+    want = torch.tensor([brute_force(float(x), alpha) for x in xs], dtype=torch.float64)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 4.0, 8.0])
+def test_alpha_sigmoid_saturates_and_is_symmetric(alpha):
+    lim = 1 / (alpha - 1)
+    x = torch.linspace(-2 * lim, 2 * lim, 401, dtype=torch.float64)
+    p = alpha_sigmoid(x, alpha)
+    assert torch.all(p[x >= lim] == 1) and torch.all(p[x <= -lim] == 0)
+    torch.testing.assert_close(alpha_sigmoid(-x, alpha), 1 - p, atol=1e-12, rtol=0)
+    assert torch.all(p.diff() >= 0)
+    if alpha == 2.0:
+        torch.testing.assert_close(p, ((x + 1) / 2).clamp(0, 1))
+
+
+def test_alpha_sigmoid_limits():
+    x = torch.randn(50, dtype=torch.float64)
+    torch.testing.assert_close(alpha_sigmoid(x, 1.0), torch.sigmoid(x))
+    assert torch.equal(alpha_sigmoid(x, math.inf), (x > 0).double())
+    torch.testing.assert_close(alpha_sigmoid(x, 1.0 + 1e-6), torch.sigmoid(x), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError):
+        alpha_sigmoid(x, 0.5)
+
+
+@pytest.mark.parametrize("alpha", [1.3, 1.5, 3.0])
+def test_alpha_sigmoid_gradient(alpha):
+    x = (torch.rand(20, dtype=torch.float64) - 0.5) * 1.6 / (alpha - 1)  # inside the unsaturated range
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: alpha_sigmoid(z, alpha), (x,), eps=1e-6, atol=1e-5)
+    far = torch.tensor([5.0, -5.0], dtype=torch.float64, requires_grad=True)
+    alpha_sigmoid(far, 3.0).sum().backward()
+    assert torch.equal(far.grad, torch.zeros(2, dtype=torch.float64))
+
+
+def test_alpha_schedule():
+    assert alpha_schedule(0, 100) == pytest.approx(1.0) and alpha_schedule(100, 100) == pytest.approx(8.0)
+    assert alpha_schedule(500, 100) == pytest.approx(8.0)
+    assert alpha_schedule(50, 100) == pytest.approx(4.5)
+    vals = [alpha_schedule(s, 100) for s in range(101)]
+    assert all(a <= b for a, b in zip(vals, vals[1:]))
+
+
+def pruned_mixer(name="mha", beta=0.3, seed=0, **cfg):
+    m = build_mixer(tiny_config(name, prune=True, prune_r=8, **cfg)).double()
+    randomize(m, seed=seed)
+    with torch.no_grad():
+        m.pruning.beta.fill_(beta)
+    return m
+
+
+def literal_keep(m, x, alpha):
+    """I_{k,j} = prod_{n=j+1..k} sigma(x_{n,j}), I_{k,k} = 1, 0 above: loops over k, j, n."""
+    p = m.pruning
+    b, t, _ = x.shape
+    qi, ki = x @ p.W_Qint, x @ p.W_Kint
+    keep = torch.zeros(b, t, t, dtype=x.dtype)
+    for bi in range(b):
+        for k in range(t):
+            keep[bi, k, k] = 1
+            for j in range(k):
+                prod = torch.ones((), dtype=x.dtype)
+                for n in range(j + 1, k + 1):
+                    prod = prod * alpha_sigmoid(qi[bi, n] @ ki[bi, j] / math.sqrt(p.r) + p.beta, alpha)
+                keep[bi, k, j] = prod
+    return keep
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.7, 4.0])
+def test_keep_structure_matches_the_literal_product(alpha):
+    m = pruned_mixer().train()
+    m.pruning.alpha = alpha
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    log_i, keep = m.pruning.log_keep(x)
+    torch.testing.assert_close(keep, literal_keep(m, x, alpha), atol=1e-10, rtol=1e-8)
+    assert torch.all(keep.diagonal(dim1=1, dim2=2) == 1) and torch.all(keep.triu(1) == 0)
+    assert not torch.isnan(log_i).any()
+
+
+def test_pruned_attention_matches_naive_softmax_with_log_i():
+    from tests.naive import attention as naive_attention
+    m = pruned_mixer("mqa").train()
+    m.pruning.alpha = 1.5
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    _, keep = m.pruning.log_keep(x)
+    # naive: the dense literal attention of each head, re-weighted by I and renormalised
+    with torch.no_grad():
+        got = m(x)
+    n, d_h = m.n_heads, m.d_head
+    outs = []
+    for b in range(2):
+        heads = []
+        for i in range(n):
+            Q, K, V = x[b] @ m.W_Q[:, i], x[b] @ m.W_K[:, 0], x[b] @ m.W_V[:, 0]
+            s = Q @ K.T / math.sqrt(d_h) + torch.log(keep[b] + 1e-40)
+            heads.append(torch.softmax(s, -1) @ V)
+        outs.append(torch.cat(heads, -1) @ m.W_O)
+    torch.testing.assert_close(got, torch.stack(outs), atol=1e-9, rtol=1e-7)
+    assert naive_attention  # the dense naive reference stays importable for the unpruned case
+
+
+def test_no_nan_when_everything_is_dropped():
+    m = pruned_mixer(beta=-50.0).train()
+    m.pruning.alpha = 4.0
+    x = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    _, keep = m.pruning.log_keep(x)
+    assert torch.equal(keep, torch.eye(12, dtype=keep.dtype).expand(2, 12, 12))  # only itself remains
+
+
+def test_a_dropped_token_stays_dropped_and_never_drops_itself():
+    m = pruned_mixer(beta=0.0, seed=3).eval()
+    x = torch.randn(3, 20, 16, dtype=torch.float64)
+    _, keep = m.pruning.log_keep(x)
+    assert set(keep.unique().tolist()) <= {0.0, 1.0}
+    assert torch.all(keep.diagonal(dim1=1, dim2=2) == 1)
+    below = keep.tril(-1)
+    # once 0 in column j, 0 in every later row: below the diagonal a column never increases going down
+    assert torch.all(keep[:, 1:, :].tril(-1) <= keep[:, :-1, :] + torch.eye(20, dtype=keep.dtype)[1:, :])
+    assert 0 < (1 - below.sum() / (3 * 20 * 19 / 2)) < 1  # this seed drops some, keeps some
+
+
+@pytest.mark.parametrize("chunks", [[1] * 14, [6, 1, 4, 3], [14]], ids=["per-token", "chunked", "one-shot"])
+@pytest.mark.parametrize("mixer", ATTENTION)
+def test_incremental_decode_equals_full_forward_with_the_step_mask(mixer, chunks):
+    model = DecoderLM(tiny_config(mixer, prune=True, prune_r=8)).double().eval()
+    randomize(model, std=0.2, seed=5)
+    for b in model.blocks:  # near the threshold, so the step mask both keeps and drops
+        with torch.no_grad():
+            b.mixer.pruning.beta.fill_(0.02)
+    idx = torch.randint(0, 61, (3, 14))
+    with torch.no_grad():
+        full = model(idx, diagnostics=True)
+        cache = model.new_cache(batch=3)
+        steps, pos = [], 0
+        for n in chunks:
+            steps.append(model(idx[:, pos:pos + n], cache=cache).logits)
+            pos += n
+    torch.testing.assert_close(torch.cat(steps, 1), full.logits, rtol=1e-6, atol=1e-6)
+    keep = full.diagnostics[0]["keep"]
+    assert torch.equal(cache.layers[0].alive[:, :14], keep[:, -1].bool())
+    assert 0 < keep.tril(-1).sum() < 3 * 14 * 13 / 2
+
+
+@pytest.mark.parametrize("mixer", ["mha", "mhe-mul"])
+def test_causality_with_pruning(mixer):
+    model = DecoderLM(tiny_config(mixer, prune=True, prune_r=8)).double().eval()
+    randomize(model, std=0.2, seed=2)
+    idx = torch.randint(0, 61, (2, 16))
+    other = idx.clone()
+    other[:, 10:] = (other[:, 10:] + 7) % 61
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits[:, :10], model(other).logits[:, :10], rtol=0, atol=1e-12)
+
+
+def test_training_reports_the_sparsity_mass_and_refuses_cached_training():
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=8)).train()
+    model.set_alpha(1.0)
+    out = model(torch.randint(0, 61, (2, 10)), targets=torch.randint(0, 61, (2, 10)))
+    n = 10
+    assert 0 < float(out.prune_mass.detach()) <= model.config.n_layers * n * (n - 1) / 2
+    (out.loss + 0.3 * out.prune_mass / (model.config.n_layers * n * (n - 1))).backward()
+    assert model.blocks[0].mixer.pruning.beta.grad is not None
+    with pytest.raises(RuntimeError, match="inference only"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=model.new_cache())
+
+
+def test_sparsity_per_position():
+    keep = torch.tensor([[[1, 0, 0], [0, 1, 0], [1, 1, 1]]], dtype=torch.float32)
+    torch.testing.assert_close(sparsity(keep), torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_pruning_config():
+    with pytest.raises(ConfigError, match="needs softmax attention"):
+        ModelConfig(mixer="we", prune=True)
+    cfg = ModelConfig(mixer="mhe-add", prune=True, prune_r=32)
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    from models.params import count_parameters
+    assert count_parameters(DecoderLM(cfg))["pruning"] == cfg.n_layers * (2 * cfg.d_model * 32 + 1)
+
+
+@pytest.mark.parametrize("pattern,k", [("local", 3), ("strided", 4)])
+def test_fixed_sparse_baselines(pattern, k):
+    from models.mixers.pruning import pattern_mask
+    m = pattern_mask(12, 12, pattern, k)
+    for i in range(12):
+        for j in range(12):
+            want = (i - j < k) if pattern == "local" else (i // k == j // k or j % k == k - 1)
+            assert bool(m[i, j]) == want
+    model = DecoderLM(tiny_config("mha", pattern=pattern, pattern_k=k)).double().eval()
+    randomize(model, std=0.2)
+    idx = torch.randint(0, 61, (2, 13))
+    with torch.no_grad():
+        full = model(idx, diagnostics=True)
+        cache = model.new_cache(batch=2)
+        steps = torch.cat([model(idx[:, i:i + 1], cache=cache).logits for i in range(13)], 1)
+    torch.testing.assert_close(steps, full.logits, rtol=1e-6, atol=1e-6)
+    p = full.diagnostics[0]["attn"]
+    mask = pattern_mask(13, 13, pattern, k).tril()
+    assert torch.count_nonzero(p[..., ~mask]) == 0
+
+
+def test_drop_records():
+    from models.mixers.pruning import drop_records
+    keep = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]], dtype=torch.float32)
+    step, dropped = drop_records(keep)
+    assert step.tolist() == [[2, 3, -1, -1]] and dropped.tolist() == [[True, True, False, False]]
