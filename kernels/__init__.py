@@ -39,8 +39,8 @@ def last_paths() -> dict[str, str]:
     return dict(_last_path)
 
 
-def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False):
-    return _call("attention", q, k, v, scale=scale, bias=bias, need_weights=need_weights)
+def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True):
+    return _call("attention", q, k, v, scale=scale, bias=bias, need_weights=need_weights, causal=causal)
 
 
 def lag_conv(x, w, start: int = 0):

@@ -16,28 +16,29 @@ def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, bias: torch.Tensor | None = None,
-              need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+              need_weights: bool = False, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal softmax attention with grouped K/V: q [B,H,T,D], k/v [B,G,S,D] -> out [B,H,T,D].
 
     bias: an additive log-mask [B,1,T,S] shared by the heads (context pruning's log I), or None.
+    causal=False leaves all masking to bias (the compacted cache, whose slots are not in position order).
     Returns (out, probs [B,H,T,S] or None). K/V are never expanded to H heads.
     """
     b, h, t, d = q.shape
     g, s = k.shape[1], k.shape[2]
     if h % g:
         raise ValueError(f"{h} query heads cannot share {g} key/value groups")
-    causal = causal_mask(t, s, q.device)
+    allowed = causal_mask(t, s, q.device) if causal else torch.ones(t, s, dtype=torch.bool, device=q.device)
     if not need_weights:
-        mask = None if t == 1 else causal
+        mask = None if t == 1 else allowed
         if bias is not None:
-            mask = bias.masked_fill(~causal, float("-inf")).to(q.dtype)
+            mask = bias.masked_fill(~allowed, float("-inf")).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g != h), None
     r = h // g
     qg = q.reshape(b, g, r, t, d)
     scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale          # [B,G,R,T,S]
     if bias is not None:
         scores = scores + bias.unsqueeze(1)
-    scores = scores.masked_fill(~causal, float("-inf"))
+    scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(dim=-1)
     out = probs @ v.unsqueeze(2)                                        # [B,G,R,T,D]
     return out.reshape(b, h, t, d), probs.reshape(b, h, t, s)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.cache import DecodeCache
+from models.compact_cache import CompactCache, CompactDecodeCache
 from models.config import ModelConfig
 from models.mixers import build_mixer
 
@@ -69,15 +70,33 @@ class DecoderLM(nn.Module):
         p = self.wte.weight
         return DecodeCache([b.mixer.new_cache(batch, capacity, p.dtype, p.device) for b in self.blocks])
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: DecodeCache | None = None,
-                diagnostics: bool = False) -> ModelOutput:
-        """idx [B,T] token ids. With a cache, idx holds the next T positions and the cache is extended."""
+    def new_compact_cache(self, batch: int = 1, capacity: int = 16) -> CompactDecodeCache:
+        """The compacted cache (context pruning's data structure; rows may have different lengths)."""
+        p = self.wte.weight
+        return CompactDecodeCache([CompactCache(b.mixer.cache_spec(), batch, capacity, p.dtype, p.device) for b in self.blocks])
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
+                diagnostics: bool = False, positions: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> ModelOutput:
+        """idx [B,T] token ids. With a cache, idx holds the next T positions and the cache is extended.
+        With a CompactDecodeCache, positions [B,T] give each row's own positions and valid [B,T] marks
+        real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything)."""
         b, t = idx.shape
-        start = 0 if cache is None else cache.length
-        if start + t > self.config.context:
-            raise ValueError(f"{start + t} positions exceed the context window of {self.config.context}")
-        pos = torch.arange(start, start + t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        if isinstance(cache, CompactDecodeCache):
+            if positions is None:
+                raise ValueError("the compacted cache needs positions [B,T] for the new tokens")
+            valid = torch.ones_like(idx, dtype=torch.bool) if valid is None else valid
+            if int(positions[valid].max()) >= self.config.context:
+                raise ValueError(f"position {int(positions[valid].max())} is outside the context window of {self.config.context}")
+            for layer in cache.layers:
+                layer.q_pos, layer.valid = positions, valid
+            pos_emb = self.wpe(positions.clamp(0, self.config.context - 1))
+        else:
+            start = 0 if cache is None else cache.length
+            if start + t > self.config.context:
+                raise ValueError(f"{start + t} positions exceed the context window of {self.config.context}")
+            pos_emb = self.wpe(torch.arange(start, start + t, device=idx.device))
+        x = self.drop(self.wte(idx) + pos_emb)
         records = [{} for _ in self.blocks] if diagnostics else None
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i])

@@ -13,6 +13,7 @@ from torch import nn
 
 import kernels
 from models.config import ConfigError
+from models.compact_cache import CompactCache
 from models.mixers.base import Mixer, register
 from models.mixers.pruning import ContextPruning, pattern_mask
 
@@ -60,6 +61,8 @@ class Attention(Mixer):
 
     def forward(self, x, cache=None, record=None):
         q, k, v = self.project(x)
+        if isinstance(cache, CompactCache):
+            return self.compact_step(x, q, k, v, cache, record)
         bias = keep = None
         if cache is None:
             if self.pruning is not None:
@@ -91,6 +94,38 @@ class Attention(Mixer):
             record["attn"] = probs
             if keep is not None:
                 record["keep"] = keep
+        return self.head_outputs(o).transpose(1, 2).flatten(2) @ self.W_O
+
+    def compact_step(self, x, q, k, v, cache: CompactCache, record=None):
+        """Inference over the compacted cache: insert the new tokens, let them drop what they drop (the
+        step function, applied to their own attention too), attend over the live slots, compact."""
+        if self.training:
+            raise RuntimeError("the compacted cache is for inference (model.eval())")
+        q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]
+        new = {"k": k} if self.kv_shared else {"k": k, "v": v}
+        if self.pruning is not None:
+            new["k_int"] = self.pruning.keys(x)
+        cache.insert(new, q_pos, valid)
+        past = cache.view()
+        slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
+        earlier = slot_pos[:, None, :] < q_pos[:, :, None]                       # [B,T,S]
+        allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])
+        if self.pruning is not None:
+            survive = (self.pruning.scores(x, past["k_int"]) > 0) | ~earlier | ~valid[:, :, None]
+            kept = survive.cumprod(dim=1).bool()                                 # a drop is forever
+            allowed = allowed & kept
+            last = (valid.long() * torch.arange(valid.shape[1], device=x.device)).argmax(1)  # last valid row
+            rows = torch.arange(x.shape[0], device=x.device)
+            first_drop = (~survive).long().argmax(1)                             # [B,S]
+            trigger = torch.where((~survive).any(1), torch.gather(q_pos, 1, first_drop), -1)
+            cache.update_live(kept[rows, last], trigger)
+        allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))[:, None]
+        kk = past["k"]
+        o, probs = kernels.attention(q, kk, kk if self.kv_shared else past["v"], scale=self.scale, bias=bias,
+                                     need_weights=record is not None, causal=False)
+        if record is not None:
+            record |= {"attn": probs, "slot_pos": slot_pos}
         return self.head_outputs(o).transpose(1, 2).flatten(2) @ self.W_O
 
 

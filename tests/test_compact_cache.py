@@ -1,0 +1,104 @@
+"""The compacted pruning cache: exact against the full forward, ragged batches, drops with triggers, memory."""
+import pytest
+import torch
+
+from models.mixers.pruning import drop_records
+from models.transformer import DecoderLM
+from tests.helpers import randomize, tiny_config
+
+
+def model_for(mixer, prune=True, beta=0.02, seed=5, **cfg):
+    m = DecoderLM(tiny_config(mixer, prune=prune, prune_r=8, **cfg)).double().eval()
+    randomize(m, std=0.2, seed=seed)
+    if prune:
+        for b in m.blocks:
+            with torch.no_grad():
+                b.mixer.pruning.beta.fill_(beta)
+    return m
+
+
+def run_compact(model, seqs, prompt_lens, diagnostics=False):
+    """Prefill ragged prompts in one padded call, then one token per row per step; logits per row/position."""
+    b, total = len(seqs), len(seqs[0])
+    cache = model.new_compact_cache(batch=b)
+    width = max(prompt_lens)
+    idx = torch.zeros(b, width, dtype=torch.long)
+    for r, (s, n) in enumerate(zip(seqs, prompt_lens)):
+        idx[r, :n] = torch.tensor(s[:n])
+    pos = torch.arange(width).expand(b, -1)
+    valid = pos < torch.tensor(prompt_lens)[:, None]
+    got = [dict() for _ in range(b)]
+    with torch.no_grad():
+        logits = model(idx, cache=cache, positions=pos, valid=valid).logits
+    for r, n in enumerate(prompt_lens):
+        for p in range(n):
+            got[r][p] = logits[r, p]
+    cur = list(prompt_lens)
+    while min(cur) < total:
+        step_idx = torch.tensor([[seqs[r][min(cur[r], total - 1)]] for r in range(b)])
+        step_pos = torch.tensor([[min(c, total - 1)] for c in cur])
+        step_valid = torch.tensor([[c < total] for c in cur])
+        with torch.no_grad():
+            out = model(step_idx, cache=cache, positions=step_pos, valid=step_valid).logits
+        for r in range(b):
+            if cur[r] < total:
+                got[r][cur[r]] = out[r, 0]
+                cur[r] += 1
+    return got, cache
+
+
+@pytest.mark.parametrize("prune", [True, False], ids=["pruned", "dense"])
+@pytest.mark.parametrize("mixer", ["mha", "mqa", "skv", "mhe-add", "el-att"])
+def test_ragged_batch_equals_full_forward_per_row(mixer, prune):
+    model = model_for(mixer, prune)
+    seqs = torch.randint(0, 61, (3, 16)).tolist()
+    got, cache = run_compact(model, seqs, [5, 9, 3])
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            full = model(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(torch.stack([got[r][p] for p in range(16)]), full, rtol=1e-6, atol=1e-6)
+    if prune:
+        assert len(cache.layers[0].drop_table()) > 0   # this setting does drop tokens
+
+
+def test_drops_and_triggers_match_the_full_forward():
+    model = model_for("mha")
+    seqs = torch.randint(0, 61, (2, 18)).tolist()
+    _, cache = run_compact(model, seqs, [18, 18])
+    for layer in range(model.config.n_layers):
+        got = {(int(b), int(p)): int(t) for b, p, t in cache.layers[layer].drop_table()}
+        for r, seq in enumerate(seqs):
+            with torch.no_grad():
+                keep = model(torch.tensor([seq]), diagnostics=True).diagnostics[layer]["keep"]
+            step, dropped = drop_records(keep)
+            want = {(r, j): int(step[0, j]) for j in range(18) if dropped[0, j]}
+            assert {k: v for k, v in got.items() if k[0] == r} == want
+
+
+def test_memory_is_freed_when_tokens_drop():
+    model = model_for("mha", beta=-3.0, seed=1, context=128)
+    seq = torch.randint(0, 61, (2, 100)).tolist()
+    _, cache = run_compact(model, seq, [4, 4])
+    static = model.new_cache(batch=2, capacity=100)   # the dense static cache holding the same 100 tokens
+    with torch.no_grad():
+        model(torch.tensor(seq), cache=static)
+    layer = cache.layers[0]
+    assert layer.compactions > 0 and layer.end < 50 and layer.capacity < 100
+    assert cache.nbytes() < 0.6 * static.nbytes()
+
+
+def test_capacity_doubles_when_full():
+    model = model_for("mha", prune=False)
+    seq = torch.randint(0, 61, (1, 24)).tolist()
+    _, cache = run_compact(model, seq, [20])
+    assert cache.layers[0].capacity == 32 and cache.layers[0].end == 24 and cache.layers[0].compactions == 0
+
+
+def test_compacted_cache_is_inference_only_and_needs_positions():
+    model = model_for("mha")
+    cache = model.new_compact_cache(batch=1)
+    with pytest.raises(ValueError, match="needs positions"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+    model.train()
+    with pytest.raises(RuntimeError, match="inference"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache, positions=torch.arange(2)[None])
