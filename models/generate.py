@@ -143,6 +143,86 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
         model.train(was_training)
 
 
+@dataclass
+class BatchGenerationResult:
+    new_ids: list[list[int]]
+    step_latency_s: list[float]       # one entry per model call (the prefill first)
+    cache_bytes: list[int]            # allocated decode state after each call
+    live_tokens: list[int]            # tokens held over all layers after each call
+    drops: list[torch.Tensor]         # per layer: rows (batch row, position dropped, trigger position)
+    stop_reasons: list[str]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.step_latency_s[1:]
+        rows = len(self.new_ids)
+        return rows * len(steps) / sum(steps) if steps and sum(steps) > 0 else float("nan")
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, *, greedy: bool = True,
+                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                   seed: int | None = None, stop_ids: Sequence[int] = ()) -> BatchGenerationResult:
+    """Generate for several prompts of any lengths at once over the compacted cache (context pruning's
+    data structure; for a dense model it is a ragged dense cache). Rows stop on their own."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    context, device = model.config.context, model.wte.weight.device
+    lens = [len(p) for p in prompts]
+    if max(lens) >= context:
+        raise ValueError(f"the longest prompt has {max(lens)} tokens but the context window is {context}")
+    max_new_tokens = min(max_new_tokens, context - max(lens))
+    b, width = len(prompts), max(lens)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    stops = set(int(s) for s in stop_ids)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_compact_cache(batch=b)
+        idx = torch.zeros(b, width, dtype=torch.long, device=device)
+        for r, p in enumerate(prompts):
+            idx[r, :len(p)] = torch.tensor(list(p), device=device)
+        pos = torch.arange(width, device=device).expand(b, -1)
+        valid = pos < torch.tensor(lens, device=device)[:, None]
+        lat, mem, live = [], [], []
+        t0 = time.perf_counter()
+        logits = model(idx, cache=cache, positions=pos, valid=valid).logits
+        logits = logits[torch.arange(b), torch.tensor(lens, device=device) - 1]
+        _sync(device)
+        lat.append(time.perf_counter() - t0)
+        mem.append(cache.nbytes())
+        live.append(cache.live_tokens())
+        new_ids: list[list[int]] = [[] for _ in range(b)]
+        done = [False] * b
+        reasons = ["max_new_tokens"] * b
+        cur = torch.tensor(lens, device=device)
+        for step in range(max_new_tokens):
+            if greedy or temperature == 0:
+                tokens = logits.argmax(-1)
+            else:
+                probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
+                tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            for r in range(b):
+                if not done[r]:
+                    new_ids[r].append(int(tokens[r]))
+                    if int(tokens[r]) in stops:
+                        done[r], reasons[r] = True, "stop_token"
+            if all(done) or step + 1 == max_new_tokens:
+                break
+            active = torch.tensor([not d for d in done], device=device)
+            t0 = time.perf_counter()
+            logits = model(tokens[:, None], cache=cache, positions=cur[:, None], valid=active[:, None]).logits[:, 0]
+            _sync(device)
+            lat.append(time.perf_counter() - t0)
+            mem.append(cache.nbytes())
+            live.append(cache.live_tokens())
+            cur = cur + active.long()
+        return BatchGenerationResult(new_ids, lat, mem, live, [layer.drop_table() for layer in cache.layers], reasons)
+    finally:
+        model.train(was_training)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json

