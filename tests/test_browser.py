@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "test-output" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
-PAGES = ["", "Generate", "Attention", "Heads", "Extractors", "Attribution", "Compare"]
+PAGES = ["", "Generate", "Attention", "Heads", "Extractors", "Attribution", "Compare", "Pruning"]
 
 pytestmark = pytest.mark.browser
 

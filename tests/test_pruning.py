@@ -235,3 +235,12 @@ def test_drop_records():
     keep = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]], dtype=torch.float32)
     step, dropped = drop_records(keep)
     assert step.tolist() == [[2, 3, -1, -1]] and dropped.tolist() == [[True, True, False, False]]
+
+
+@pytest.mark.parametrize("alpha", [1.02, 1.5, 3.0, 8.0])
+def test_alpha_sigmoid_float32_agrees_with_float64(alpha):
+    x = torch.randn(1000, dtype=torch.float64) * 2 / (alpha - 1)
+    torch.testing.assert_close(alpha_sigmoid(x.float(), alpha).double(), alpha_sigmoid(x, alpha), atol=2e-6, rtol=0)
+    xf = x.float().requires_grad_(True)
+    alpha_sigmoid(xf, alpha).sum().backward()
+    assert torch.isfinite(xf.grad).all()

@@ -27,9 +27,13 @@ class _AlphaSigmoid(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:
         lim = 1.0 / (alpha - 1.0)
-        xd = x.detach().double().clamp(-lim, lim)
+        # bisection on p (f is increasing on [0, 1]) to below the working precision: float64 inputs in
+        # float64 (2^-54), anything else in float32 (2^-30); near alpha = 1, f cancels badly in float32
+        work = torch.float64 if x.dtype == torch.float64 or alpha < 1.05 else torch.float32
+        steps = 54 if work == torch.float64 else 30
+        xd = x.detach().to(work).clamp(-lim, lim)
         lo, hi = torch.zeros_like(xd), torch.ones_like(xd)
-        for _ in range(54):  # bisection on p: f is increasing on [0, 1]; 2^-54 below float64 resolution
+        for _ in range(steps):
             mid = 0.5 * (lo + hi)
             below = _f(mid, alpha) < xd
             lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
@@ -43,9 +47,10 @@ class _AlphaSigmoid(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         p, x = ctx.saved_tensors
         alpha, lim = ctx.alpha, 1.0 / (ctx.alpha - 1.0)
-        inside = (x.double().abs() < lim) & (p > 0) & (p < 1)
+        inside = (x.to(p.dtype).abs() < lim) & (p > 0) & (p < 1)
         # entmax Jacobian for [x, 0]: s1 s2 / (s1 + s2) with s = p^(2 - alpha)
-        d = 1.0 / (p.clamp_min(1e-300).pow(alpha - 2) + (1 - p).clamp_min(1e-300).pow(alpha - 2))
+        tiny = torch.finfo(p.dtype).tiny
+        d = 1.0 / (p.clamp_min(tiny).pow(alpha - 2) + (1 - p).clamp_min(tiny).pow(alpha - 2))
         return grad * torch.where(inside, d, torch.zeros_like(d)).to(grad.dtype), None
 
 

@@ -1,0 +1,129 @@
+"""Decode cost of context pruning: per-step latency, tokens/s and cache bytes against context length, dense
+(static cache) vs pruned (compacted cache), at batch 1 and at the largest batch whose cache fits a budget.
+
+    python -m bench.pruning_decode --dense DIR --pruned DIR [--contexts 128,256,512,1024] [--json FILE]
+    python -m bench.pruning_decode --synthetic [...]     # random weights; pruned beta set for a target sparsity
+
+Ratios are against the dense model measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from models.checkpoint import load_model_dir
+from models.config import ModelConfig
+from models.train import device_name
+from models.transformer import DecoderLM
+
+
+def synthetic_pair(context: int, beta: float, seed: int = 0) -> tuple[DecoderLM, DecoderLM]:
+    base = dict(mixer="mha", vocab_size=8192, context=context, d_model=128, n_layers=4, n_heads=8)
+    torch.manual_seed(seed)
+    dense = DecoderLM(ModelConfig(**base)).eval()
+    pruned = DecoderLM(ModelConfig(**base, prune=True, prune_r=64)).eval()
+    pruned.load_state_dict(dense.state_dict(), strict=False)
+    for b in pruned.blocks:
+        with torch.no_grad():
+            b.mixer.pruning.beta.fill_(beta)
+    return dense, pruned
+
+
+@torch.inference_mode()
+def decode_run(model, batch: int, context: int, steps: int, compact: bool, seed: int = 0) -> dict:
+    """Prefill context - steps tokens, then time `steps` one-token decode steps."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, context - steps), generator=g)
+    nxt = torch.randint(0, model.config.vocab_size, (batch, steps), generator=g)
+    n = prompt.shape[1]
+    if compact:
+        cache = model.new_compact_cache(batch=batch)
+        pos = torch.arange(n).expand(batch, -1)
+        model(prompt, cache=cache, positions=pos)
+    else:
+        cache = model.new_cache(batch=batch, capacity=context)
+        model(prompt, cache=cache)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        if compact:
+            model(nxt[:, i:i + 1], cache=cache, positions=torch.full((batch, 1), n + i))
+        else:
+            model(nxt[:, i:i + 1], cache=cache)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    out = {"batch": batch, "context": context, "median_step_ms": med * 1000, "tokens_per_s": batch / med,
+           "cache_bytes": cache.nbytes()}
+    if compact:
+        live = cache.live_tokens()
+        out["kept_fraction"] = live / (model.config.n_layers * batch * context)
+    return out
+
+
+def largest_batch(bytes_per_sequence: float, budget: int, cap: int) -> int:
+    return max(1, min(cap, int(budget // max(bytes_per_sequence, 1))))
+
+
+def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: int) -> list[dict]:
+    rows = []
+    for c in contexts:
+        d1 = decode_run(dense, 1, c, steps, compact=False)
+        p1 = decode_run(pruned, 1, c, steps, compact=True)
+        row = {"context": c, "dense_b1": d1, "pruned_b1": p1,
+               "latency_ratio_pruned_to_dense": p1["median_step_ms"] / d1["median_step_ms"],
+               "cache_ratio_pruned_to_dense": p1["cache_bytes"] / d1["cache_bytes"]}
+        bd = largest_batch(d1["cache_bytes"], budget, max_batch)
+        bp = largest_batch(p1["cache_bytes"], budget, max_batch)
+        row["dense_budget"] = decode_run(dense, bd, c, steps, compact=False)
+        row["pruned_budget"] = decode_run(pruned, bp, c, steps, compact=True)
+        row["throughput_ratio_at_budget"] = row["pruned_budget"]["tokens_per_s"] / row["dense_budget"]["tokens_per_s"]
+        rows.append(row)
+        print(f"context {c}: dense {d1['median_step_ms']:.2f} ms, pruned {p1['median_step_ms']:.2f} ms "
+              f"(kept {p1['kept_fraction']:.0%}), budget batches {bd}/{bp}, throughput x{row['throughput_ratio_at_budget']:.2f}",
+              file=sys.stderr)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.pruning_decode")
+    ap.add_argument("--dense")
+    ap.add_argument("--pruned")
+    ap.add_argument("--synthetic", action="store_true", help="random weights (no trained pruned model needed)")
+    ap.add_argument("--beta", type=float, default=-1.5, help="synthetic: the pruned model's beta (lower drops more)")
+    ap.add_argument("--contexts", default="128,256,512,1024")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--budget-mb", type=float, default=64.0, help="cache memory budget for the large-batch runs")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.synthetic:
+        dense, pruned = synthetic_pair(max(contexts), args.beta)
+        source = {"kind": "synthetic", "beta": args.beta, "note": "random weights: latency and memory only, no quality"}
+    elif args.dense and args.pruned:
+        dense, pruned = load_model_dir(args.dense).model.eval(), load_model_dir(args.pruned).model.eval()
+        source = {"kind": "trained", "dense": args.dense, "pruned": args.pruned}
+    else:
+        ap.error("give --dense and --pruned model directories, or --synthetic")
+    rows = run(dense, pruned, contexts, args.steps, int(args.budget_mb * 2**20), args.max_batch)
+    result = {"benchmark": "pruning_decode", "device": device_name(dense.wte.weight.device),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "versions": {"python": platform.python_version(), "torch": torch.__version__},
+              "models": source, "steps": args.steps, "budget_bytes": int(args.budget_mb * 2**20), "rows": rows}
+    text = json.dumps(result, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

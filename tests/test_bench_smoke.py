@@ -1,0 +1,15 @@
+"""The benchmarks run end to end at toy sizes (their numbers are not checked: timing is not a unit test)."""
+import json
+
+from bench import pruning_decode
+
+
+def test_pruning_decode_bench_runs(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert pruning_decode.main(["--synthetic", "--contexts", "32,64", "--steps", "3", "--budget-mb", "0.5",
+                                "--max-batch", "4", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["context"] for r in res["rows"]] == [32, 64] and res["models"]["kind"] == "synthetic"
+    row = res["rows"][1]
+    assert 0 < row["pruned_b1"]["kept_fraction"] <= 1 and row["dense_budget"]["batch"] >= 1
+    assert row["cache_ratio_pruned_to_dense"] > 0
