@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-all install clean data zoo results chromium
+.PHONY: run test test-all install clean data zoo results chromium pruning
 
 install: $(STAMP)
 
@@ -58,3 +58,13 @@ zoo: $(STAMP) data/manifest.json
 
 results: $(STAMP)
 	$(PY) -m models.results
+
+# --- context pruning: a dense context-1024 base, then the pruned family and the fixed baselines ---
+PRUNE_RUNS := pruned-g0.03 pruned-g0.1 pruned-g0.3 pruned-g1.0 local-k64 local-k128 local-k256 strided-k32 strided-k64 strided-k128
+
+pruning: $(STAMP) data/manifest.json
+	$(PY) -m models.train --config configs/prune/dense1024.json --out assets/models/mha-1024
+	@for r in $(PRUNE_RUNS); do \
+		$(PY) -m models.train --config configs/prune/$$r.json --out runs/prune/$$r || echo "pruning: $$r failed"; \
+	done
+	$(PY) -m models.pruning_results assets/models/mha-1024 $(addprefix runs/prune/,$(PRUNE_RUNS))

@@ -240,7 +240,11 @@ def test_drop_records():
 @pytest.mark.parametrize("alpha", [1.02, 1.5, 3.0, 8.0])
 def test_alpha_sigmoid_float32_agrees_with_float64(alpha):
     x = torch.randn(1000, dtype=torch.float64) * 2 / (alpha - 1)
-    torch.testing.assert_close(alpha_sigmoid(x.float(), alpha).double(), alpha_sigmoid(x, alpha), atol=2e-6, rtol=0)
-    xf = x.float().requires_grad_(True)
+    exact = alpha_sigmoid(x, alpha)
+    torch.testing.assert_close(alpha_sigmoid(x.float(), alpha).double(), exact, atol=2e-6, rtol=0)          # table
+    torch.testing.assert_close(alpha_sigmoid(x.float(), alpha, exact=True).double(), exact, atol=2e-6, rtol=0)
+    xf, xd = x.float().requires_grad_(True), x.clone().requires_grad_(True)
     alpha_sigmoid(xf, alpha).sum().backward()
+    alpha_sigmoid(xd, alpha).sum().backward()
     assert torch.isfinite(xf.grad).all()
+    torch.testing.assert_close(xf.grad.double(), xd.grad, atol=2e-3, rtol=2e-3)

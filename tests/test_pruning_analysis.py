@@ -1,5 +1,8 @@
 """POS alignment on a text with known tags, and the drop tables on a keep matrix with known drops."""
+import math
+
 import numpy as np
+import pytest
 import torch
 
 from analysis import pruning
@@ -63,3 +66,24 @@ def test_keep_matrices_from_a_pruned_model():
     else:
         raise AssertionError("a dense model has no keep matrices")
     assert torch.is_grad_enabled()
+
+
+def test_bucket_eval_on_dense_pruned_and_local_models():
+    from models.pruning_results import bucket_eval, figure, render
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    import pandas as pd
+    stream = list(np.random.default_rng(0).integers(0, 61, size=200))
+    buckets = ((2, 8), (8, 16))
+    rows = {}
+    for name, cfg in {"dense": {}, "local": {"pattern": "local", "pattern_k": 4},
+                      "pruned": {"prune": True, "prune_r": 8}}.items():
+        model = DecoderLM(tiny_config(name and "mha", context=16, **cfg))
+        rows[name] = bucket_eval(model, stream, 16, buckets)
+    assert all(r["sparsity"] == 0 for r in rows["dense"])
+    # local window 4: a token at position k sees min(k, 3) earlier tokens
+    want = np.mean([(k - min(k, 3)) / k for k in range(8, 16)])
+    assert rows["local"][1]["sparsity"] == pytest.approx(want)
+    assert rows["dense"][0]["tokens"] == 12 * 6 and math.isfinite(rows["pruned"][1]["perplexity"])
+    table = pd.DataFrame([{"model": n, "method": n, **r} for n, rs in rows.items() for r in rs])
+    assert "| local | local | 8-16 |" in render(table, 16, "cmd") and figure(table).data
