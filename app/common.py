@@ -91,6 +91,16 @@ def tokens_for(loaded, text: str):
     return toks
 
 
+def model_text_tokens(default: str | None = None, accept=None):
+    """The usual page preamble: a model, a text, its tokens; stops the page (reason shown) if any is missing."""
+    loaded = pick_model(default=default, accept=accept)
+    text = text_input() if loaded is not None else None
+    toks = tokens_for(loaded, text) if text is not None else None
+    if toks is None:
+        st.stop()
+    return loaded, text, toks
+
+
 def window_picker(toks, context: int, key: str, size: int | None = None):
     """For texts longer than what one view shows, a start-position slider instead of a frozen page."""
     size = min(size or context, context)

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.tokenizer import EOS

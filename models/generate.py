@@ -65,6 +65,26 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
     return logits
 
 
+def make_sampler(device, *, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+                 seed: int | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Checks the sampling settings and returns logits [..., V] -> token ids [...]."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        if greedy or temperature == 0:
+            return logits.argmax(-1)
+        probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
+        return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=gen).reshape(logits.shape[:-1])
+    return sample
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -89,12 +109,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
                          f"shorten it to at most {context - 1} tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    device = model.wte.weight.device
+    sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     notes = []
     room = context - len(prompt)
     if max_new_tokens > room:
@@ -102,10 +118,6 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
                      f"+ new tokens must fit the context window of {context}")
         log.warning(notes[-1])
         max_new_tokens = room
-    greedy = greedy or temperature == 0
-    device = model.wte.weight.device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
     stops = set(int(s) for s in stop_ids)
 
     was_training = model.training
@@ -119,11 +131,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
         new_ids, events, stop_reason = [], [], "max_new_tokens"
         for i in range(max_new_tokens):
             logprobs = logits.float().log_softmax(-1)
-            if greedy:
-                token = int(logits.argmax())
-            else:
-                probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
-                token = int(torch.multinomial(probs, 1, generator=gen))
+            token = int(sample(logits))
             event = TokenEvent(i, token, float(logprobs[token]), time.perf_counter() - t0)
             new_ids.append(token)
             events.append(event)
@@ -173,8 +181,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
         raise ValueError(f"the longest prompt has {max(lens)} tokens but the context window is {context}")
     max_new_tokens = min(max_new_tokens, context - max(lens))
     b, width = len(prompts), max(lens)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     stops = set(int(s) for s in stop_ids)
     was_training = model.training
     model.eval()
@@ -198,11 +205,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
         reasons = ["max_new_tokens"] * b
         cur = torch.tensor(lens, device=device)
         for step in range(max_new_tokens):
-            if greedy or temperature == 0:
-                tokens = logits.argmax(-1)
-            else:
-                probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
-                tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            tokens = sample(logits)
             for r in range(b):
                 if not done[r]:
                     new_ids[r].append(int(tokens[r]))

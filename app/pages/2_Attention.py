@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import streamlit as st  # noqa: E402
 
 from analysis import maps  # noqa: E402
-from app.common import export_buttons, load, pick_model, setup, text_input, tokens_for, window_picker  # noqa: E402
+from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
 
 MAX_VIEW = 128  # tokens per view: beyond this a window selector keeps the page responsive
 
@@ -18,16 +18,8 @@ def cached_maps(path: str, ids: tuple[int, ...]):
 
 
 setup("Attention")
-loaded = pick_model(default="mha")
-if loaded is None:
-    st.stop()
+loaded, text, toks = model_text_tokens(default="mha")
 cfg = loaded.config
-text = text_input()
-if text is None:
-    st.stop()
-toks = tokens_for(loaded, text)
-if toks is None:
-    st.stop()
 view, start = window_picker(toks, cfg.context, "attn_window", MAX_VIEW)
 m, kind = cached_maps(str(loaded.path), tuple(view.ids))
 

@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import streamlit as st  # noqa: E402
 
 from analysis import attribution  # noqa: E402
-from app.common import export_buttons, load, pick_model, setup, text_input, tokens_for, window_picker  # noqa: E402
+from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
 
 
 @st.cache_data(max_entries=32, show_spinner="Computing attributions…")
@@ -16,16 +16,8 @@ def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | No
 
 
 setup("Attribution")
-loaded = pick_model(default="mha")
-if loaded is None:
-    st.stop()
+loaded, text, toks = model_text_tokens(default="mha")
 cfg, tok = loaded.config, loaded.tokenizer
-text = text_input()
-if text is None:
-    st.stop()
-toks = tokens_for(loaded, text)
-if toks is None:
-    st.stop()
 view, start = window_picker(toks, cfg.context, "attr_window")
 n = len(view.ids)
 c1, c2, c3 = st.columns(3)

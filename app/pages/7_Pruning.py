@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
-from app.common import export_buttons, load, pick_model, setup, text_input, tokens_for, window_picker  # noqa: E402
+from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 
 
@@ -33,16 +33,8 @@ def cached_logprobs(path: str, ids: tuple[int, ...]):
 setup("Pruning")
 st.caption("Adaptively sparse attention: every layer learns to drop earlier tokens for good. At inference a token "
            "j is dropped by the first later query n whose interaction score x_{n,j} is not positive.")
-loaded = pick_model(accept=only_pruned)
-if loaded is None:
-    st.stop()
+loaded, text, toks = model_text_tokens(accept=only_pruned)
 cfg = loaded.config
-text = text_input()
-if text is None:
-    st.stop()
-toks = tokens_for(loaded, text)
-if toks is None:
-    st.stop()
 view, start = window_picker(toks, cfg.context, "prune_window")
 # spaCy tags the window's own text, so offsets are taken relative to it
 a, b = view.offsets[0][0], view.offsets[-1][1]
