@@ -6,7 +6,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 import streamlit as st  # noqa: E402
 
-from app.common import export_buttons, load, model_paths, setup  # noqa: E402
+from app.common import add_path, export_buttons, load, model_paths, setup  # noqa: E402
 
 from analysis.zoo import efficiency_figure, models_root, zoo_table  # noqa: E402
 
@@ -14,7 +14,9 @@ setup("Models")
 st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SKV, EL-ATT, MHE-ADD, MHE-MUL "
            "or an Extractor (SHE, HE, WE, ME). Pick a page on the left to look inside one.")
 
-st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir")
+st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir", on_change=add_path)
+if st.session_state.get("added_paths"):
+    st.caption("Added this session: " + ", ".join(st.session_state["added_paths"]))
 paths = model_paths()
 if not paths:
     st.info(f"No models found in {models_root()}. Train one (see README), or add a model directory by path above.")

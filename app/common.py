@@ -27,11 +27,22 @@ def load(path: str):
     return load_model_dir(path)
 
 
+def add_path() -> None:
+    """Models page callback: remember a directory added by path (plain session state, not the widget's,
+    which Streamlit forgets when another page runs)."""
+    path = st.session_state.get("extra_path", "").strip()
+    added = st.session_state.setdefault("added_paths", [])
+    if path and path not in added:
+        added.append(path)
+
+
 def model_paths() -> list[Path]:
     paths = find_model_dirs(models_root())
-    extra = st.session_state.get("extra_path", "").strip()
-    if extra:
-        paths.append(Path(extra).expanduser())
+    known = {p.resolve() for p in paths}
+    for extra in st.session_state.get("added_paths", []):
+        p = Path(extra).expanduser()
+        if p.resolve() not in known:
+            paths.append(p)
     return paths
 
 

@@ -53,6 +53,16 @@ def test_models_page_table_and_efficiency_view(zoo):
     assert len(at.dataframe[0].value) == len(table)   # the others keep working
 
 
+def test_a_model_added_by_path_reaches_the_other_pages(tmp_path):
+    import shutil
+    shutil.copytree(models_root() / "me", tmp_path / "my-model")
+    at = page("Models.py").run()
+    at.text_input(key="extra_path").input(str(tmp_path / "my-model")).run()
+    assert "my-model" in list(at.dataframe[0].value["model"])
+    at.switch_page("pages/4_Extractors.py").run()
+    assert "my-model" in at.sidebar.selectbox(key="model").options
+
+
 def test_generate_streams_and_reports_speed():
     at = page("1_Generate.py").run()
     at.number_input(key="gen_n").set_value(8)

@@ -47,8 +47,9 @@ if st.button("Generate", type="primary", key="gen_go"):
         secs.append(event.latency_s)
         text_box.markdown(colored_tokens_html(shown, probs), unsafe_allow_html=True)
         rate = (len(secs) - 1) / sum(secs[1:]) if len(secs) > 1 else float("nan")
+        cache_kib = (len(ids) + event.index + 1) * loaded.model.cache_bytes_per_token() / 1024
         stats.caption(f"token {event.index + 1}: {event.latency_s * 1000:.1f} ms · {rate:.1f} tokens/s · "
-                      f"running perplexity {math.exp(-sum(logps) / len(logps)):.2f}")
+                      f"running perplexity {math.exp(-sum(logps) / len(logps)):.2f} · cache {cache_kib:.1f} KiB")
         bar.progress((event.index + 1) / total, text=f"{event.index + 1}/{total} tokens")
 
     res = generate(loaded.model, ids, int(max_new), temperature=float(temperature), top_k=int(top_k) or None,
