@@ -18,6 +18,11 @@ from models.mixers.base import Mixer, register
 from models.mixers.pruning import ContextPruning, pattern_mask
 
 
+def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean mask as an additive attention bias: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
 def split_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [B,T,d_m] @ w [d_m,n,d_h] -> [B,n,T,d_h]."""
     return (x @ w.flatten(1)).unflatten(-1, w.shape[1:]).transpose(1, 2)
@@ -83,11 +88,11 @@ class Attention(Mixer):
                 s = cache.length
                 keep = self.pruning.step_keep(x, past["k_int"], cache.alive[:, :s])
                 cache.alive[:, :s] = keep[:, -1]
-                bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))[:, None]
+                bias = additive(keep, q.dtype)[:, None]
                 keep = keep.to(q.dtype)
         fixed = pattern_mask(q.shape[2], k.shape[2], self.pattern, self.pattern_k, q.device)
         if fixed is not None:  # the local / strided baselines
-            bias = torch.zeros(fixed.shape, dtype=q.dtype, device=q.device).masked_fill(~fixed, float("-inf"))[None, None]
+            bias = additive(fixed, q.dtype)[None, None]
             keep = fixed.to(q.dtype)[None].expand(q.shape[0], -1, -1)
         o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=record is not None)
         if record is not None:
@@ -120,7 +125,7 @@ class Attention(Mixer):
             trigger = torch.where((~survive).any(1), torch.gather(q_pos, 1, first_drop), -1)
             cache.update_live(kept[rows, last], trigger)
         allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))[:, None]
+        bias = additive(allowed, q.dtype)[:, None]
         kk = past["k"]
         o, probs = kernels.attention(q, kk, kk if self.kv_shared else past["v"], scale=self.scale, bias=bias,
                                      need_weights=record is not None, causal=False)
