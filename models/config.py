@@ -32,6 +32,10 @@ class ModelConfig:
     prune_beta: float = 2.0     # initial beta: positive, so nothing is dropped at first
     pattern: str = "dense"      # fixed sparse baselines: "local" (window of pattern_k) or "strided" (Child et al.)
     pattern_k: int = 64
+    adapter: str | None = None  # None | adapter | phm | compacter | compacter++ (papers.md section 4)
+    adapter_reduction: int = 32  # bottleneck d = d_model / reduction
+    phm_n: int = 4              # n of the PHM layers (A_i are n x n)
+    phm_rank: int = 1           # r of COMPACTER's LPHM factors
 
     def __post_init__(self) -> None:
         if self.d_head is None:
@@ -55,6 +59,15 @@ class ModelConfig:
             raise ConfigError(f"pattern must be dense, local or strided, got {self.pattern!r}")
         if self.pattern != "dense" and self.prune:
             raise ConfigError("a fixed sparse pattern and context pruning are alternatives; choose one")
+        if self.adapter is not None:
+            from models.adapters import KINDS
+            if self.adapter not in KINDS:
+                raise ConfigError(f"adapter must be one of {', '.join(KINDS)} or null, got {self.adapter!r}")
+            d = self.d_model // self.adapter_reduction if self.adapter_reduction > 0 else 0
+            if d < 1:
+                raise ConfigError(f"adapter bottleneck d_model/adapter_reduction = {self.d_model}/{self.adapter_reduction} is below 1")
+            if self.adapter != "adapter" and (self.d_model % self.phm_n or d % self.phm_n):
+                raise ConfigError(f"phm_n={self.phm_n} must divide d_model={self.d_model} and the bottleneck {d}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         MIXERS[self.mixer].check_config(self)

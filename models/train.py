@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from models.adapters import freeze_for_adapters
 from models.checkpoint import file_sha256, save_model_dir
 from models.config import ConfigError, ModelConfig
 from models.data import DataError, load_documents, load_tokens, manifest_sha256
@@ -185,7 +186,8 @@ def load_state(path: Path, model, opt) -> dict:
     return meta
 
 
-PRUNING_FIELDS = {"prune", "prune_r", "prune_beta", "pattern", "pattern_k"}
+PRUNING_FIELDS = {"prune", "prune_r", "prune_beta", "pattern", "pattern_k",
+                  "adapter", "adapter_reduction", "phm_n", "phm_rank"}  # fields a fine-tune may add
 
 
 def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenizer) -> None:
@@ -200,7 +202,7 @@ def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenize
     if base.tokenizer.to_str() != data_tokenizer.to_str():
         raise ConfigError(f"init_from {path}: its tokenizer.json is not the data directory's tokenizer")
     result = model.load_state_dict(base.model.state_dict(), strict=False)
-    missing = [k for k in result.missing_keys if ".pruning." not in k]
+    missing = [k for k in result.missing_keys if ".pruning." not in k and "adapter" not in k]
     if missing or result.unexpected_keys:
         raise ConfigError(f"init_from {path}: weights do not fit (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]})")
 
@@ -252,6 +254,9 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     model = DecoderLM(model_cfg)
     if tc.init_from:
         init_from(model, model_cfg, tc.init_from, tokenizer)
+    if model_cfg.adapter:  # parameter-efficient: the base stays frozen
+        trainable = freeze_for_adapters(model)
+        log.info("training %d tensors (adapters, LayerNorms%s)", len(trainable), ", pruning" if model_cfg.prune else "")
     model = model.to(dev)
     pruning = model_cfg.prune
     n_pairs = model_cfg.n_layers * ctx_pairs(model_cfg.context)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.adapters import Adapter, shared_rule
 from models.cache import DecodeCache
 from models.compact_cache import CompactCache, CompactDecodeCache
 from models.config import ModelConfig
@@ -31,17 +32,30 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rule: nn.Parameter | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.mixer = build_mixer(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.adapter_mixer = self.adapter_ffn = None
+        if cfg.adapter:  # after each sub-layer, before the residual add (COMPACTER++: feed-forward only)
+            make = lambda: Adapter(cfg.d_model, cfg.d_model // cfg.adapter_reduction, cfg.adapter,  # noqa: E731
+                                   cfg.phm_n, cfg.phm_rank, rule)
+            self.adapter_ffn = make()
+            if cfg.adapter != "compacter++":
+                self.adapter_mixer = make()
 
     def forward(self, x, cache=None, record=None):
-        x = x + self.drop(self.mixer(self.ln_1(x), cache, record))
-        return x + self.ffn(self.ln_2(x))
+        h = self.mixer(self.ln_1(x), cache, record)
+        if self.adapter_mixer is not None:
+            h = self.adapter_mixer(h)
+        x = x + self.drop(h)
+        h = self.ffn(self.ln_2(x))
+        if self.adapter_ffn is not None:
+            h = self.adapter_ffn(h)
+        return x + h
 
 
 @dataclass
@@ -62,7 +76,9 @@ class DecoderLM(nn.Module):
         nn.init.normal_(self.wte.weight, std=cfg.init_std)
         nn.init.normal_(self.wpe.weight, std=cfg.init_std)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # COMPACTER: one set of A_i for every adapter in the model
+        self.adapter_rule = shared_rule(cfg.phm_n) if cfg.adapter in ("compacter", "compacter++") else None
+        self.blocks = nn.ModuleList(Block(cfg, self.adapter_rule) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:

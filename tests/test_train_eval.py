@@ -228,3 +228,18 @@ def test_pruning_fine_tune_starts_from_the_dense_model(tmp_path, data_dir):
     (tmp_path / "bad.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"differs in d_ff .*d_model \(16 vs 32\)"):
         train(tmp_path / "bad.json", tmp_path / "bad", progress=False)
+
+
+def test_compacter_fine_tune_trains_only_adapters_and_norms(tmp_path, data_dir):
+    dense_cfg = write_config(tmp_path / "dense.json", data_dir, mixer="mhe-mul", steps=2)
+    train(dense_cfg, tmp_path / "dense", progress=False)
+    raw = json.loads(dense_cfg.read_text())
+    raw["model"] |= {"adapter": "compacter", "adapter_reduction": 4, "phm_n": 2}
+    raw["train"] |= {"init_from": str(tmp_path / "dense"), "steps": 2}
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    train(tmp_path / "c.json", tmp_path / "c", progress=False)
+    dense = load_model_dir(tmp_path / "dense").model.state_dict()
+    tuned = load_model_dir(tmp_path / "c").model.state_dict()
+    changed = {k for k in dense if not torch.equal(dense[k], tuned[k])}
+    assert changed and all(".ln_" in k or k.startswith("ln_f") for k in changed)
+    assert any("adapter" in k for k in tuned)

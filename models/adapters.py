@@ -1,0 +1,129 @@
+"""Adapters for parameter-efficient fine-tuning (COMPACTER, Karimi Mahabadi et al., arXiv 2106.04647),
+papers.md section 4.
+
+Adapter (Houlsby): A(x) = U(GeLU(D(x))) + x, D: k -> d, U: d -> k, after the mixer and after the
+feed-forward sub-layer, before the residual add. A PHM layer's weight is W = sum_i A_i (x) B_i with
+A_i n x n and B_i (k/n) x (d/n); LPHM factors B_i = s_i t_i^T (rank r). The forward never builds W:
+with x cut into n blocks X [n, k/n], y = sum_i A_i^T (X B_i), i.e. sum_i A_i^T (X s_i) t_i^T.
+
+Kinds: "adapter" (plain linear projections), "phm" (PHM-ADAPTER: full B_i, A_i per layer),
+"compacter" (LPHM projections, one set of A_i shared by every adapter in the model), "compacter++"
+(COMPACTER after the feed-forward sub-layer only).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("adapter", "phm", "compacter", "compacter++")
+
+
+def xavier(*shape: int, fan_in: int, fan_out: int) -> nn.Parameter:
+    """Xavier-uniform with gain sqrt(2) (the reference code's init for s_i, t_i and B_i)."""
+    bound = math.sqrt(2.0) * math.sqrt(6.0 / (fan_in + fan_out))
+    return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
+
+
+def shared_rule(n: int, std: float = 1e-4) -> nn.Parameter:
+    """The A_i [n, n, n], N(0, 1e-4) as in the reference code."""
+    return nn.Parameter(torch.randn(n, n, n) * std)
+
+
+class PHMLinear(nn.Module):
+    """k -> d through sum_i A_i (x) B_i; B_i full ([n, k/n, d/n]) or low rank (s_i [n, k/n, r], t_i [n, d/n, r]).
+    `rule` (the A_i) may be a Parameter shared with other layers."""
+
+    def __init__(self, k: int, d: int, n: int, rank: int | None, rule: nn.Parameter | None = None):
+        super().__init__()
+        if k % n or d % n:
+            raise ValueError(f"PHM needs n={n} to divide both {k} and {d}")
+        self.k, self.d, self.n, self.rank = k, d, n, rank
+        self.shared = rule is not None
+        if rule is None:
+            self.A = shared_rule(n)
+        else:
+            object.__setattr__(self, "_rule", rule)  # held, not registered: the model owns the shared tensor
+        if rank is None:
+            self.B = xavier(n, k // n, d // n, fan_in=k // n, fan_out=d // n)
+        else:
+            self.s = xavier(n, k // n, rank, fan_in=k // n, fan_out=rank)
+            self.t = xavier(n, d // n, rank, fan_in=d // n, fan_out=rank)
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    @property
+    def rule(self) -> torch.Tensor:
+        return self._rule if self.shared else self.A
+
+    def factors(self) -> torch.Tensor:
+        """B_i [n, k/n, d/n]."""
+        return self.B if self.rank is None else self.s @ self.t.transpose(1, 2)
+
+    def weight(self) -> torch.Tensor:
+        """The materialised W [k, d] = sum_i kron(A_i, B_i) (for merging and for tests)."""
+        return sum(torch.kron(self.rule[i], self.factors()[i]) for i in range(self.n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.unflatten(-1, (self.n, self.k // self.n))                          # [..., a, p]
+        if self.rank is None:
+            z = torch.einsum("...ap,ipq->...iaq", xb, self.B)                      # X B_i
+        else:
+            xs = torch.einsum("...ap,ipr->...iar", xb, self.s)                     # X s_i
+            z = torch.einsum("...iar,iqr->...iaq", xs, self.t)                     # (X s_i) t_i^T
+        y = torch.einsum("...iaq,iab->...bq", z, self.rule)                        # sum_i A_i^T (.)
+        return y.flatten(-2) + self.bias
+
+
+class Adapter(nn.Module):
+    """x -> U(GeLU(D(x))) + x, with D, U plain linear or PHM/LPHM layers."""
+
+    def __init__(self, k: int, d: int, kind: str, n: int = 4, rank: int = 1, rule: nn.Parameter | None = None):
+        super().__init__()
+        if kind == "adapter":
+            self.down, self.up = nn.Linear(k, d), nn.Linear(d, k)
+            for lin in (self.down, self.up):  # near the identity at first
+                nn.init.normal_(lin.weight, std=1e-3)
+                nn.init.zeros_(lin.bias)
+        elif kind == "phm":
+            self.down, self.up = PHMLinear(k, d, n, None), PHMLinear(d, k, n, None)
+        else:
+            self.down, self.up = PHMLinear(k, d, n, rank, rule), PHMLinear(d, k, n, rank, rule)
+        self.merged: tuple[torch.Tensor, ...] | None = None
+
+    def merge(self) -> None:
+        """Inference: build the two weight matrices once (exact) instead of the PHM sums every call."""
+        with torch.no_grad():
+            if isinstance(self.down, PHMLinear):
+                self.merged = (self.down.weight(), self.down.bias.clone(), self.up.weight(), self.up.bias.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged is not None and not self.training:
+            wd, bd, wu, bu = self.merged
+            return F.gelu(x @ wd + bd) @ wu + bu + x
+        return self.up(F.gelu(self.down(x))) + x
+
+
+def adapter_parameter_formula(kind: str, layers: int, k: int, d: int, n: int = 4) -> int:
+    """The paper's weight counts (no biases) for L decoder layers, r = 1."""
+    if kind == "adapter":
+        return 2 * layers * (2 * k * d)
+    if kind == "phm":
+        return 4 * layers * (k * d // n + n**3)
+    if kind == "compacter":
+        return 4 * layers * (k + d) + n**3
+    if kind == "compacter++":
+        return 2 * layers * (k + d) + n**3
+    raise ValueError(kind)
+
+
+def freeze_for_adapters(model: nn.Module) -> list[str]:
+    """Only adapters, LayerNorms and (when present) pruning's interaction weights train; returns their names."""
+    train = []
+    for name, p in model.named_parameters():
+        keep = "adapter" in name or ".ln_" in name or name.startswith("ln_f") or ".pruning." in name
+        p.requires_grad_(keep)
+        if keep:
+            train.append(name)
+    return train
