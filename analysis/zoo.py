@@ -36,10 +36,13 @@ def describe(path: Path, loaded=None) -> dict:
         return row | {"error": str(e)}
     cfg, model, card = loaded.config, loaded.model, loaded.card
     counts = count_parameters(model)
+    # what a fine-tune of this model trains: everything, or (with adapters) adapters + norms + pruning
+    trainable = counts["adapters"] + counts["norms"] + counts["pruning"] if cfg.adapter else counts["total"]
     return row | {
         "mixer": cfg.mixer, "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads,
         "context": cfg.context, "attention params": counts["mixer"], "total params": counts["total"],
         **{f"{c} params": counts[c] for c in COMPONENTS},
+        "adapter": cfg.adapter or "", "trainable %": 100.0 * trainable / counts["total"],
         "test ppl": card.get("test_perplexity"), "KV-cache bytes/token": model.cache_bytes_per_token(),
         "train steps": card.get("steps"), "train tokens": card.get("tokens_seen"),
         "train tokens/s": card.get("train_tokens_per_s"), "status": card.get("status", "untrained"),

@@ -107,3 +107,15 @@ def test_adapter_config_errors():
         ModelConfig(d_model=16, n_heads=4, adapter="adapter", adapter_reduction=32)
     with pytest.raises(ConfigError, match="phm_n=3 must divide"):
         ModelConfig(adapter="phm", phm_n=3)
+
+
+def test_zoo_table_reports_the_trainable_share(tmp_path):
+    from analysis.zoo import describe
+    from models.checkpoint import save_model_dir
+    from models.tokenizer import train_bpe
+    tok = train_bpe(["a b c"] * 5, vocab_size=260, min_frequency=1)
+    model = DecoderLM(tiny_config("mha", vocab_size=300, adapter="compacter", adapter_reduction=4, phm_n=2))
+    row = describe(save_model_dir(tmp_path / "m", model, tok))
+    c = count_parameters(model)
+    assert row["adapter"] == "compacter"
+    assert row["trainable %"] == pytest.approx(100 * (c["adapters"] + c["norms"]) / c["total"])
