@@ -32,6 +32,15 @@ class ModelConfig:
     prune_beta: float = 2.0     # initial beta: positive, so nothing is dropped at first
     pattern: str = "dense"      # fixed sparse baselines: "local" (window of pattern_k) or "strided" (Child et al.)
     pattern_k: int = 64
+    # architecture options for imported models (GPT-2, Llama); the defaults are the zoo's decoder
+    n_kv_heads: int | None = None  # gqa: key/value heads (default n_heads // 2)
+    norm: str = "layernorm"     # layernorm | rmsnorm
+    positions: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    ffn: str = "gelu"           # gelu | gelu_tanh | swiglu
+    ffn_bias: bool = True
+    attn_bias: bool = False     # biases on W_Q, W_K, W_V, W_O (GPT-2; mha and gqa only)
+    tie_embeddings: bool = True
     adapter: str | None = None  # None | adapter | phm | compacter | compacter++ (papers.md section 4)
     adapter_reduction: int = 32  # bottleneck d = d_model / reduction
     phm_n: int = 4              # n of the PHM layers (A_i are n x n)
@@ -55,6 +64,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("positions", ("learned", "rope")),
+                              ("ffn", ("gelu", "gelu_tanh", "swiglu"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.positions == "rope" and self.d_head % 2:
+            raise ConfigError(f"rotary positions need an even d_head, got {self.d_head}")
         if self.pattern not in ("dense", "local", "strided"):
             raise ConfigError(f"pattern must be dense, local or strided, got {self.pattern!r}")
         if self.pattern != "dense" and self.prune:

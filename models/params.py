@@ -13,7 +13,7 @@ def component_of(name: str, model: nn.Module) -> str:
         return "adapters"
     if "pruning" in parts:
         return "pruning"
-    if parts[0] in ("wte", "wpe"):
+    if parts[0] in ("wte", "wpe", "lm_head"):
         return "embeddings"
     if "mixer" in parts:
         mixer = model.get_submodule(".".join(parts[: parts.index("mixer") + 1]))

@@ -17,26 +17,42 @@ from models.mixers import build_mixer
 
 
 class FeedForward(nn.Module):
+    """down(act(up(x))) with GELU (exact or tanh), or SwiGLU: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.kind = cfg.ffn
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias) if cfg.ffn == "swiglu" else None
         self.drop = nn.Dropout(cfg.dropout)
-        nn.init.normal_(self.up.weight, std=cfg.init_std)
-        nn.init.normal_(self.down.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        nn.init.zeros_(self.up.bias)
-        nn.init.zeros_(self.down.bias)
+        for lin, std in ((self.up, cfg.init_std), (self.gate, cfg.init_std),
+                         (self.down, cfg.init_std / math.sqrt(2 * cfg.n_layers))):
+            if lin is not None:
+                nn.init.normal_(lin.weight, std=std)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
 
     def forward(self, x):
-        return self.drop(self.down(F.gelu(self.up(x))))
+        if self.kind == "swiglu":
+            h = F.silu(self.gate(x)) * self.up(x)
+        else:
+            h = F.gelu(self.up(x), approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        return self.drop(self.down(h))
+
+
+def norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.ln_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, rule: nn.Parameter | None = None):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_1 = norm(cfg)
         self.mixer = build_mixer(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_2 = norm(cfg)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.adapter_mixer = self.adapter_ffn = None
@@ -47,8 +63,8 @@ class Block(nn.Module):
             if cfg.adapter != "compacter++":
                 self.adapter_mixer = make()
 
-    def forward(self, x, cache=None, record=None):
-        h = self.mixer(self.ln_1(x), cache, record)
+    def forward(self, x, cache=None, record=None, positions=None):
+        h = self.mixer(self.ln_1(x), cache, record, positions)
         if self.adapter_mixer is not None:
             h = self.adapter_mixer(h)
         x = x + self.drop(h)
@@ -72,14 +88,19 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         nn.init.normal_(self.wte.weight, std=cfg.init_std)
-        nn.init.normal_(self.wpe.weight, std=cfg.init_std)
+        self.wpe = None
+        if cfg.positions == "learned":
+            self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+            nn.init.normal_(self.wpe.weight, std=cfg.init_std)
+        self.lm_head = None
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
         self.drop = nn.Dropout(cfg.dropout)
         # COMPACTER: one set of A_i for every adapter in the model
         self.adapter_rule = shared_rule(cfg.phm_n) if cfg.adapter in ("compacter", "compacter++") else None
         self.blocks = nn.ModuleList(Block(cfg, self.adapter_rule) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_f = norm(cfg)
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:
         capacity = self.config.context if capacity is None else min(capacity, self.config.context)
@@ -106,17 +127,20 @@ class DecoderLM(nn.Module):
                 raise ValueError(f"position {int(positions[valid].max())} is outside the context window of {self.config.context}")
             for layer in cache.layers:
                 layer.q_pos, layer.valid = positions, valid
-            pos_emb = self.wpe(positions.clamp(0, self.config.context - 1))
+            positions = positions.clamp(0, self.config.context - 1)
         else:
             start = 0 if cache is None else cache.length
             if start + t > self.config.context:
                 raise ValueError(f"{start + t} positions exceed the context window of {self.config.context}")
-            pos_emb = self.wpe(torch.arange(start, start + t, device=idx.device))
-        x = self.drop(self.wte(idx) + pos_emb)
+            positions = torch.arange(start, start + t, device=idx.device)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
+        x = self.drop(x)
         records = [{} for _ in self.blocks] if diagnostics else None
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i])
-        logits = self.ln_f(x) @ self.wte.weight.t()
+            x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions)
+        logits = self.ln_f(x) @ (self.wte.weight if self.lm_head is None else self.lm_head).t()
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)

@@ -29,6 +29,9 @@ def attention(mixer, x):
         for i in range(n):
             if name in ("mha", "sha"):
                 Q, K, V = xb @ mixer.W_Q[:, i], xb @ mixer.W_K[:, i], xb @ mixer.W_V[:, i]
+            elif name == "gqa":  # query head i reads key/value head i // (n / n_kv)
+                g = i // (n // mixer.kv_heads)
+                Q, K, V = xb @ mixer.W_Q[:, i], xb @ mixer.W_K[:, g], xb @ mixer.W_V[:, g]
             elif name == "mqa":
                 Q, K, V = xb @ mixer.W_Q[:, i], xb @ mixer.W_K[:, 0], xb @ mixer.W_V[:, 0]
             elif name == "skv":

@@ -23,9 +23,25 @@ def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-def split_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [B,T,d_m] @ w [d_m,n,d_h] -> [B,n,T,d_h]."""
-    return (x @ w.flatten(1)).unflatten(-1, w.shape[1:]).transpose(1, 2)
+def split_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B,T,d_m] @ w [d_m,n,d_h] (+ b [n,d_h]) -> [B,n,T,d_h]."""
+    y = x @ w.flatten(1)
+    if b is not None:
+        y = y + b.flatten()
+    return y.unflatten(-1, w.shape[1:]).transpose(1, 2)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding, the half-split convention of Llama: x [B,H,T,D]; positions [T] or [B,T]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.to(torch.float32)[..., None] * inv                      # [T, D/2] or [B, T, D/2]
+    ang = torch.cat([ang, ang], dim=-1)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    if positions.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def projection(d_model: int, heads: int, d_head: int, std: float) -> nn.Parameter:
@@ -35,8 +51,17 @@ def projection(d_model: int, heads: int, d_head: int, std: float) -> nn.Paramete
 class Attention(Mixer):
     """Shared machinery: project, (cache), attend, per-head output map, concat, W_O."""
 
-    out_names = ("W_O",)
+    out_names = ("W_O", "b_O")
     kv_shared = False  # K is V (SKV, EL-ATT): cache only K
+    supports = ()      # architecture options this variant accepts beyond the defaults: "bias", "rope"
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.attn_bias and "bias" not in cls.supports:
+            raise ConfigError(f"attn_bias is supported by mha and gqa, not {cfg.mixer}")
+        if cfg.positions == "rope" and "rope" not in cls.supports:
+            raise ConfigError(f"rotary positions are supported by mha, sha, mqa and gqa, not {cfg.mixer} "
+                              "(they would break its K = V or head-embedding identities)")
 
     def __init__(self, cfg, n_heads: int):
         super().__init__()
@@ -47,6 +72,8 @@ class Attention(Mixer):
         self.pruning = ContextPruning(cfg.d_model, cfg.prune_r, cfg.prune_beta) if cfg.prune else None
         self.prune_mass = None  # training: sum over j < k of I_{k,j}, batch mean (for the sparsity loss)
         self.pattern, self.pattern_k = cfg.pattern, cfg.pattern_k
+        self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else None
+        self.b_O = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.attn_bias else None
 
     n_groups = property(lambda self: self.n_heads)
 
@@ -64,8 +91,14 @@ class Attention(Mixer):
             spec["k_int"] = (self.pruning.r,)
         return spec
 
-    def forward(self, x, cache=None, record=None):
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        y = self.head_outputs(o).transpose(1, 2).flatten(2) @ self.W_O
+        return y if self.b_O is None else y + self.b_O
+
+    def forward(self, x, cache=None, record=None, positions=None):
         q, k, v = self.project(x)
+        if self.rope_theta is not None:
+            q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
         if isinstance(cache, CompactCache):
             return self.compact_step(x, q, k, v, cache, record)
         bias = keep = None
@@ -99,7 +132,7 @@ class Attention(Mixer):
             record["attn"] = probs
             if keep is not None:
                 record["keep"] = keep
-        return self.head_outputs(o).transpose(1, 2).flatten(2) @ self.W_O
+        return self.output(o)
 
     def compact_step(self, x, q, k, v, cache: CompactCache, record=None):
         """Inference over the compacted cache: insert the new tokens, let them drop what they drop (the
@@ -131,27 +164,39 @@ class Attention(Mixer):
                                      need_weights=record is not None, causal=False)
         if record is not None:
             record |= {"attn": probs, "slot_pos": slot_pos}
-        return self.head_outputs(o).transpose(1, 2).flatten(2) @ self.W_O
+        return self.output(o)
 
 
 @register("mha")
 class MHA(Attention):
-    """Per-head W_i^Q, W_i^K, W_i^V."""
+    """Per-head W_i^Q, W_i^K, W_i^V (with kv_heads < n_heads: grouped-query attention)."""
 
-    def __init__(self, cfg, n_heads: int | None = None):
+    supports = ("bias", "rope")
+
+    def __init__(self, cfg, n_heads: int | None = None, kv_heads: int | None = None):
         super().__init__(cfg, cfg.n_heads if n_heads is None else n_heads)
         n, std = self.n_heads, cfg.init_std
+        self.kv_heads = n if kv_heads is None else kv_heads
         self.W_Q = projection(cfg.d_model, n, cfg.d_head, std)
-        self.W_K = projection(cfg.d_model, n, cfg.d_head, std)
-        self.W_V = projection(cfg.d_model, n, cfg.d_head, std)
+        self.W_K = projection(cfg.d_model, self.kv_heads, cfg.d_head, std)
+        self.W_V = projection(cfg.d_model, self.kv_heads, cfg.d_head, std)
+        self.b_Q = self.b_K = self.b_V = None
+        if cfg.attn_bias:
+            self.b_Q = nn.Parameter(torch.zeros(n, cfg.d_head))
+            self.b_K = nn.Parameter(torch.zeros(self.kv_heads, cfg.d_head))
+            self.b_V = nn.Parameter(torch.zeros(self.kv_heads, cfg.d_head))
+
+    n_groups = property(lambda self: self.kv_heads)
 
     def project(self, x):
-        return split_heads(x, self.W_Q), split_heads(x, self.W_K), split_heads(x, self.W_V)
+        return split_heads(x, self.W_Q, self.b_Q), split_heads(x, self.W_K, self.b_K), split_heads(x, self.W_V, self.b_V)
 
 
 @register("sha")
 class SHA(MHA):
     """A single head of width d_h; W_O maps d_h -> d_m."""
+
+    supports = ("rope",)
 
     def __init__(self, cfg):
         super().__init__(cfg, n_heads=1)
@@ -160,6 +205,8 @@ class SHA(MHA):
 @register("mqa")
 class MQA(Attention):
     """Per-head W_i^Q, one shared W^K and W^V."""
+
+    supports = ("rope",)
 
     n_groups = property(lambda self: 1)
 
@@ -197,6 +244,7 @@ class ELAtt(Attention):
 
     @classmethod
     def check_config(cls, cfg):
+        super().check_config(cfg)
         if cfg.n_heads * cfg.d_head != cfg.d_model:
             raise ConfigError(f"el-att slices the input into heads: n_heads*d_head ({cfg.n_heads}*{cfg.d_head}) must equal d_model ({cfg.d_model})")
 
@@ -259,3 +307,22 @@ class MHEAdd(MHE):
 
     def head_outputs(self, o):
         return o + self.e_V[:, None, :]
+
+
+@register("gqa")
+class GQA(MHA):
+    """Grouped-query attention: n_kv_heads key/value heads, each shared by n_heads / n_kv_heads queries
+    (the Llama family). Not one of the papers' variants: it is here for imported models."""
+
+    @classmethod
+    def check_config(cls, cfg):
+        super().check_config(cfg)
+        if cfg.n_heads % cls.kv_heads_of(cfg):
+            raise ConfigError(f"gqa: n_heads={cfg.n_heads} is not a multiple of n_kv_heads={cls.kv_heads_of(cfg)}")
+
+    @staticmethod
+    def kv_heads_of(cfg) -> int:
+        return cfg.n_kv_heads or max(1, cfg.n_heads // 2)
+
+    def __init__(self, cfg):
+        super().__init__(cfg, kv_heads=self.kv_heads_of(cfg))

@@ -18,12 +18,13 @@ def register(name: str):
 
 
 class Mixer(nn.Module):
-    """A token mixer. forward(x, cache, record):
+    """A token mixer. forward(x, cache, record, positions):
 
     x [B,T,d_m] is the layer-normed input. Without a cache it is the whole sequence; with one,
     x holds the T new positions, which are appended to the cache and mixed with the past.
     `record` is None unless diagnostics were asked for; then the mixer writes into it what the
     app shows ("attn": probabilities [B,H,T,S], or "mixing": an Extractor's [T,S] weights).
+    `positions` ([T] or [B,T]) are the new tokens' positions, for rotary embeddings.
     """
 
     name = "?"

@@ -31,6 +31,8 @@ class Extractor(Mixer):
     def check_config(cls, cfg):
         if cfg.prune:
             raise ConfigError(f"context pruning needs softmax attention; {cfg.mixer} is an Extractor")
+        if cfg.positions != "learned" or cfg.attn_bias:
+            raise ConfigError(f"{cfg.mixer} is an Extractor: rotary positions and attention biases do not apply")
 
     def __init__(self, cfg):
         super().__init__()
@@ -51,7 +53,7 @@ class Extractor(Mixer):
     def cache_spec(self):
         return {"x": (self.d_model,)}
 
-    def forward(self, x, cache=None, record=None):
+    def forward(self, x, cache=None, record=None, positions=None):  # positions: order is in the lags already
         src = x @ self.W_in_ext if self.in_projection else x
         start = 0
         if cache is not None:

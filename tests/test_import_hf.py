@@ -1,0 +1,84 @@
+"""Hugging Face GPT-2 and Llama import: logits and greedy generations match the original, offline."""
+import json
+
+import pytest
+import torch
+
+from models.checkpoint import load_model_dir
+from models.generate import generate
+from models.import_hf import ImportError_, import_hf
+from models.tokenizer import train_bpe
+
+
+def save_hf(model, tmp_path, name):
+    src = tmp_path / name
+    model.save_pretrained(src)  # safetensors
+    train_bpe(["tiny random text for a tokenizer"] * 10, vocab_size=270, min_frequency=1).save(str(src / "tokenizer.json"))
+    return src
+
+
+def gpt2(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=300, n_positions=64, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def llama(seed=0, tied=False, kv=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=kv, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=tied,
+                      bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to 1: perturb them so the test sees their weights
+        for n_, p in m.named_parameters():
+            if "norm" in n_:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+@pytest.mark.parametrize("make", [gpt2, lambda: llama(tied=False), lambda: llama(tied=True), lambda: llama(kv=4),
+                                  lambda: llama(kv=1)], ids=["gpt2", "llama", "llama-tied", "llama-mha", "llama-mqa"])
+def test_logits_and_greedy_generation_match(make, tmp_path):
+    hf = make()
+    ours = load_model_dir(import_hf(save_hf(hf, tmp_path, "src"), tmp_path / "ours")).model
+    ids = torch.randint(0, 300, (2, 23))
+    with torch.no_grad():
+        diff = (ours(ids).logits - hf(ids).logits).abs().max().item()
+    assert diff < 1e-4
+    prompt = ids[0, :5]
+    with torch.no_grad():
+        want = hf.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert generate(ours, prompt.tolist(), 12, greedy=True).new_ids == want
+
+
+def test_imported_llama_decodes_incrementally(tmp_path):
+    ours = load_model_dir(import_hf(save_hf(llama(), tmp_path, "src"), tmp_path / "ours")).model
+    ids = torch.randint(0, 300, (2, 17))
+    with torch.no_grad():
+        full = ours(ids).logits
+        cache = ours.new_cache(batch=2)
+        steps = torch.cat([ours(ids[:, i:i + 1], cache=cache).logits for i in range(17)], 1)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
+    assert ours.config.mixer == "gqa" and ours.blocks[0].mixer.n_groups == 2
+
+
+def test_import_errors(tmp_path):
+    with pytest.raises(ImportError_, match="does not exist"):
+        import_hf(tmp_path / "none", tmp_path / "o")
+    src = save_hf(gpt2(), tmp_path, "src")
+    (src / "tokenizer.json").unlink()
+    with pytest.raises(ImportError_, match="tokenizer.json is missing"):
+        import_hf(src, tmp_path / "o")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, str(bert / "model.safetensors"))
+    (bert / "tokenizer.json").write_text(train_bpe(["a"], vocab_size=260).to_str())
+    with pytest.raises(ImportError_, match="unsupported architecture bert"):
+        import_hf(bert, tmp_path / "o")
+    (bert / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(ImportError_, match="could not read the checkpoint"):
+        import_hf(bert, tmp_path / "o")
