@@ -47,15 +47,31 @@ def _masked(m: np.ndarray) -> np.ndarray:
     return out
 
 
-def overview_figure(maps: np.ndarray, kind: str, title: str = "") -> go.Figure:
-    """A layers x heads grid of small maps."""
+def pooled(m: np.ndarray, cells: int) -> np.ndarray:
+    """Average-pool a [T,T] map to at most cells x cells (the future, NaN, stays blank where a whole
+    block is in the future)."""
+    t = m.shape[0]
+    f = -(-t // cells)
+    if f == 1:
+        return m
+    pad = (-t) % f
+    x = np.pad(m, ((0, pad), (0, pad)), constant_values=np.nan)
+    blocks = x.reshape(x.shape[0] // f, f, x.shape[1] // f, f)
+    count = np.isfinite(blocks).sum(axis=(1, 3))
+    total = np.nansum(blocks, axis=(1, 3))
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def overview_figure(maps: np.ndarray, kind: str, title: str = "", cells: int = 64) -> go.Figure:
+    """A layers x heads grid of small maps, each averaged down to at most cells x cells (the zoomed map
+    shows every token; this keeps the grid light in the browser)."""
     L, H = maps.shape[:2]
     fig = make_subplots(rows=L, cols=H, horizontal_spacing=0.01, vertical_spacing=0.02,
                         row_titles=[f"L{i}" for i in range(L)], column_titles=[f"H{j}" for j in range(H)] if H > 1 else None)
     for i in range(L):
         for j in range(H):
-            fig.add_trace(go.Heatmap(z=_masked(maps[i, j]), coloraxis="coloraxis",
-                                     hovertemplate=f"layer {i} head {j}<br>query %{{y}} key %{{x}}<br>%{{z:.3f}}<extra></extra>"),
+            fig.add_trace(go.Heatmap(z=pooled(_masked(maps[i, j]), cells), coloraxis="coloraxis",
+                                     hovertemplate=f"layer {i} head {j}<br>%{{z:.3f}}<extra></extra>"),
                           row=i + 1, col=j + 1)
     fig.update_xaxes(showticklabels=False)
     fig.update_yaxes(showticklabels=False, autorange="reversed")

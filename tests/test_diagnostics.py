@@ -63,3 +63,21 @@ def test_extractor_mixing_matrix_is_the_lag_toeplitz(mixer):
             assert m[i, j] == (w[i - j] if j <= i else 0)
     rms = mod.lag_profile()["rms"]
     torch.testing.assert_close(rms, mod.w_ext.reshape(mod.w_ext.shape[0], -1).pow(2).mean(1).sqrt())
+
+
+def test_overview_pools_long_maps_and_keeps_short_ones():
+    import warnings
+
+    import numpy as np
+
+    from analysis.maps import overview_figure, pooled
+    m = np.tril(np.random.default_rng(0).random((130, 130)))
+    m[np.triu_indices(130, 1)] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an all-future block must not warn
+        p = pooled(m, 64)
+    assert p.shape == (44, 44)
+    assert np.isclose(p[0, 0], np.nanmean(m[:3, :3])) and np.isnan(p[0, 1])
+    assert pooled(m[:40, :40], 64) is not None and pooled(m[:40, :40], 64).shape == (40, 40)
+    fig = overview_figure(np.zeros((2, 3, 130, 130)), "attention")
+    assert len(fig.data) == 6 and np.array(fig.data[0].z).shape == (44, 44)
