@@ -24,6 +24,9 @@ if not paths:
 
 table = zoo_table(paths, loader=lambda p: load(str(p)))
 good = table[table["error"].isna()].drop(columns=["error", "path"])
+first = ["model", "mixer", "test ppl", "PRR", "PEoP", "attention params", "total params", "KV-cache bytes/token",
+         "adapter", "trainable %"]
+good = good[[c for c in first if c in good] + [c for c in good if c not in first]]
 st.subheader(f"{len(good)} model(s) found")
 for _, row in table[table["error"].notna()].iterrows():
     st.error(f"{row['model']}: {row['error']}")

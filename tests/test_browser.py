@@ -60,11 +60,25 @@ def browser():
         b.close()
 
 
-def wait_idle(page, timeout=120_000):
-    """Streamlit shows a running indicator while the script runs; wait for it to go."""
-    page.wait_for_selector("[data-testid='stApp']", timeout=timeout)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
-    page.wait_for_timeout(500)
+BUSY = "[data-testid='stStatusWidgetRunningIcon'], [data-testid='stSpinner']"
+# pages that draw at least one figure with their defaults on the shipped zoo
+CHARTS = {"": 1, "Attention": 2, "Heads": 3, "Extractors": 2, "Attribution": 1, "Compare": 3}
+
+
+def wait_idle(page, timeout_s=180, quiet_s=1.5):
+    """Streamlit's running indicator shows up only after a moment, so 'not running' means: no running
+    icon or spinner for quiet_s seconds in a row."""
+    page.wait_for_selector("[data-testid='stApp']", timeout=timeout_s * 1000)
+    deadline, quiet_since = time.time() + timeout_s, None
+    while time.time() < deadline:
+        if page.locator(BUSY).count():
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = time.time()
+        elif time.time() - quiet_since >= quiet_s:
+            return
+        page.wait_for_timeout(100)
+    raise AssertionError(f"the app was still running after {timeout_s} s")
 
 
 @pytest.mark.parametrize("name", PAGES)
@@ -77,6 +91,10 @@ def test_every_page_renders(server, browser, name):
     wait_idle(page)
     page.wait_for_selector("h1", timeout=60_000)
     assert page.locator("[data-testid='stException']").count() == 0
+    if CHARTS.get(name):  # the figures really drew (plotly's SVG is there)
+        page.wait_for_function("n => Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                               ".filter(e => e.querySelector('.main-svg')).length >= n", arg=CHARTS[name],
+                               timeout=60_000)
     page.screenshot(path=str(SHOTS / f"{name or 'Models'}.png"), full_page=True)
     assert not errors, errors
     page.close()
