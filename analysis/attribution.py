@@ -7,6 +7,8 @@ import plotly.graph_objects as go
 import torch
 from captum.attr import LayerGradientXActivation, LayerIntegratedGradients
 
+from models.transformer import evaluating
+
 METHODS = ("integrated gradients", "gradient x input", "saliency")
 MAX_STEPS = 64   # integrated-gradients steps, capped to keep the page responsive on a CPU
 
@@ -25,13 +27,11 @@ def attribute(model, ids: list[int], position: int, target: int | None = None, m
         raise ValueError(f"position {position} is outside the text's {len(ids)} tokens")
     steps = max(2, min(int(steps), MAX_STEPS))
     x = torch.tensor([ids[:position + 1]], device=model.wte.weight.device)
-    was = model.training
-    model.eval()
 
     def logprob(inp):
         return model(inp).logits[:, -1].float().log_softmax(-1)[:, target]
 
-    try:
+    with evaluating(model):
         with torch.no_grad():
             lp = model(x).logits[0, -1].float().log_softmax(-1)
         if target is None:
@@ -45,8 +45,6 @@ def attribute(model, ids: list[int], position: int, target: int | None = None, m
                 scores = LayerGradientXActivation(logprob, model.wte).attribute(x).sum(-1)
             else:
                 scores = LayerGradientXActivation(logprob, model.wte, multiply_by_inputs=False).attribute(x).norm(dim=-1)
-    finally:
-        model.train(was)
     return scores[0].detach().float().cpu().numpy(), target, float(lp[target])
 
 

@@ -8,21 +8,25 @@ import torch
 from plotly.subplots import make_subplots
 
 from models.mixers.extractor import Extractor
+from models.transformer import evaluating
 
 
 @torch.inference_mode()
+def layer_records(model, ids: list[int]) -> list[dict]:
+    """One inference forward over the text with diagnostics: what each layer recorded."""
+    if len(ids) > model.config.context:
+        raise ValueError(f"{len(ids)} tokens exceed the model's context of {model.config.context}; take a window")
+    with evaluating(model):
+        return model(torch.tensor([ids], device=model.wte.weight.device), diagnostics=True).diagnostics
+
+
 def mixing_maps(model, ids: list[int]) -> tuple[np.ndarray, str]:
     """[layers, heads, T, T] and the kind: 'attention' (probabilities per head) or 'extractor'
     (the lag weights as a causal Toeplitz matrix, channel mean, one 'head' per layer)."""
-    if len(ids) > model.config.context:
-        raise ValueError(f"{len(ids)} tokens exceed the model's context of {model.config.context}; take a window")
-    was = model.training
-    model.eval()
-    out = model(torch.tensor([ids], device=model.wte.weight.device), diagnostics=True)
-    model.train(was)
-    if "attn" in out.diagnostics[0]:
-        return np.stack([d["attn"][0].float().cpu().numpy() for d in out.diagnostics]), "attention"
-    return np.stack([d["mixing"][None].float().cpu().numpy() for d in out.diagnostics]), "extractor"
+    records = layer_records(model, ids)
+    if "attn" in records[0]:
+        return np.stack([d["attn"][0].float().cpu().numpy() for d in records]), "attention"
+    return np.stack([d["mixing"][None].float().cpu().numpy() for d in records]), "extractor"
 
 
 def is_extractor(model) -> bool:

