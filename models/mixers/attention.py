@@ -146,16 +146,14 @@ class Attention(Mixer):
         cache.insert(new, q_pos, valid)
         past = cache.view()
         slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
-        earlier = slot_pos[:, None, :] < q_pos[:, :, None]                       # [B,T,S]
-        allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])
+        allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])  # [B,T,S]
         if self.pruning is not None:
-            survive = (self.pruning.scores(x, past["k_int"]) > 0) | ~earlier | ~valid[:, :, None]
-            kept = survive.cumprod(dim=1).bool()                                 # a drop is forever
+            kept = self.pruning.survival(x, past["k_int"], slot_pos, q_pos, valid)
             allowed = allowed & kept
             last = (valid.long() * torch.arange(valid.shape[1], device=x.device)).argmax(1)  # last valid row
             rows = torch.arange(x.shape[0], device=x.device)
-            first_drop = (~survive).long().argmax(1)                             # [B,S]
-            trigger = torch.where((~survive).any(1), torch.gather(q_pos, 1, first_drop), -1)
+            dropped = ~kept                                                      # from its first drop on
+            trigger = torch.where(dropped.any(1), torch.gather(q_pos, 1, dropped.long().argmax(1)), -1)
             cache.update_live(kept[rows, last], trigger)
         allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
         bias = additive(allowed, q.dtype)[:, None]

@@ -155,19 +155,26 @@ class ContextPruning(nn.Module):
         keep = torch.where(causal, torch.where(later, sig, one).cumprod(dim=1), zero)
         return log_i.masked_fill(~causal, float("-inf")), keep
 
-    def step_keep(self, x_new: torch.Tensor, k_int: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-        """Inference, incremental: the T new queries (the last T of S positions) decide drops with the step
-        function. alive [B,S] says which positions were still kept before them. Returns keep [B,T,S] (bool)
-        for the attention of each new row; keep[:, -1] is the new alive state."""
-        b, t, _ = x_new.shape
-        s = k_int.shape[1]
-        survive = self.scores(x_new, k_int) > 0                                        # [B, n, j]
-        q_pos = torch.arange(s - t, s, device=x_new.device)[:, None]
-        j = torch.arange(s, device=x_new.device)[None]
-        survive = survive | (j >= q_pos)                                               # only n > j can drop j
-        keep = alive[:, None, :] & survive.cumprod(dim=1).bool()
-        return keep & (j <= q_pos)
+    def survival(self, x_new: torch.Tensor, k_int: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Inference: whether each key has survived every new query up to and including each row (the step
+        function; only a later query can drop a key, and a drop is forever; rows marked not valid drop
+        nothing). The new query rows are in position order. key_pos [S] or [B,S], q_pos [T] or [B,T]
+        -> [B,T,S] bool."""
+        later = key_pos[..., None, :] < q_pos[..., :, None]
+        survive = (self.scores(x_new, k_int) > 0) | ~later
+        if valid is not None:
+            survive = survive | ~valid[:, :, None]
+        return survive.cumprod(dim=1).bool()
 
+    def step_keep(self, x_new: torch.Tensor, k_int: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Inference over the static cache: the T new queries are the last T of S positions. alive [B,S] says
+        which positions were still kept before them. Returns keep [B,T,S] (bool) for the attention of each
+        new row; keep[:, -1] is the new alive state."""
+        t, s = x_new.shape[1], k_int.shape[1]
+        j = torch.arange(s, device=x_new.device)
+        q = torch.arange(s - t, s, device=x_new.device)
+        return alive[:, None, :] & self.survival(x_new, k_int, j, q) & (j[None, :] <= q[:, None])
 
 def sparsity(keep: torch.Tensor) -> torch.Tensor:
     """Per query position k: the share of the k earlier tokens that are dropped ([B,T,T] -> [B,T]; 0 at k = 0)."""
