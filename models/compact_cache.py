@@ -18,9 +18,14 @@ def _round_up(n: int) -> int:
     return max(ALIGN, -(-n // ALIGN) * ALIGN)
 
 
+def _first(mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the slot indices where mask is True first, each group in slot order (a stable sort)."""
+    return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+
+
 class CompactCache:
     def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device):
-        self.spec, self.batch, self.dtype, self.device = spec, batch, dtype, device
+        self.batch, self.device = batch, device
         self.capacity = _round_up(capacity)
         self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device) for n, s in spec.items()}
         self.live = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)
@@ -57,7 +62,7 @@ class CompactCache:
             free = ~self.live
         # the k-th valid new token of a row takes that row's k-th free slot (lowest first)
         rank = valid.long().cumsum(1) - 1                                         # [B, T]
-        order = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices   # free slots first, in order
+        order = _first(free)
         slot = torch.gather(order, 1, rank.clamp_min(0))                          # [B, T]
         b_idx = torch.arange(self.batch, device=self.device)[:, None].expand(-1, t)
         rows, cols = b_idx[valid], slot[valid]
@@ -90,23 +95,17 @@ class CompactCache:
         most = int(self.live[:, :self.end].sum(1).max())
         if most >= COMPACT_BELOW * self.end:
             return
-        # stable gather: each row's live slots to the front, in their order
-        order = torch.sort((~self.live[:, :self.end]).to(torch.int8), dim=1, stable=True).indices[:, :most]  # [B, most]
+        # stable gather of each row's live slots to the front, into new tensors, never in place: the step
+        # that triggered this still attends over views of the old buffers
+        order = _first(self.live[:, :self.end])[:, :most]                          # [B, most]
         for n, buf in self.buffers.items():
             moved = buf[..., :self.end, :].movedim(-2, 1)                          # [B, end, *lead, w]
             idx = order.view(*order.shape, *([1] * (moved.dim() - 2))).expand(-1, -1, *moved.shape[2:])
-            gathered = torch.gather(moved, 1, idx).movedim(1, -2)
-            cap = _round_up(max(most, 1) + ALIGN)
-            new = torch.zeros(*buf.shape[:-2], cap, buf.shape[-1], dtype=buf.dtype, device=buf.device)
-            new[..., :most, :] = gathered
-            self.buffers[n] = new
-        cap = self.buffers[next(iter(self.buffers))].shape[-2]
-        live = torch.gather(self.live[:, :self.end], 1, order)
-        pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~live, -1)
-        self.live = torch.zeros(self.batch, cap, dtype=torch.bool, device=self.device)
-        self.pos = torch.full((self.batch, cap), -1, dtype=torch.long, device=self.device)
-        self.live[:, :most], self.pos[:, :most] = live, pos
-        self.end, self.capacity = most, cap
+            self.buffers[n] = torch.gather(moved, 1, idx).movedim(1, -2)
+        self.live = torch.gather(self.live[:, :self.end], 1, order)
+        self.pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~self.live, -1)
+        self.end = self.capacity = most
+        self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
         self.compactions += 1
 
     def nbytes(self) -> int:
