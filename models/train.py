@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -160,8 +161,7 @@ def save_state(path: Path, model, opt, step: int, meta: dict) -> None:
         for k, v in st.items():
             tensors[f"opt/{idx}/{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
     tensors["rng/torch"] = torch.get_rng_state()
-    groups = [{k: v for k, v in g.items()} for g in opt_state["param_groups"]]
-    meta = dict(meta, step=step, param_groups=groups)
+    meta = dict(meta, step=step, param_groups=opt_state["param_groups"])
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"state": json.dumps(meta)})
     os.replace(tmp, path)
@@ -170,7 +170,6 @@ def save_state(path: Path, model, opt, step: int, meta: dict) -> None:
 def load_state(path: Path, model, opt) -> dict:
     try:
         tensors = load_file(str(path))
-        from safetensors import safe_open
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata()["state"])
     except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as e:
@@ -186,17 +185,17 @@ def load_state(path: Path, model, opt) -> dict:
     return meta
 
 
-PRUNING_FIELDS = {"prune", "prune_r", "prune_beta", "pattern", "pattern_k",
-                  "adapter", "adapter_reduction", "phm_n", "phm_rank"}  # fields a fine-tune may add
+FINE_TUNE_FIELDS = {"prune", "prune_r", "prune_beta", "pattern", "pattern_k",
+                    "adapter", "adapter_reduction", "phm_n", "phm_rank"}  # config fields a fine-tune may change
 
 
 def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenizer) -> None:
-    """Start from a trained model directory whose config matches except for pruning / pattern fields;
-    only the new pruning parameters may be missing from it."""
+    """Start from a trained model directory whose config matches except for FINE_TUNE_FIELDS; only the
+    parameters those add (pruning, adapters) may be missing from it."""
     from models.checkpoint import load_model_dir
     base = load_model_dir(path)
     a, b = base.config.to_dict(), model_cfg.to_dict()
-    differ = sorted(k for k in a if k not in PRUNING_FIELDS and a[k] != b[k])
+    differ = sorted(k for k in a if k not in FINE_TUNE_FIELDS and a[k] != b[k])
     if differ:
         raise ConfigError(f"init_from {path}: its config differs in {', '.join(f'{k} ({a[k]} vs {b[k]})' for k in differ)}")
     if base.tokenizer.to_str() != data_tokenizer.to_str():
@@ -306,6 +305,10 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         kept = sum(float(k.float().tril(-1).sum()) for k in keeps)
         return 1 - kept / (len(keeps) * x.shape[0] * ctx * (ctx - 1) / 2)
 
+    def checkpoint() -> None:
+        save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
+                                                  "elapsed_s": elapsed})
+
     def record(entry: dict) -> None:
         if main_proc:
             with log_path.open("a") as f:
@@ -373,8 +376,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                     entry["sparsity"] = valid_sparsity()
                 record(entry)
             if main_proc and step % tc.checkpoint_interval == 0 and step < tc.steps:
-                save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
-                                                          "elapsed_s": elapsed})
+                checkpoint()
             bar.update(1)
     finally:
         bar.close()
@@ -382,8 +384,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
             signal.signal(sig, handler)
     if stop.reason:
         if main_proc:
-            save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
-                                                      "elapsed_s": elapsed})
+            checkpoint()
             log.warning("stopped at step %d (%s); run the same command again to resume", step, stop.reason)
         return {"status": "interrupted", "steps": step}
 
