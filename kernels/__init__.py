@@ -1,37 +1,48 @@
 """Kernel functions behind one dispatch: Triton for CUDA tensors, the reference otherwise.
 
-`MIXSCOPE_KERNELS=reference|triton` overrides the choice. The app, `generate` and the
-benchmarks all call these functions, so they run the same code.
+`MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
+the interpreter the tests use). The app, `generate` and the benchmarks all call these functions, so they
+run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's matrix lags) run
+the reference on every device; `last_paths()` reports what really ran.
 """
 from __future__ import annotations
 
 import os
 
+import torch
+
 from kernels import reference
 
-# Triton implementations register here by op name (none are built yet: see README).
-TRITON: dict[str, object] = {}
 _last_path: dict[str, str] = {}
+
+
+def _triton_ops() -> dict[str, object]:
+    try:
+        from kernels import triton_attention, triton_lag
+    except ImportError:  # no triton on this machine: everything runs the reference
+        return {}
+    return {"attention": _triton_attention, "decode": triton_attention.decode, "lag_conv": triton_lag.lag_conv,
+            "compact_decode": triton_attention.decode}
 
 
 def backend_for(op: str, tensor) -> str:
     forced = os.environ.get("MIXSCOPE_KERNELS", "").strip().lower()
     if forced not in ("", "reference", "triton"):
         raise ValueError(f"MIXSCOPE_KERNELS must be 'reference' or 'triton', got {forced!r}")
-    if forced == "triton":
-        if op not in TRITON:
-            raise RuntimeError(f"MIXSCOPE_KERNELS=triton, but this build has no Triton kernel for {op!r}")
-        return "triton"
-    if forced == "reference":
+    if forced == "reference" or op not in TRITON:
         return "reference"
-    return "triton" if tensor.is_cuda and op in TRITON else "reference"
+    if forced == "triton":
+        if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("MIXSCOPE_KERNELS=triton needs CUDA tensors (or TRITON_INTERPRET=1, Triton's "
+                               "slow CPU interpreter, for tests)")
+        return "triton"
+    return "triton" if tensor.is_cuda else "reference"
 
 
-def _call(op: str, tensor, *args, **kwargs):
+def _run(op: str, tensor, ref, *args, **kwargs):
     path = backend_for(op, tensor)
     _last_path[op] = path
-    impl = TRITON[op] if path == "triton" else getattr(reference, op)
-    return impl(tensor, *args, **kwargs)
+    return (TRITON[op] if path == "triton" else ref)(*args, **kwargs)
 
 
 def last_paths() -> dict[str, str]:
@@ -39,9 +50,66 @@ def last_paths() -> dict[str, str]:
     return dict(_last_path)
 
 
-def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True):
-    return _call("attention", q, k, v, scale=scale, bias=bias, need_weights=need_weights, causal=causal)
+class _FusedAttention(torch.autograd.Function):
+    """Forward in Triton; backward recomputes the reference under autograd (no Triton backward yet)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, q_mul, q_add, o_mul, o_add, scale, causal):
+        from kernels import triton_attention
+        ctx.save_for_backward(q, k, v, bias, q_mul, q_add, o_mul, o_add)
+        ctx.scale, ctx.causal = scale, causal
+        return triton_attention.prefill(q, k, v, scale=scale, bias=bias, causal=causal, q_mul=q_mul, q_add=q_add,
+                                        o_mul=o_mul, o_add=o_add)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip(saved, ctx.needs_input_grad)]
+        with torch.enable_grad():
+            q, k, v, bias, q_mul, q_add, o_mul, o_add = leaves
+            out, _ = reference.attention(q, k, v, scale=ctx.scale, bias=bias, causal=ctx.causal, q_mul=q_mul,
+                                         q_add=q_add, o_mul=o_mul, o_add=o_add)
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*[next(grads) if t is not None and t.requires_grad else None for t in leaves], None, None)
+
+
+def _triton_attention(q, k, v, *, scale, bias=None, causal=True, q_mul=None, q_add=None, o_mul=None, o_add=None):
+    from kernels import triton_attention
+    maps = dict(q_mul=q_mul, q_add=q_add, o_mul=o_mul, o_add=o_add)
+    if q.shape[2] == 1:  # one query per sequence: the split-KV decode kernel (it sees the whole cache)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *maps.values())):
+            return _FusedAttention.apply(q, k, v, bias, q_mul, q_add, o_mul, o_add, scale, causal)
+        return triton_attention.decode(q, k, v, scale=scale, bias=bias, **maps)
+    return _FusedAttention.apply(q, k, v, bias, q_mul, q_add, o_mul, o_add, scale, causal)
+
+
+TRITON: dict[str, object] = _triton_ops()
+
+
+def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True, **maps):
+    """(out, probs or None); see kernels.reference.attention. Attention weights come from the reference."""
+    if need_weights:
+        _last_path["attention"] = "reference"
+        return reference.attention(q, k, v, scale=scale, bias=bias, need_weights=True, causal=causal, **maps)
+    out = _run("attention", q, lambda *a, **kw: reference.attention(*a, **kw)[0], q, k, v, scale=scale, bias=bias,
+               causal=causal, **maps)
+    return out, None
+
+
+def compact_decode(q, k, v, *, scale: float, prune: dict, **maps):
+    """One decode step over the compacted pruning cache: (out, keep). See kernels.reference.decode."""
+    return _run("compact_decode", q, reference.decode, q, k, v, scale=scale, prune=prune, **maps)
 
 
 def lag_conv(x, w, start: int = 0):
-    return _call("lag_conv", x, w, start)
+    if w.dim() == 3:  # SHE: matrix lags stay on batched matmuls / FFT (kernels.bench measures the rate)
+        _last_path["lag_conv"] = "reference"
+        return reference.lag_conv(x, w, start)
+    return _run("lag_conv", x, reference.lag_conv, x, w, start)
+
+
+def decode(q, k, v, *, scale: float, bias=None, lengths=None, **maps):
+    """One query per sequence over a cache whose sequences may have different lengths; see reference.decode."""
+    return _run("decode", q, reference.decode, q, k, v, scale=scale, bias=bias, lengths=lengths, **maps)

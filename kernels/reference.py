@@ -16,13 +16,29 @@ def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, bias: torch.Tensor | None = None,
-              need_weights: bool = False, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+              need_weights: bool = False, causal: bool = True, q_mul=None, q_add=None, o_mul=None,
+              o_add=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal softmax attention with grouped K/V: q [B,H,T,D], k/v [B,G,S,D] -> out [B,H,T,D].
 
     bias: an additive log-mask [B,1,T,S] shared by the heads (context pruning's log I), or None.
     causal=False leaves all masking to bias (the compacted cache, whose slots are not in position order).
+    q_mul/q_add/o_mul/o_add [H,D]: per-head maps of the head-embedding variants (MHE): head h attends with
+    q * q_mul[h] + q_add[h] and outputs o * o_mul[h] + o_add[h]; q may then be one shared head [B,1,T,D].
     Returns (out, probs [B,H,T,S] or None). K/V are never expanded to H heads.
     """
+    if q_mul is not None:
+        q = q * q_mul[:, None]
+    if q_add is not None:
+        q = q + q_add[:, None]
+    out, probs = _attention(q, k, v, scale, bias, need_weights, causal)
+    if o_mul is not None:
+        out = out * o_mul[:, None]
+    if o_add is not None:
+        out = out + o_add[:, None]
+    return out, probs
+
+
+def _attention(q, k, v, scale, bias, need_weights, causal):
     b, h, t, d = q.shape
     g, s = k.shape[1], k.shape[2]
     if h % g:
@@ -42,6 +58,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     probs = scores.softmax(dim=-1)
     out = probs @ v.unsqueeze(2)                                        # [B,G,R,T,D]
     return out.reshape(b, h, t, d), probs.reshape(b, h, t, s)
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, bias=None, lengths=None,
+           prune: dict | None = None, **maps):
+    """One query per sequence q [B,H|1,1,D] over a cache k/v [B,G,S,D] (the decode kernel's twin).
+
+    lengths [B]: sequence b sees slots [0, lengths[b]). prune (the compacted pruning cache): q_int [B,r],
+    k_int [B,S,r], beta, live [B,S], pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B]. A live slot
+    survives the new query when x = q_int . k_int / sqrt(r) + beta > 0, or when it is the query's own (or a
+    later) position; a padding row (valid False) drops nothing and attends to every used slot. Returns out,
+    or (out, keep [B,S]: the live mask after this query) with prune.
+    """
+    b, s = q.shape[0], k.shape[2]
+    allowed = torch.ones(b, s, dtype=torch.bool, device=q.device)
+    if lengths is not None:
+        allowed &= torch.arange(s, device=q.device)[None] < lengths[:, None]
+    keep = None
+    if prune is not None:
+        pos, q_pos, valid = prune["pos"], prune["q_pos"][:, None], prune["valid"][:, None]
+        x = prune["q_int"][:, None, :] @ prune["k_int"].transpose(1, 2) / prune["q_int"].shape[-1] ** 0.5
+        x = x[:, 0] + prune["beta"]
+        keep = prune["live"] & ((x > 0) | (pos >= q_pos) | ~valid)
+        allowed &= torch.where(valid, keep & (pos <= q_pos), pos >= 0)
+    mask = torch.zeros(b, 1, 1, s, dtype=q.dtype, device=q.device).masked_fill(~allowed[:, None, None], float("-inf"))
+    if bias is not None:
+        mask = mask + bias.reshape(b, 1, 1, s)
+    out, _ = attention(q, k, v, scale=scale, bias=mask, causal=False, **maps)
+    return out if prune is None else (out, keep)
 
 
 def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0, method: str = "auto") -> torch.Tensor:

@@ -416,6 +416,8 @@ def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed
         "device": device_name(dev), "torch": torch.__version__, "seed": tc.seed,
         "final_train_loss": float(np.mean(recent)) if recent else None, "final_valid_loss": v_loss,
         "test_perplexity": test["perplexity"], "test_tokens": test["tokens"], "eval_stride": tc.eval_stride,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     } | extra
     save_model_dir(out, model.cpu(), tokenizer, card)
     return card

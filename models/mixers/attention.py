@@ -80,8 +80,9 @@ class Attention(Mixer):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def head_outputs(self, o: torch.Tensor) -> torch.Tensor:
-        return o
+    def head_maps(self) -> dict[str, torch.Tensor]:
+        """Per-head query/output maps the kernel applies (MHE: from one shared Q); none for the others."""
+        return {}
 
     def cache_spec(self):
         spec = {"k": (self.n_groups, self.d_head)}
@@ -92,7 +93,7 @@ class Attention(Mixer):
         return spec
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
-        y = self.head_outputs(o).transpose(1, 2).flatten(2) @ self.W_O
+        y = o.transpose(1, 2).flatten(2) @ self.W_O
         return y if self.b_O is None else y + self.b_O
 
     def forward(self, x, cache=None, record=None, positions=None):
@@ -127,7 +128,8 @@ class Attention(Mixer):
         if fixed is not None:  # the local / strided baselines
             bias = additive(fixed, q.dtype)[None, None]
             keep = fixed.to(q.dtype)[None].expand(q.shape[0], -1, -1)
-        o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=record is not None)
+        o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=record is not None,
+                                     **self.head_maps())
         if record is not None:
             record["attn"] = probs
             if keep is not None:
@@ -146,6 +148,14 @@ class Attention(Mixer):
         cache.insert(new, q_pos, valid)
         past = cache.view()
         slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
+        kk = past["k"]
+        vv = kk if self.kv_shared else past["v"]
+        if self.pruning is not None and q.shape[2] == 1 and record is None:  # a decode step: one fused pass
+            prune = {"q_int": x[:, 0] @ self.pruning.W_Qint, "k_int": past["k_int"], "beta": float(self.pruning.beta),
+                     "live": live, "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0]}
+            o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
+            cache.update_live(keep, q_pos[:, :1].expand_as(keep))
+            return self.output(o)
         allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])  # [B,T,S]
         if self.pruning is not None:
             kept = self.pruning.survival(x, past["k_int"], slot_pos, q_pos, valid)
@@ -157,9 +167,8 @@ class Attention(Mixer):
             cache.update_live(kept[rows, last], trigger)
         allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
         bias = additive(allowed, q.dtype)[:, None]
-        kk = past["k"]
-        o, probs = kernels.attention(q, kk, kk if self.kv_shared else past["v"], scale=self.scale, bias=bias,
-                                     need_weights=record is not None, causal=False)
+        o, probs = kernels.attention(q, kk, vv, scale=self.scale, bias=bias, need_weights=record is not None,
+                                     causal=False, **self.head_maps())
         if record is not None:
             record |= {"attn": probs, "slot_pos": slot_pos}
         return self.output(o)
@@ -274,7 +283,7 @@ class MHE(Attention):
         self.e_K = nn.Parameter(torch.randn(n, d_h) * cfg.head_embed_std)
         self.e_V = nn.Parameter(torch.randn(n, d_h) * cfg.head_embed_std)
 
-    def shared_qkv(self, x):
+    def project(self, x):  # one shared Q head: the kernel applies each head's map (head_maps)
         return split_heads(x, self.W_Q), split_heads(x, self.W_K), split_heads(x, self.W_V)
 
 
@@ -286,12 +295,8 @@ class MHEMul(MHE):
         """g_i [n, d_h]: the effective per-head diagonal query scaling."""
         return (1 + self.e_Q) * (1 + self.e_K)
 
-    def project(self, x):
-        q, k, v = self.shared_qkv(x)
-        return q * self.query_scale()[:, None, :], k, v
-
-    def head_outputs(self, o):
-        return o * (1 + self.e_V)[:, None, :]
+    def head_maps(self):
+        return {"q_mul": self.query_scale(), "o_mul": 1 + self.e_V}
 
 
 @register("mhe-add")
@@ -299,12 +304,8 @@ class MHEAdd(MHE):
     """psi(A, e) = A + e. (Q+e_i^Q)(K+e_i^K)^T differs from (Q+e_i^Q)K^T by a constant per softmax row,
     so e^K has no effect (zero gradient; kept because the paper counts it); A_i (V+e_i^V) = A_i V + e_i^V."""
 
-    def project(self, x):
-        q, k, v = self.shared_qkv(x)
-        return q + self.e_Q[:, None, :], k, v
-
-    def head_outputs(self, o):
-        return o + self.e_V[:, None, :]
+    def head_maps(self):
+        return {"q_add": self.e_Q, "o_add": self.e_V}
 
 
 @register("gqa")

@@ -1,0 +1,298 @@
+"""Fused causal attention in Triton: prefill (flash-style) and split-KV decode, for query heads that share
+key/value groups, with the head-embedding (MHE) query and output maps applied inside the kernel.
+
+Shapes follow kernels.reference: q [B,H,T,D] (or [B,1,T,D] with per-head maps: MHE's shared Q),
+k/v [B,G,S,D], head h reads group h // (H/G). K and V are read in place, never expanded to H heads.
+Softmax runs in base 2 (exp2): the 1/sqrt(d) scale and log2(e) are folded into Q once. Accumulation is
+float32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
+                    sqb, sqh, sqt, skb, skg, sks, svb, svg, svs, sob, soh, sot, sbb, sbt, sbs,
+                    H, R, T, S, D, qk_scale,
+                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    g = h // R
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask, d_mask = offs_m < T, offs_d < D
+    qd_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=qd_mask, other=0.0)
+    q = q.to(tl.float32)
+    if HAS_QM:
+        q = q * tl.load(QM + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_QA:
+        q = q + tl.load(QA + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    q = q * qk_scale
+    q_pos = S - T + offs_m  # the T queries are the last T of the S positions
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = S
+    if CAUSAL:  # skip key blocks that lie wholly after this query block's last row
+        hi = tl.minimum(S, S - T + (pid_m + 1) * BLOCK_M)
+    k_base = K + b * skb + g * skg
+    v_base = V + b * svb + g * svg
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < S
+        kt = tl.load(k_base + offs_n[None, :] * sks + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+        s = tl.dot(q, kt.to(tl.float32))                                    # [M, N], log2 units
+        if HAS_BIAS:
+            bias = tl.load(BIAS + b * sbb + offs_m[:, None] * sbt + offs_n[None, :] * sbs,
+                           mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+            s = s + bias.to(tl.float32) * 1.4426950408889634
+        allowed = n_mask[None, :] & m_mask[:, None]
+        if CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays at 0
+        p = tl.exp2(s - m_safe[:, None])
+        corr = tl.exp2(m_i - m_safe)
+        l_i = l_i * corr + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * corr[:, None] + tl.dot(p, v.to(tl.float32))
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (never stored) see nothing
+    if HAS_OM:
+        out = out * tl.load(OM + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_OA:
+        out = out + tl.load(OA + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], out.to(O.dtype.element_ty), mask=qd_mask)
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT,
+                   sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, skib, skis, sqib,
+                   H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta,
+                   HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
+                   PRUNE: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
+    """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
+    cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
+    its log2-sum-exp; _merge_kernel combines the slices.
+
+    PRUNE (the compacted pruning cache): in the same pass, the interaction score of each live slot,
+    x = q_int . k_int / sqrt(r) + beta, decides keep = live & (x > 0 or the slot is the query's own or
+    later); keep is written to LIVE_OUT and only kept slots at or before the query are attended to.
+    A padding row (VALID = 0) drops nothing and attends to every used slot (its output is discarded)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // G
+    g = pid % G
+    length = S
+    if HAS_LENS:
+        length = tl.load(LENS + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_mask, d_mask = offs_r < R, offs_d < D
+    heads = g * R + offs_r
+    rd_mask = r_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + b * sqb + heads[:, None] * sqh + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
+    if HAS_QM:
+        q = q * tl.load(QM + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
+    if HAS_QA:
+        q = q + tl.load(QA + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
+    q = q * qk_scale
+    if PRUNE:
+        offs_i = tl.arange(0, BLOCK_RI)
+        i_mask = offs_i < RI
+        q_int = tl.load(QINT + b * sqib + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+        q_pos = tl.load(QPOS + b)
+        valid = tl.load(VALID + b)
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        allowed = n_mask
+        if PRUNE:
+            live = tl.load(LIVE + b * S + offs_n, mask=n_mask, other=0) != 0
+            pos = tl.load(POS + b * S + offs_n, mask=n_mask, other=-1)
+            kint = tl.load(KINT + b * skib + offs_n[:, None] * skis + offs_i[None, :],
+                           mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.sum(kint * q_int[None, :], 1) * int_scale + beta
+            keep = live & ((x > 0) | (pos >= q_pos) | (valid == 0))
+            if g == 0:  # the score is shared by every head: group 0 writes it, the others only use it
+                tl.store(LIVE_OUT + b * S + offs_n, keep.to(tl.int8), mask=n_mask)
+            allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)
+        kt = tl.load(K + b * skb + g * skg + offs_n[None, :] * sks + offs_d[:, None],
+                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+        s = tl.dot(q, kt.to(tl.float32))                                    # [R, N]
+        if HAS_BIAS:
+            bias = tl.load(BIAS + b * sbb + offs_n * sbs, mask=n_mask, other=0.0).to(tl.float32)
+            s = s + bias[None, :] * 1.4426950408889634
+        s = tl.where(allowed[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        corr = tl.exp2(m_i - m_safe)
+        l_i = l_i * corr + tl.sum(p, 1)
+        v = tl.load(V + b * svb + g * svg + offs_n[:, None] * svs + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * corr[:, None] + tl.dot(p, v.to(tl.float32))
+        m_i = m_new
+    n_split = tl.num_programs(1)
+    part = (b * H + heads) * n_split + split
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(PO + part[:, None] * D + offs_d[None, :], acc / safe_l[:, None], mask=rd_mask)
+    lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))           # -inf: the slice saw nothing
+    tl.store(PL + part, lse, mask=r_mask)
+
+
+@triton.jit
+def _merge_kernel(PO, PL, O, OM, OA, H, D, n_split, sob, soh,
+                  HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine the split partials of one (sequence, head) by their log2-sum-exp weights."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask, d_mask = offs_s < n_split, offs_d < D
+    lse = tl.load(PL + pid * n_split + offs_s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - top)
+    part = tl.load(PO + (pid * n_split + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    if HAS_OM:
+        out = out * tl.load(OM + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    if HAS_OA:
+        out = out + tl.load(OA + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    tl.store(O + b * sob + h * soh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+def _heads_and_maps(q, k, q_mul, q_add, o_mul, o_add):
+    maps = [m for m in (q_mul, q_add, o_mul, o_add) if m is not None]
+    h = maps[0].shape[0] if maps and q.shape[1] == 1 else q.shape[1]
+    for m in maps:
+        if m.shape != (h, q.shape[-1]):
+            raise ValueError(f"per-head maps must be [{h}, {q.shape[-1]}], got {list(m.shape)}")
+    g = k.shape[1]
+    if h % g:
+        raise ValueError(f"{h} query heads cannot share {g} key/value groups")
+    dummy = q.new_empty(1)
+    return h, [m.contiguous() if m is not None else dummy for m in (q_mul, q_add, o_mul, o_add)]
+
+
+def _check_rows(*ts):
+    for t in ts:
+        if t.stride(-1) != 1:
+            raise ValueError("the kernels read rows contiguously: last-dimension stride must be 1")
+
+
+def prefill(q, k, v, *, scale: float, bias=None, causal: bool = True, q_mul=None, q_add=None, o_mul=None, o_add=None,
+            block_m: int = 64, block_n: int = 64):
+    """Flash-style causal attention; see kernels.reference.attention for the contract."""
+    b, hq, t, d = q.shape
+    s = k.shape[2]
+    h, (qm, qa, om, oa) = _heads_and_maps(q, k, q_mul, q_add, o_mul, o_add)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = torch.empty(b, h, t, d, dtype=q.dtype, device=q.device)
+    has_bias = bias is not None
+    if has_bias:
+        bias = bias.expand(b, 1, t, s)
+        sb = (bias.stride(0), bias.stride(2), bias.stride(3))
+    else:
+        bias, sb = q.new_empty(1), (0, 0, 0)
+    bd = _pow2(d)
+    bm = min(block_m, _pow2(t))
+    bn = min(block_n, _pow2(s))
+    grid = (triton.cdiv(t, bm), b * h)
+    _prefill_kernel[grid](
+        q, k, v, out, qm, qa, om, oa, bias,
+        q.stride(0), q.stride(1) if hq > 1 else 0, q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *sb,
+        h, h // k.shape[1], t, s, d, scale * LOG2E,
+        HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
+        HAS_BIAS=has_bias, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
+    return out
+
+
+def _splits(s: int, b: int, g: int, block_n: int, target_programs: int = 128) -> int:
+    """Enough slices of the cache to occupy the device when batch x groups alone would not."""
+    want = max(1, target_programs // max(1, b * g))
+    return max(1, min(want, triton.cdiv(s, block_n), 64))
+
+
+def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=None, o_mul=None, o_add=None,
+           prune: dict | None = None, block_n: int = 64, n_split: int | None = None):
+    """One new query per sequence, q [B,H|1,1,D], over a cache k/v [B,G,S,D].
+
+    bias: additive [B,1,1,S] (or [B,S]); lengths [B]: sequence b uses cache slots [0, lengths[b]).
+    prune: the compacted pruning cache, a dict of q_int [B,r], k_int [B,S,r], beta (float), live [B,S] bool,
+    pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] bool; then the return is (out, keep [B,S]).
+    """
+    b, hq, t, d = q.shape
+    if t != 1:
+        raise ValueError(f"decode takes one query per sequence, got {t}")
+    g, s = k.shape[1], k.shape[2]
+    h, (qm, qa, om, oa) = _heads_and_maps(q, k, q_mul, q_add, o_mul, o_add)
+    r = h // g
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    dummy = q.new_empty(1)
+    bias_t, sbb, sbs = dummy, 0, 0
+    if bias is not None:
+        bias_t = bias.reshape(b, s) if bias.shape[-1] == s else None
+        if bias_t is None:
+            raise ValueError("decode bias must cover the cache: [B,1,1,S]")
+        sbb, sbs = bias_t.stride(0), bias_t.stride(1)
+    lens = lengths.to(torch.int32).contiguous() if lengths is not None else dummy
+    block_n = min(block_n, _pow2(s))
+    ns = n_split or _splits(s, b, g, block_n)
+    split_len = triton.cdiv(triton.cdiv(s, ns), block_n) * block_n
+    ns = triton.cdiv(s, split_len)
+    po = torch.empty(b * h * ns, d, dtype=torch.float32, device=q.device)
+    pl = torch.empty(b * h * ns, dtype=torch.float32, device=q.device)
+    if prune is not None:
+        qi, ki = prune["q_int"].contiguous(), prune["k_int"]
+        if ki.stride(-1) != 1:
+            ki = ki.contiguous()
+        live = prune["live"].to(torch.int8).contiguous()
+        pos = prune["pos"].to(torch.int32).contiguous()
+        qpos = prune["q_pos"].to(torch.int32).contiguous()
+        valid = prune["valid"].to(torch.int8).contiguous()
+        live_out = torch.empty_like(live)
+        ri = qi.shape[-1]
+        pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), ri, ri ** -0.5, float(prune["beta"]))
+    else:
+        pr = (dummy,) * 7 + (0, 0, 0, 1, 1.0, 0.0)
+    qi_, ki_, live_, pos_, qpos_, valid_, live_out_, skib, skis, sqib, ri, int_scale, beta = pr
+    _decode_kernel[(b * g, ns)](
+        q, k, v, po, pl, qm, qa, bias_t, lens, qi_, ki_, live_, pos_, qpos_, valid_, live_out_,
+        q.stride(0), q.stride(1) if hq > 1 else 0, k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), sbb, sbs, skib, skis, sqib,
+        h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta,
+        HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
+        PRUNE=prune is not None, BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d), BLOCK_RI=_pow2(ri))
+    out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b * h,)](po, pl, out, om, oa, h, d, ns, out.stride(0), out.stride(1),
+                            HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
+                            BLOCK_S=_pow2(ns, 2), BLOCK_D=_pow2(d))
+    if prune is not None:
+        return out, live_out.bool()
+    return out

@@ -1,0 +1,259 @@
+"""Every Triton kernel against its PyTorch reference on fresh random inputs, in Triton's CPU interpreter
+(TRITON_INTERPRET=1, set in conftest; float32 there: bf16 tl.dot is broken in the interpreter).
+
+Kernel outputs are allocated poisoned (NaN, or 7 for the int8 keep mask) so an element a kernel forgets to
+write fails the comparison. The model-level tests run whole models with MIXSCOPE_KERNELS=triton.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import reference, triton_attention, triton_lag  # noqa: E402
+from models.transformer import DecoderLM  # noqa: E402
+from tests.helpers import ATTENTION, randomize, tiny_config  # noqa: E402
+
+
+class _Poisoned:
+    """torch, except that fresh buffers come pre-filled with garbage."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else 7)
+
+    def empty(self, *a, **kw):
+        return self._poison(torch.empty(*a, **kw))
+
+    def empty_like(self, *a, **kw):
+        return self._poison(torch.empty_like(*a, **kw))
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(triton_attention, "torch", _Poisoned())
+    monkeypatch.setattr(triton_lag, "torch", _Poisoned())
+
+
+def close(got, want, tol=2e-5):
+    assert not got.isnan().any(), "the kernel left elements unwritten"
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def head_maps(kind, h, d):
+    if kind == "mul":
+        return {"q_mul": 1 + 0.5 * torch.randn(h, d), "o_mul": 1 + 0.5 * torch.randn(h, d)}
+    if kind == "add":
+        return {"q_add": torch.randn(h, d), "o_add": torch.randn(h, d)}
+    return {}
+
+
+# (batch, query heads, K/V groups, new positions T, cache + new positions S, head width)
+PREFILL = [(2, 4, 4, 5, 5, 16), (1, 3, 3, 1, 1, 16), (2, 6, 2, 7, 13, 12), (1, 5, 1, 70, 70, 16),
+           (3, 3, 1, 33, 96, 8), (1, 1, 1, 129, 129, 32)]
+
+
+@pytest.mark.parametrize("b,h,g,t,s,d", PREFILL)
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_matches_reference(b, h, g, t, s, d, bias):
+    q, k, v = torch.randn(b, h, t, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    log_mask = None
+    if bias:  # a pruning-style log-mask: finite values and some -inf, never on the diagonal
+        log_mask = torch.randn(b, 1, t, s).masked_fill(torch.rand(b, 1, t, s) < 0.3, float("-inf"))
+        log_mask[..., torch.arange(t), torch.arange(s - t, s)] = 0.0
+    got = triton_attention.prefill(q, k, v, scale=d ** -0.5, bias=log_mask)
+    want, _ = reference.attention(q, k, v, scale=d ** -0.5, bias=log_mask)
+    close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["mul", "add"])
+@pytest.mark.parametrize("t,s", [(1, 1), (9, 9), (4, 21), (40, 40)])
+def test_prefill_head_embeddings_from_one_shared_kv(kind, t, s):
+    h, d = 6, 16
+    q, k, v = torch.randn(2, 1, t, d), torch.randn(2, 1, s, d), torch.randn(2, 1, s, d)
+    maps = head_maps(kind, h, d)
+    got = triton_attention.prefill(q, k, v, scale=0.25, **maps)
+    want, _ = reference.attention(q, k, v, scale=0.25, **maps)
+    assert got.shape == (2, h, t, d)
+    close(got, want)
+
+
+def test_prefill_without_causal_mask_uses_bias_only():
+    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 10, 16), torch.randn(2, 3, 10, 16)
+    mask = torch.zeros(2, 1, 4, 10).masked_fill(torch.rand(2, 1, 4, 10) < 0.5, float("-inf"))
+    mask[..., 0] = 0.0
+    close(triton_attention.prefill(q, k, v, scale=0.3, bias=mask, causal=False),
+          reference.attention(q, k, v, scale=0.3, bias=mask, causal=False)[0])
+
+
+def with_maps(shapes, kind):
+    """Each shape plain, and with head maps where it has one K/V group (the only case MHE has)."""
+    return [(*shape, m) for shape in shapes for m in ("none", kind) if m == "none" or shape[2] == 1]
+
+
+@pytest.mark.parametrize("b,h,g,s,d,kind", with_maps([(3, 6, 2, 37, 16), (2, 5, 1, 200, 12), (1, 1, 1, 1, 16),
+                                                      (4, 8, 8, 64, 32)], "mul"))
+@pytest.mark.parametrize("n_split", [1, 3, None])
+def test_decode_mixed_lengths_matches_reference(b, h, g, s, d, kind, n_split):
+    maps = head_maps(kind, h, d)
+    q = torch.randn(b, 1 if maps else h, 1, d)
+    k, v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    lengths = torch.randint(1, s + 1, (b,))
+    lengths[0] = s
+    got = triton_attention.decode(q, k, v, scale=0.3, lengths=lengths, n_split=n_split, **maps)
+    close(got, reference.decode(q, k, v, scale=0.3, lengths=lengths, **maps))
+
+
+def test_decode_with_bias_equals_prefill_of_one_token():
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    bias = torch.zeros(2, 1, 1, 50).masked_fill(torch.rand(2, 1, 1, 50) < 0.4, float("-inf"))
+    bias[..., -1] = 0.0
+    close(triton_attention.decode(q, k, v, scale=0.3, bias=bias, n_split=4),
+          reference.attention(q, k, v, scale=0.3, bias=bias)[0])
+
+
+def prune_state(b, s, r, beta, live_share=0.7):
+    pos = torch.stack([torch.randperm(s) for _ in range(b)])       # slots are not in position order
+    live = torch.rand(b, s) < live_share
+    q_pos = torch.tensor([int(pos[i][live[i]].max()) if live[i].any() else 0 for i in range(b)])
+    own = pos == q_pos[:, None]
+    live |= own                                                      # the new token is in its slot
+    unused = torch.rand(b, s) < 0.1
+    pos = pos.masked_fill(unused & ~own, -1)
+    live &= pos >= 0
+    return {"q_int": torch.randn(b, r), "k_int": torch.randn(b, s, r), "beta": beta, "live": live, "pos": pos,
+            "q_pos": q_pos, "valid": torch.ones(b, dtype=torch.bool)}
+
+
+@pytest.mark.parametrize("b,h,g,s,r,kind", with_maps([(3, 4, 1, 40, 8), (2, 6, 3, 70, 16), (1, 5, 5, 1, 8),
+                                                      (2, 3, 1, 129, 12)], "add"))
+def test_compact_decode_matches_reference(b, h, g, s, r, kind):
+    d = 16
+    maps = head_maps(kind, h, d)
+    q = torch.randn(b, 1 if maps else h, 1, d)
+    k, v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    state = prune_state(b, s, r, beta=0.1)
+    state["valid"][-1] = b == 1                                    # a padding row (when there are several)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state, n_split=2, **maps)
+    want, want_keep = reference.decode(q, k, v, scale=0.25, prune=state, **maps)
+    assert torch.equal(keep, want_keep)
+    close(got, want)
+    if s > 1:
+        assert (state["live"] & ~want_keep).any(), "this setting must drop something"
+
+
+def test_compact_decode_all_dropped_but_self():
+    b, h, s, r, d = 2, 4, 33, 8, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, 1, s, d), torch.randn(b, 1, s, d)
+    state = prune_state(b, s, r, beta=-1e4, live_share=1.0)       # every score negative
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state)
+    assert torch.equal(keep, state["pos"] == state["q_pos"][:, None])
+    own = (state["pos"] == state["q_pos"][:, None]).float().argmax(1)
+    close(got, v[torch.arange(b), 0, own][:, None, None].expand(b, h, 1, d))  # attends to itself alone
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("b,s,c,start", [(2, 1, 3, 0), (2, 9, 5, 0), (2, 40, 33, 0), (1, 40, 7, 39), (2, 70, 20, 13)])
+def test_lag_conv_matches_reference(per_channel, b, s, c, start):
+    x = torch.randn(b, s, c)
+    w = torch.randn(s + 3, c) if per_channel else torch.randn(s + 3)
+    close(triton_lag.lag_conv(x, w, start), reference.lag_conv(x, w, start, method="direct"), tol=1e-4)
+
+
+def test_lag_conv_refuses_matrix_lags_and_bad_start():
+    with pytest.raises(ValueError, match="per-lag"):
+        triton_lag.lag_conv(torch.randn(1, 4, 2), torch.randn(4, 2, 2))
+    with pytest.raises(ValueError, match="start"):
+        triton_lag.lag_conv(torch.randn(1, 4, 2), torch.randn(4), start=4)
+
+
+def test_attention_backward_falls_back_to_reference_autograd(monkeypatch):
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    h, d = 4, 16
+    leaves = [torch.randn(2, 1, 7, d), torch.randn(2, 1, 7, d), torch.randn(2, 1, 7, d), torch.randn(2, 1, 7, 7),
+              torch.randn(h, d), torch.randn(h, d)]
+    grads = []
+    for path in ("triton", "reference"):
+        monkeypatch.setenv("MIXSCOPE_KERNELS", path)
+        ts = [t.clone().requires_grad_() for t in leaves]
+        q, k, v, bias, qm, om = ts
+        out, _ = kernels.attention(q, k, v, scale=0.3, bias=bias, q_mul=qm, o_mul=om)
+        assert kernels.last_paths()["attention"] == path
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([t.grad for t in ts])
+    for got, want in zip(*grads):
+        close(got, want, tol=1e-5)
+
+
+def run_tokens(model, idx, chunks):
+    """Logits of idx fed through the static cache in the given chunk sizes."""
+    cache, outs, at = model.new_cache(batch=idx.shape[0]), [], 0
+    for n in chunks:
+        outs.append(model(idx[:, at:at + n], cache=cache).logits)
+        at += n
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("mixer", ATTENTION + ["me", "we", "he"])
+def test_models_on_triton_equal_the_reference_path(mixer, monkeypatch):
+    model = DecoderLM(tiny_config(mixer, n_layers=1)).eval()
+    randomize(model, std=0.2)
+    idx = torch.randint(0, 61, (2, 13))
+    results = {}
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("MIXSCOPE_KERNELS", path)
+        with torch.no_grad():
+            results[path] = (model(idx).logits, run_tokens(model, idx, [5, 1, 1, 6]))
+    full_ref, inc_ref = results["reference"]
+    full_tri, inc_tri = results["triton"]
+    close(full_tri, full_ref, tol=1e-4)
+    close(inc_tri, full_ref, tol=1e-4)   # incremental decode on Triton == full forward
+    close(inc_ref, full_ref, tol=1e-4)
+
+
+@pytest.mark.parametrize("mixer", ["mha", "mhe-mul"])
+def test_pruned_compacted_generation_on_triton_equals_the_full_forward(mixer, monkeypatch):
+    from tests.test_compact_cache import model_for, run_compact
+    model = model_for(mixer, beta=0.02).float()
+    seqs = torch.randint(0, 61, (3, 14)).tolist()
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    got, cache = run_compact(model, seqs, [5, 9, 3])
+    assert kernels.last_paths()["compact_decode"] == "triton"
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            full = model(torch.tensor([seq])).logits[0]
+        close(torch.stack([got[r][p] for p in range(14)]), full, tol=1e-4)
+    assert len(cache.layers[0].drop_table()) > 0
+
+
+def test_causality_of_the_prefill_kernel():
+    q, k, v = torch.randn(1, 4, 20, 16), torch.randn(1, 4, 20, 16), torch.randn(1, 4, 20, 16)
+    base = triton_attention.prefill(q, k, v, scale=0.3)
+    k2, v2, q2 = k.clone(), v.clone(), q.clone()
+    k2[:, :, 12:] += 5
+    v2[:, :, 12:] -= 5
+    q2[:, :, 12:] *= 3
+    later = triton_attention.prefill(q2, k2, v2, scale=0.3)
+    assert torch.equal(later[:, :, :12], base[:, :, :12])
+    assert not torch.allclose(later[:, :, 12:], base[:, :, 12:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_kernels_in_half_precision(dtype):
+    dev = "cuda"
+    q = torch.randn(2, 8, 300, 64, device=dev, dtype=dtype)
+    k, v = torch.randn(2, 2, 300, 64, device=dev, dtype=dtype), torch.randn(2, 2, 300, 64, device=dev, dtype=dtype)
+    want, _ = reference.attention(q.float(), k.float(), v.float(), scale=0.125)
+    torch.testing.assert_close(triton_attention.prefill(q, k, v, scale=0.125).float(), want, atol=2e-2, rtol=2e-2)
+    qd = q[:, :, -1:]
+    want = reference.decode(qd.float(), k.float(), v.float(), scale=0.125)
+    torch.testing.assert_close(triton_attention.decode(qd, k, v, scale=0.125).float(), want, atol=2e-2, rtol=2e-2)
+    x, w = torch.randn(2, 300, 96, device=dev, dtype=dtype), torch.randn(300, 96, device=dev, dtype=dtype)
+    want = reference.lag_conv(x.float(), w.float(), method="direct")
+    torch.testing.assert_close(triton_lag.lag_conv(x, w).float(), want, atol=0.25, rtol=2e-2)
