@@ -1,0 +1,320 @@
+"""Kernel benchmark: each op against the strongest baselines present, in one run, on whatever device is here.
+
+    python -m kernels.bench [--json FILE] [--quick] [--device cpu|cuda]
+
+Per case: median time, achieved GB/s and TFLOP/s, and the ratio to the physical floor, max(bytes / copy
+bandwidth, flops / matmul rate), with both rates measured at the start of the same run. Baselines:
+torch's scaled_dot_product_attention (K/V expanded to every head where sharing is not native),
+FlexAttention (enable_gqa) and our reference; Triton runs only on CUDA (its CPU interpreter checks
+correctness, it is not a performance path). End to end: decode tokens/s of zoo models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import reference
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, dev, reps: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over reps runs after warmup."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def floors(dev, dtype) -> dict:
+    """Measured copy bandwidth (read + write bytes / s) and dense matmul rate (flop / s) for dtype."""
+    n = (256 if dev.type == "cuda" else 64) * 2 ** 20 // 4
+    a = torch.empty(n, dtype=torch.float32, device=dev).normal_()
+    bw = 2 * a.numel() * 4 / timeit(lambda: a.clone(), dev, 10)
+    m = 8192 if dev.type == "cuda" else 1024
+    x = torch.randn(m, m, device=dev, dtype=dtype)
+    rate = 2 * m ** 3 / timeit(lambda: x @ x, dev, 10)
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": rate, "matmul_size": m}
+
+
+def row(name, impl, secs, nbytes, flops, fl) -> dict:
+    floor = max(nbytes / fl["copy_bytes_per_s"], flops / fl["matmul_flops_per_s"])
+    return {"case": name, "impl": impl, "ms": secs * 1e3, "GB_s": nbytes / secs / 1e9, "TFLOP_s": flops / secs / 1e12,
+            "x_floor": secs / floor}
+
+
+def flex_fn(dev):
+    """A compiled causal FlexAttention with enable_gqa, or the reason there is none here."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        compiled = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # noqa: BLE001 - report, do not fail the run
+        return None, f"{type(e).__name__}: {e}"
+    masks = {}
+
+    def run(q, k, v, scale):
+        t, s = q.shape[2], k.shape[2]
+        if (t, s) not in masks:
+            masks[(t, s)] = create_block_mask(lambda b, h, qi, ki: ki <= qi + (s - t), None, None, t, s, device=dev.type)
+        return compiled(q, k, v, block_mask=masks[(t, s)], scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return run, None
+
+
+def expanded_sdpa(q, k, v, scale, maps):
+    """SDPA where K/V sharing is not native: K/V repeated to every head (what MHE costs elsewhere)."""
+    h = q.shape[1] if not maps else next(iter(maps.values())).shape[0]
+    if "q_mul" in maps:
+        q = q * maps["q_mul"][:, None]
+    r = h // k.shape[1]
+    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
+    return out * maps["o_mul"][:, None] if "o_mul" in maps else out
+
+
+VARIANTS = {"mha": 0, "mqa": 1, "mhe-mul": 1}  # K/V groups (0: one per head)
+
+
+def make_qkv(variant, b, h, t, s, d, dev, dtype):
+    g = VARIANTS[variant] or h
+    maps = {}
+    if variant == "mhe-mul":
+        maps = {"q_mul": 1 + 0.1 * torch.randn(h, d, device=dev, dtype=dtype),
+                "o_mul": 1 + 0.1 * torch.randn(h, d, device=dev, dtype=dtype)}
+    q = torch.randn(b, 1 if maps else h, t, d, device=dev, dtype=dtype)
+    k, v = (torch.randn(b, g, s, d, device=dev, dtype=dtype) for _ in range(2))
+    return q, k, v, maps, g
+
+
+def bench_prefill(dev, dtype, lengths, fl, reps, flex, h=16, d=64, b=1) -> list[dict]:
+    out = []
+    es = torch.tensor([], dtype=dtype).element_size()
+    for t in lengths:
+        for variant in VARIANTS:
+            q, k, v, maps, g = make_qkv(variant, b, h, t, t, d, dev, dtype)
+            name = f"prefill {variant} t={t}"
+            nbytes = (q.numel() + k.numel() + v.numel() + b * h * t * d) * es
+            flops = 4 * b * h * d * t * (t + 1) / 2                    # causal: half the score matrix
+            impls = {"reference": lambda: reference.attention(q, k, v, scale=d ** -0.5, **maps),
+                     "sdpa_expanded": lambda: expanded_sdpa(q, k, v, d ** -0.5, maps)}
+            if flex[0] is not None and not maps:
+                impls["flex"] = lambda: flex[0](q, k, v, d ** -0.5)
+            if dev.type == "cuda" and "attention" in kernels.TRITON:
+                from kernels import triton_attention
+                impls["triton"] = lambda: triton_attention.prefill(q, k, v, scale=d ** -0.5, **maps)
+            for impl, fn in impls.items():
+                try:
+                    out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl))
+                except Exception as e:  # noqa: BLE001
+                    out.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+    return out
+
+
+def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=64) -> list[dict]:
+    out = []
+    es = torch.tensor([], dtype=dtype).element_size()
+    for s in contexts:
+        for b in batches:
+            for variant in VARIANTS:
+                g = VARIANTS[variant] or h
+                cache_bytes = 2 * b * g * s * d * es
+                expanded = 2 * b * h * s * d * es
+                name = f"decode {variant} ctx={s} batch={b}"
+                if cache_bytes > budget_bytes:
+                    continue
+                q, k, v, maps, g = make_qkv(variant, b, h, 1, s, d, dev, dtype)
+                nbytes = cache_bytes + 2 * b * h * d * es
+                flops = 4 * b * h * s * d
+                impls = {"reference": lambda: reference.decode(q, k, v, scale=d ** -0.5, **maps)}
+                if expanded <= budget_bytes:
+                    impls["sdpa_expanded"] = lambda: expanded_sdpa(q, k, v, d ** -0.5, maps)
+                if not maps:
+                    impls["sdpa_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, enable_gqa=g != h)
+                if dev.type == "cuda" and "decode" in kernels.TRITON:
+                    from kernels import triton_attention
+                    impls["triton"] = lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, **maps)
+                for impl, fn in impls.items():
+                    out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"cache_bytes": cache_bytes})
+    return out
+
+
+def bench_compact(dev, dtype, s, b, fl, reps, h=16, d=64, r=64) -> list[dict]:
+    """Decode over the compacted pruning cache at several live shares: time should follow the live share."""
+    out = []
+    es = torch.tensor([], dtype=dtype).element_size()
+    for share in (1.0, 0.5, 0.25, 0.1):
+        live_n = max(1, int(s * share))
+        q = torch.randn(b, h, 1, d, device=dev, dtype=dtype)
+        k, v = (torch.randn(b, h, live_n, d, device=dev, dtype=dtype) for _ in range(2))   # compacted: live only
+        pos = torch.arange(live_n, device=dev).expand(b, -1).contiguous()
+        prune = {"q_int": torch.randn(b, r, device=dev, dtype=dtype), "beta": 50.0,
+                 "k_int": torch.randn(b, live_n, r, device=dev, dtype=dtype),
+                 "live": torch.ones(b, live_n, dtype=torch.bool, device=dev), "pos": pos,
+                 "q_pos": torch.full((b,), live_n - 1, device=dev), "valid": torch.ones(b, dtype=torch.bool, device=dev)}
+        nbytes = (2 * h * d + r) * b * live_n * es
+        flops = 4 * b * h * live_n * d + 2 * b * live_n * r
+        name = f"compact decode mha ctx={s} live={share:g} batch={b}"
+        impls = {"reference": lambda: reference.decode(q, k, v, scale=d ** -0.5, prune=prune)}
+        if dev.type == "cuda" and "compact_decode" in kernels.TRITON:
+            from kernels import triton_attention
+            impls["triton"] = lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune)
+        for impl, fn in impls.items():
+            out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"live_share": share})
+    return out
+
+
+def bench_lag(dev, dtype, lengths, fl, reps, b=4, c=512) -> list[dict]:
+    out = []
+    es = torch.tensor([], dtype=dtype).element_size()
+    for s in lengths:
+        x = torch.randn(b, s, c, device=dev, dtype=dtype)
+        for kind, w in (("me", torch.randn(s, device=dev, dtype=dtype)), ("we/he", torch.randn(s, c, device=dev, dtype=dtype))):
+            nbytes, flops = (2 * x.numel() + w.numel()) * es, 2 * b * c * s * (s + 1) / 2
+            impls = {"reference_direct": lambda: reference.lag_conv(x, w, method="direct"),
+                     "reference_fft": lambda: reference.lag_conv(x.float(), w.float(), method="fft")}
+            if dev.type == "cuda" and "lag_conv" in kernels.TRITON:
+                from kernels import triton_lag
+                impls["triton"] = lambda: triton_lag.lag_conv(x, w)
+            for impl, fn in impls.items():
+                out.append(row(f"lag {kind} s={s}", impl, timeit(fn, dev, reps), nbytes, flops, fl))
+        cs = 128  # SHE: a c x c matrix per lag; FFT path = one c x c product per frequency
+        xs, ws = torch.randn(b, s, cs, device=dev), torch.randn(s, cs, cs, device=dev)
+        flops = 2 * b * (s + 1) * cs * cs * 2        # the per-frequency complex products, roughly
+        out.append(row(f"lag she s={s} c={cs}", "reference_fft", timeit(lambda: reference.lag_conv(xs, ws), dev, reps),
+                       (xs.numel() * 2 + ws.numel()) * 4, flops, fl))
+    return out
+
+
+def bench_models(dev, reps_tokens: int, model_dirs: list[str]) -> list[dict]:
+    """End-to-end greedy decode tokens/s per zoo model and kernel path (Triton on CUDA only)."""
+    import os
+
+    from models.checkpoint import load_model_dir
+    out = []
+    paths = ["reference"] + (["triton"] if dev.type == "cuda" and kernels.TRITON else [])
+    for d in model_dirs:
+        if not Path(d).is_dir():
+            continue
+        model = load_model_dir(d).model.to(dev).eval()
+        ctx = model.config.context
+        for path in paths:
+            os.environ["MIXSCOPE_KERNELS"] = path
+            with torch.inference_mode():
+                idx = torch.randint(0, model.config.vocab_size, (1, ctx // 2), device=dev)
+                cache = model.new_compact_cache(batch=1) if model.config.prune else model.new_cache(batch=1)
+                kw = {"positions": torch.arange(idx.shape[1], device=dev)[None]} if model.config.prune else {}
+                logits = model(idx, cache=cache, **kw).logits
+                sync(dev)
+                t0 = time.perf_counter()
+                for i in range(reps_tokens):
+                    nxt = logits[:, -1:].argmax(-1)
+                    kw = {"positions": torch.tensor([[idx.shape[1] + i]], device=dev)} if model.config.prune else {}
+                    logits = model(nxt, cache=cache, **kw).logits
+                sync(dev)
+                secs = time.perf_counter() - t0
+            out.append({"model": d, "mixer": model.config.mixer, "pruned": model.config.prune, "path": path,
+                        "prompt": ctx // 2, "tokens": reps_tokens, "tokens_per_s": reps_tokens / secs})
+        os.environ.pop("MIXSCOPE_KERNELS", None)
+    return out
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per case: every impl's time relative to the fastest baseline that is not ours."""
+    by_case: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if "ms" in r:
+            by_case.setdefault(r["case"], {})[r["impl"]] = r["ms"]
+    out = []
+    for case, impls in by_case.items():
+        base = {k: v for k, v in impls.items() if k.startswith(("sdpa", "flex"))}
+        if base:
+            best = min(base, key=base.get)
+            out.append({"case": case, "baseline": best} | {f"{k}_vs_baseline": v / base[best] for k, v in impls.items()})
+    return out
+
+
+def environment(dev) -> dict:
+    import triton
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+           "triton": triton.__version__, "python": platform.python_version(), "platform": platform.platform()}
+    if dev.type == "cuda":
+        env["device"] = torch.cuda.get_device_name(dev)
+        env["cuda"] = torch.version.cuda
+    else:
+        env["device"] = f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return env
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
+    ap.add_argument("--models", default="assets/models/mha,assets/models/mhe-mul,assets/models/mha-1024-pruned",
+                    help="comma-separated model directories for the end-to-end decode rows")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if args.device == "auto" else args.device))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cuda = dev.type == "cuda"
+    if args.quick:
+        sizes = dict(prefill=[64], contexts=[128], batches=[1, 2], lag=[64], reps=2, tokens=4, compact_s=256)
+    elif cuda:
+        sizes = dict(prefill=[512, 1024, 2048, 4096, 8192], contexts=[1024, 4096, 16384, 32768],
+                     batches=[1, 8, 64], lag=[256, 1024, 4096], reps=20, tokens=64, compact_s=32768)
+    else:
+        sizes = dict(prefill=[512, 1024, 2048], contexts=[1024, 4096, 16384], batches=[1, 8],
+                     lag=[256, 1024], reps=5, tokens=32, compact_s=16384)
+    budget = (40 if cuda else 2) * 2 ** 30
+    fl = floors(dev, dtype)
+    print(f"device {dev}: copy {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {fl['matmul_flops_per_s'] / 1e12:.2f} "
+          f"TFLOP/s", file=sys.stderr)
+    flex = flex_fn(dev) if not args.quick else (None, "skipped in --quick")
+    rows = []
+    steps = [("prefill", lambda: bench_prefill(dev, dtype, sizes["prefill"], fl, sizes["reps"], flex)),
+             ("decode", lambda: bench_decode(dev, dtype, sizes["contexts"], sizes["batches"], fl, sizes["reps"], budget)),
+             ("compact", lambda: bench_compact(dev, dtype, sizes["compact_s"], 1, fl, sizes["reps"])),
+             ("lag", lambda: bench_lag(dev, dtype, sizes["lag"], fl, sizes["reps"]))]
+    for name, fn in steps:
+        t0 = time.perf_counter()
+        rows += fn()
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    models = bench_models(dev, sizes["tokens"], [m for m in args.models.split(",") if m])
+    result = {"environment": environment(dev), "dtype": str(dtype), "floors": fl,
+              "flex": "ok" if flex[0] is not None else flex[1],
+              "triton": "timed" if cuda else "not timed: no CUDA device (the interpreter is a correctness tool)",
+              "rows": rows, "ratios": ratios(rows), "end_to_end": models}
+    for r in rows:
+        if "ms" in r:
+            print(f"{r['case']:<44} {r['impl']:<16} {r['ms']:9.3f} ms {r['GB_s']:8.1f} GB/s "
+                  f"{r['TFLOP_s']:7.3f} TFLOP/s  x{r['x_floor']:.1f} floor")
+        else:
+            print(f"{r['case']:<44} {r['impl']:<16} error: {r['error']}")
+    for m in models:
+        print(f"end to end {m['mixer']}{' pruned' if m['pruned'] else ''} [{m['path']}]: {m['tokens_per_s']:.1f} tokens/s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
