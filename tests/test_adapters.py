@@ -119,3 +119,28 @@ def test_zoo_table_reports_the_trainable_share(tmp_path):
     c = count_parameters(model)
     assert row["adapter"] == "compacter"
     assert row["trainable %"] == pytest.approx(100 * (c["adapters"] + c["norms"]) / c["total"])
+
+
+def test_adapter_table_is_built_from_the_run_cards(tmp_path):
+    import json
+
+    from models import adapter_results
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "card.json").write_text(json.dumps({"test_perplexity": 163.2}))
+    runs = []
+    for name, kind, trainable, ppl in [("full", None, 1000, 150.0), ("compacter", "compacter", 10, 158.5)]:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "card.json").write_text(json.dumps({
+            "config": {"adapter": kind, "prune": True}, "params": 1000, "trainable_params": trainable,
+            "test_perplexity": ppl, "final_valid_sparsity": 0.42, "wall_time_s": 90.0, "steps": 200,
+            "train": {"lr": 3e-3, "init_from": str(base)}}))
+        runs.append(str(run))
+    out = tmp_path / "t.md"
+    assert adapter_results.main([*runs, "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert "| dense start" in lines[-3] and "163.20" in lines[-3]
+    assert lines[-2].startswith("| full fine-tune | 1,000 | 100.00% | 150.00 | 42.0% | 200 |")
+    assert lines[-1].startswith("| COMPACTER | 10 | 1.00% | 158.50 |")
+    assert adapter_results.main([str(tmp_path / "missing")]) == 2

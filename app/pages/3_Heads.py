@@ -12,8 +12,8 @@ from app.common import export_buttons, pick_model, setup  # noqa: E402
 KIND_HELP = {
     "e_Q": "query head embeddings e_i^Q", "e_K": "key head embeddings e_i^K", "e_V": "value head embeddings e_i^V",
     "g": "MHE-MUL's effective per-head query scaling g_i = (1+e_i^Q)(1+e_i^K)",
-    "W_Q": "per-head query projections W_i^Q (flattened)", "W_K": "per-head key projections W_i^K (flattened)",
-    "W_V": "per-head value projections W_i^V (flattened)", "W_KV": "SKV's per-head key=value projections W_i^KV",
+    "W_Q": "per-head query projections W_i^Q (flattened)", "W_K": "per-head (GQA: per-group) key projections W_i^K (flattened)",
+    "W_V": "per-head (GQA: per-group) value projections W_i^V (flattened)", "W_KV": "SKV's per-head key=value projections W_i^KV",
 }
 
 
