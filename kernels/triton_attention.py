@@ -3,8 +3,8 @@ key/value groups, with the head-embedding (MHE) query and output maps applied in
 
 Shapes follow kernels.reference: q [B,H,T,D] (or [B,1,T,D] with per-head maps: MHE's shared Q),
 k/v [B,G,S,D], head h reads group h // (H/G). K and V are read in place, never expanded to H heads.
-Softmax runs in base 2 (exp2): the 1/sqrt(d) scale and log2(e) are folded into Q once. Accumulation is
-float32 whatever the input dtype.
+Softmax runs in base 2 (exp2): the 1/sqrt(d) scale and log2(e) are folded into Q once. The two products run in the
+inputs' dtype (fp32 in the CPU interpreter, whose bf16 tl.dot is broken); softmax state and accumulators are fp32.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
         q = q * tl.load(QM + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_QA:
         q = q + tl.load(QA + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    q = q * qk_scale
+    q = (q * qk_scale).to(K.dtype.element_ty)  # the dots run in the cache's dtype (bf16 tensor cores on GPU)
     q_pos = S - T + offs_m  # the T queries are the last T of the S positions
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -56,7 +56,7 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < S
         kt = tl.load(k_base + offs_n[None, :] * sks + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-        s = tl.dot(q, kt.to(tl.float32))                                    # [M, N], log2 units
+        s = tl.dot(q, kt)                                    # [M, N], log2 units
         if HAS_BIAS:
             bias = tl.load(BIAS + b * sbb + offs_m[:, None] * sbt + offs_n[None, :] * sbs,
                            mask=m_mask[:, None] & n_mask[None, :], other=0.0)
@@ -71,7 +71,7 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
         corr = tl.exp2(m_i - m_safe)
         l_i = l_i * corr + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * corr[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (never stored) see nothing
     if HAS_OM:
@@ -115,7 +115,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         q = q * tl.load(QM + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
     if HAS_QA:
         q = q + tl.load(QA + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
-    q = q * qk_scale
+    q = (q * qk_scale).to(K.dtype.element_ty)  # the dots run in the cache's dtype (bf16 tensor cores on GPU)
     if PRUNE:
         offs_i = tl.arange(0, BLOCK_RI)
         i_mask = offs_i < RI
@@ -142,7 +142,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)
         kt = tl.load(K + b * skb + g * skg + offs_n[None, :] * sks + offs_d[:, None],
                      mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-        s = tl.dot(q, kt.to(tl.float32))                                    # [R, N]
+        s = tl.dot(q, kt)                                    # [R, N]
         if HAS_BIAS:
             bias = tl.load(BIAS + b * sbb + offs_n * sbs, mask=n_mask, other=0.0).to(tl.float32)
             s = s + bias[None, :] * 1.4426950408889634
@@ -154,7 +154,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         l_i = l_i * corr + tl.sum(p, 1)
         v = tl.load(V + b * svb + g * svg + offs_n[:, None] * svs + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * corr[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     n_split = tl.num_programs(1)
     part = (b * H + heads) * n_split + split
