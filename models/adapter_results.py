@@ -27,6 +27,25 @@ def read_card(run: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def parameter_parts(run: Path) -> dict[str, int]:
+    """Parameters by part, from the weight file's names and shapes (nothing is built or unpickled)."""
+    from safetensors import safe_open
+    parts = {"adapters": 0, "pruning": 0}
+    path = run / "model.safetensors"
+    if not path.is_file():
+        return parts
+    with safe_open(str(path), "pt") as f:
+        for name in f.keys():
+            n = 1
+            for dim in f.get_slice(name).get_shape():
+                n *= dim
+            if "adapter" in name:
+                parts["adapters"] += n
+            elif ".pruning." in name:
+                parts["pruning"] += n
+    return parts
+
+
 def row(run: Path, card: dict) -> dict:
     cfg = card["config"]
     total, trainable = card.get("params"), card.get("trainable_params")
@@ -34,7 +53,7 @@ def row(run: Path, card: dict) -> dict:
             "pruning": bool(cfg.get("prune")), "trainable": trainable, "total": total,
             "share": trainable / total if total and trainable is not None else None,
             "perplexity": card["test_perplexity"], "sparsity": card.get("final_valid_sparsity", 0.0),
-            "wall_s": card["wall_time_s"], "steps": card["steps"], "lr": card["train"]["lr"]}
+            "wall_s": card["wall_time_s"], "steps": card["steps"], "lr": card["train"]["lr"]} | parameter_parts(run)
 
 
 def render(rows: list[dict], base: dict | None, command: str) -> str:
@@ -44,14 +63,18 @@ def render(rows: list[dict], base: dict | None, command: str) -> str:
              "trains what its method trains: everything (full fine-tune), or the adapters, LayerNorms and the "
              "pruning interaction weights. Perplexity: the test split, the zoo's protocol. Sparsity: share of earlier "
              "tokens dropped at inference on the validation batch.", "",
-             "| method | trainable params | % of model | test perplexity | sparsity | steps | lr | wall time |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "Trainable parameters are the adapters + the pruning interaction weights (W^Qint, W^Kint, beta) + "
+             "the LayerNorms; the adapter column is the adapters alone.", "",
+             "| method | trainable params | % of model | of which adapters | test perplexity | sparsity | steps | lr "
+             "| wall time |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     if base:
-        lines.append(f"| dense start ({base['run']}) | - | - | {base['perplexity']:.2f} | 0.0% | - | - | - |")
+        lines.append(f"| dense start ({base['run']}) | - | - | - | {base['perplexity']:.2f} | 0.0% | - | - | - |")
     for r in rows:
         share = f"{r['share']:.2%}" if r["share"] is not None else "?"
         trainable = f"{r['trainable']:,}" if r["trainable"] is not None else "?"
-        lines.append(f"| {r['method']} | {trainable} | {share} | {r['perplexity']:.2f} | {r['sparsity']:.1%} | "
+        adapters = f"{r['adapters']:,}" if r["adapters"] else "-"
+        lines.append(f"| {r['method']} | {trainable} | {share} | {adapters} | {r['perplexity']:.2f} | {r['sparsity']:.1%} | "
                      f"{r['steps']} | {r['lr']:g} | {r['wall_s'] / 60:.1f} min |")
     return "\n".join(lines) + "\n"
 

@@ -137,10 +137,20 @@ def test_adapter_table_is_built_from_the_run_cards(tmp_path):
             "test_perplexity": ppl, "final_valid_sparsity": 0.42, "wall_time_s": 90.0, "steps": 200,
             "train": {"lr": 3e-3, "init_from": str(base)}}))
         runs.append(str(run))
+    from models.checkpoint import save_model_dir
+    from models.tokenizer import train_bpe
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    model = DecoderLM(tiny_config("mha", adapter="compacter", prune=True, prune_r=4, d_model=32, adapter_reduction=8))
+    save_model_dir(tmp_path / "weights", model, train_bpe(["a few words"] * 5, vocab_size=270, min_frequency=1))
+    parts = adapter_results.parameter_parts(tmp_path / "weights")
+    named = dict(model.named_parameters())
+    assert parts["adapters"] == sum(p.numel() for n, p in named.items() if "adapter" in n) > 0
+    assert parts["pruning"] == sum(p.numel() for n, p in named.items() if ".pruning." in n) > 0
     out = tmp_path / "t.md"
     assert adapter_results.main([*runs, "--out", str(out)]) == 0
     lines = out.read_text().splitlines()
     assert "| dense start" in lines[-3] and "163.20" in lines[-3]
-    assert lines[-2].startswith("| full fine-tune | 1,000 | 100.00% | 150.00 | 42.0% | 200 |")
-    assert lines[-1].startswith("| COMPACTER | 10 | 1.00% | 158.50 |")
+    assert lines[-2].startswith("| full fine-tune | 1,000 | 100.00% | - | 150.00 | 42.0% | 200 |")
+    assert lines[-1].startswith("| COMPACTER | 10 | 1.00% | - | 158.50 |")   # no weight file here: no parts
     assert adapter_results.main([str(tmp_path / "missing")]) == 2
