@@ -251,6 +251,26 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def markdown(result: dict) -> str:
+    """A short table: per case, each implementation's time and its multiple of the floor."""
+    env, fl = result["environment"], result["floors"]
+    lines = [f"# Kernel benchmark: {env['device']}", "",
+             f"{env['date']}, torch {env['torch']}, triton {env['triton']}, {result['dtype']}. Floors measured in the "
+             f"same run: copy {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {fl['matmul_flops_per_s'] / 1e12:.3f} "
+             f"TFLOP/s. Triton: {result['triton']}. FlexAttention: {result['flex']}.", "",
+             "| case | implementation | ms | GB/s | TFLOP/s | x floor |", "|---|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if "ms" in r:
+            lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['GB_s']:.1f} | {r['TFLOP_s']:.3f} | "
+                         f"{r['x_floor']:.1f} |")
+        else:
+            lines.append(f"| {r['case']} | {r['impl']} | error: {r['error'][:80]} | | | |")
+    if result["end_to_end"]:
+        lines += ["", "| model | kernel path | prompt | decode tokens/s |", "|---|---|---:|---:|"]
+        lines += [f"| {m['model']} | {m['path']} | {m['prompt']} | {m['tokens_per_s']:.1f} |" for m in result["end_to_end"]]
+    return "\n".join(lines) + "\n"
+
+
 def environment(dev) -> dict:
     import triton
     env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
@@ -266,6 +286,7 @@ def environment(dev) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--table", help="write a short markdown table here")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
     ap.add_argument("--models", default="assets/models/mha,assets/models/mhe-mul,assets/models/mha-1024-pruned",
@@ -313,6 +334,9 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.table:
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table).write_text(markdown(result))
     return 0
 
 

@@ -18,7 +18,9 @@ def test_pruning_decode_bench_runs(tmp_path, capsys):
 def test_kernel_bench_runs_quick(tmp_path):
     from kernels import bench
     out = tmp_path / "k.json"
-    assert bench.main(["--quick", "--json", str(out), "--models", "assets/models/mhe-mul"]) == 0
+    table = tmp_path / "k.md"
+    assert bench.main(["--quick", "--json", str(out), "--table", str(table), "--models", "assets/models/mhe-mul"]) == 0
+    assert "| prefill mha t=64 | reference |" in table.read_text()
     res = json.loads(out.read_text())
     assert res["environment"]["device"] and res["floors"]["copy_bytes_per_s"] > 0
     cases = {r["case"] for r in res["rows"]}
