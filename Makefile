@@ -60,7 +60,7 @@ results: $(STAMP)
 	$(PY) -m models.results
 
 # --- context pruning: a dense context-1024 base, then the pruned family and the fixed baselines ---
-PRUNE_RUNS := pruned-g0.1 pruned-g0.3 pruned-g1.0 local-k128 local-k256 strided-k64 strided-k128
+PRUNE_RUNS := dense-ft pruned-g0.1 pruned-g0.3 pruned-g1.0 local-k128 local-k256 strided-k64 strided-k128
 
 pruning: $(STAMP) data/manifest.json
 	$(PY) -m models.train --config configs/prune/dense1024.json --out assets/models/mha-1024

@@ -49,7 +49,8 @@ def floors(dev, dtype) -> dict:
     """Measured copy bandwidth (read + write bytes / s) and dense matmul rate (flop / s) for dtype."""
     n = (256 if dev.type == "cuda" else 64) * 2 ** 20 // 4
     a = torch.empty(n, dtype=torch.float32, device=dev).normal_()
-    bw = 2 * a.numel() * 4 / timeit(lambda: a.clone(), dev, 10)
+    b = torch.empty_like(a)  # preallocated: a fresh clone would time page faults, not bandwidth
+    bw = 2 * a.numel() * 4 / timeit(lambda: b.copy_(a), dev, 10)
     m = 8192 if dev.type == "cuda" else 1024
     x = torch.randn(m, m, device=dev, dtype=dtype)
     rate = 2 * m ** 3 / timeit(lambda: x @ x, dev, 10)
