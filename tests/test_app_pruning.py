@@ -31,7 +31,9 @@ def pruned_zoo(tmp_path, monkeypatch):
 
 def test_pruning_page(pruned_zoo):
     at = AppTest.from_file(PAGE, default_timeout=180).run()
-    assert any("not a pruned model" in i.value for i in at.info)   # "base" comes first and is dense
+    assert at.sidebar.selectbox(key="model").value == "pruned"       # opens on a pruned model, not "base"
+    at.sidebar.selectbox(key="model").select("base").run()
+    assert any("not a pruned model" in i.value for i in at.info)
     at.sidebar.selectbox(key="model").select("pruned").run()
     assert not at.exception, at.exception
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]

@@ -1,4 +1,5 @@
 """Pruning: which tokens a context-pruned model drops, per layer and part of speech, and what it saves."""
+import json
 import sys
 from pathlib import Path
 
@@ -7,12 +8,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
-from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
+from app.common import export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 
 
 def only_pruned(loaded):
     return None if loaded.config.prune else "not a pruned model (no context pruning): pick one trained with prune=true."
+
+
+def first_pruned() -> str | None:
+    """The page opens on a pruned model when there is one (read from config.json, nothing loaded)."""
+    for path in model_paths():
+        try:
+            if json.loads((path / "config.json").read_text(encoding="utf-8")).get("prune"):
+                return path.name
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 @st.cache_data(max_entries=32, show_spinner="Running the pruned model…")
@@ -33,7 +45,7 @@ def cached_logprobs(path: str, ids: tuple[int, ...]):
 setup("Pruning")
 st.caption("Adaptively sparse attention: every layer learns to drop earlier tokens for good. At inference a token "
            "j is dropped by the first later query n whose interaction score x_{n,j} is not positive.")
-loaded, text, toks = model_text_tokens(accept=only_pruned)
+loaded, text, toks = model_text_tokens(default=first_pruned(), accept=only_pruned)
 cfg = loaded.config
 view, start = window_picker(toks, cfg.context, "prune_window")
 # spaCy tags the window's own text, so offsets are taken relative to it
