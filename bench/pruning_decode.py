@@ -36,27 +36,35 @@ def synthetic_pair(context: int, beta: float, seed: int = 0) -> tuple[DecoderLM,
     return dense, pruned
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 @torch.inference_mode()
 def decode_run(model, batch: int, context: int, steps: int, compact: bool, seed: int = 0) -> dict:
     """Prefill context - steps tokens, then time `steps` one-token decode steps."""
+    dev = model.wte.weight.device
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, context - steps), generator=g)
-    nxt = torch.randint(0, model.config.vocab_size, (batch, steps), generator=g)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, context - steps), generator=g).to(dev)
+    nxt = torch.randint(0, model.config.vocab_size, (batch, steps), generator=g).to(dev)
     n = prompt.shape[1]
     if compact:
         cache = model.new_compact_cache(batch=batch)
-        pos = torch.arange(n).expand(batch, -1)
+        pos = torch.arange(n, device=dev).expand(batch, -1)
         model(prompt, cache=cache, positions=pos)
     else:
         cache = model.new_cache(batch=batch, capacity=context)
         model(prompt, cache=cache)
     times = []
     for i in range(steps):
+        _sync(dev)
         t0 = time.perf_counter()
         if compact:
-            model(nxt[:, i:i + 1], cache=cache, positions=torch.full((batch, 1), n + i))
+            model(nxt[:, i:i + 1], cache=cache, positions=torch.full((batch, 1), n + i, device=dev))
         else:
             model(nxt[:, i:i + 1], cache=cache)
+        _sync(dev)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
     out = {"batch": batch, "context": context, "median_step_ms": med * 1000, "tokens_per_s": batch / med,

@@ -21,8 +21,7 @@ def _triton_ops() -> dict[str, object]:
         from kernels import triton_attention, triton_lag
     except ImportError:  # no triton on this machine: everything runs the reference
         return {}
-    return {"attention": _triton_attention, "decode": triton_attention.decode, "lag_conv": triton_lag.lag_conv,
-            "compact_decode": triton_attention.decode}
+    return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": triton_attention.decode}
 
 
 def backend_for(op: str, tensor) -> str:
@@ -108,8 +107,3 @@ def lag_conv(x, w, start: int = 0):
         _last_path["lag_conv"] = "reference"
         return reference.lag_conv(x, w, start)
     return _run("lag_conv", x, reference.lag_conv, x, w, start)
-
-
-def decode(q, k, v, *, scale: float, bias=None, lengths=None, **maps):
-    """One query per sequence over a cache whose sequences may have different lengths; see reference.decode."""
-    return _run("decode", q, reference.decode, q, k, v, scale=scale, bias=bias, lengths=lengths, **maps)

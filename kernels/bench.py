@@ -149,7 +149,7 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
                     impls["sdpa_expanded"] = lambda: expanded_sdpa(q, k, v, d ** -0.5, maps)
                 if not maps:
                     impls["sdpa_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, enable_gqa=g != h)
-                if dev.type == "cuda" and "decode" in kernels.TRITON:
+                if dev.type == "cuda" and "attention" in kernels.TRITON:
                     from kernels import triton_attention
                     impls["triton"] = lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, **maps)
                 for impl, fn in impls.items():
@@ -204,10 +204,12 @@ def bench_lag(dev, dtype, lengths, fl, reps, b=4, c=512) -> list[dict]:
     return out
 
 
-def bench_models(dev, reps_tokens: int, model_dirs: list[str]) -> list[dict]:
-    """End-to-end greedy decode tokens/s per zoo model and kernel path (Triton on CUDA only)."""
+def bench_models(dev, steps: int, model_dirs: list[str]) -> list[dict]:
+    """End-to-end decode per model and kernel path (Triton on CUDA only): batch 1, filled to the model's
+    context, median step time (bench.pruning_decode.decode_run; the compacted cache for pruned models)."""
     import os
 
+    from bench.pruning_decode import decode_run
     from models.checkpoint import load_model_dir
     out = []
     paths = ["reference"] + (["triton"] if dev.type == "cuda" and kernels.TRITON else [])
@@ -215,24 +217,12 @@ def bench_models(dev, reps_tokens: int, model_dirs: list[str]) -> list[dict]:
         if not Path(d).is_dir():
             continue
         model = load_model_dir(d).model.to(dev).eval()
-        ctx = model.config.context
+        cfg = model.config
         for path in paths:
             os.environ["MIXSCOPE_KERNELS"] = path
-            with torch.inference_mode():
-                idx = torch.randint(0, model.config.vocab_size, (1, ctx // 2), device=dev)
-                cache = model.new_compact_cache(batch=1) if model.config.prune else model.new_cache(batch=1)
-                kw = {"positions": torch.arange(idx.shape[1], device=dev)[None]} if model.config.prune else {}
-                logits = model(idx, cache=cache, **kw).logits
-                sync(dev)
-                t0 = time.perf_counter()
-                for i in range(reps_tokens):
-                    nxt = logits[:, -1:].argmax(-1)
-                    kw = {"positions": torch.tensor([[idx.shape[1] + i]], device=dev)} if model.config.prune else {}
-                    logits = model(nxt, cache=cache, **kw).logits
-                sync(dev)
-                secs = time.perf_counter() - t0
-            out.append({"model": d, "mixer": model.config.mixer, "pruned": model.config.prune, "path": path,
-                        "prompt": ctx // 2, "tokens": reps_tokens, "tokens_per_s": reps_tokens / secs})
+            run = decode_run(model, 1, cfg.context, steps, compact=cfg.prune)
+            out.append({"model": d, "mixer": cfg.mixer, "pruned": cfg.prune, "path": path, "context": cfg.context,
+                        "tokens": steps, "tokens_per_s": run["tokens_per_s"]})
         os.environ.pop("MIXSCOPE_KERNELS", None)
     return out
 
@@ -267,8 +257,8 @@ def markdown(result: dict) -> str:
         else:
             lines.append(f"| {r['case']} | {r['impl']} | error: {r['error'][:80]} | | | |")
     if result["end_to_end"]:
-        lines += ["", "| model | kernel path | prompt | decode tokens/s |", "|---|---|---:|---:|"]
-        lines += [f"| {m['model']} | {m['path']} | {m['prompt']} | {m['tokens_per_s']:.1f} |" for m in result["end_to_end"]]
+        lines += ["", "| model | kernel path | context | decode tokens/s (median step) |", "|---|---|---:|---:|"]
+        lines += [f"| {m['model']} | {m['path']} | {m['context']} | {m['tokens_per_s']:.1f} |" for m in result["end_to_end"]]
     return "\n".join(lines) + "\n"
 
 

@@ -10,11 +10,10 @@ training wall time. The dense starting point is listed first, from its own card.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from models.checkpoint import CheckpointError
+from models.checkpoint import CheckpointError, read_json
 
 METHOD = {None: "full fine-tune", "adapter": "Adapter (Houlsby)", "phm": "PHM-Adapter", "compacter": "COMPACTER",
           "compacter++": "COMPACTER++"}
@@ -24,7 +23,7 @@ def read_card(run: Path) -> dict:
     path = run / "card.json"
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: has the run finished? (make adapters)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_json(path)
 
 
 def parameter_parts(run: Path) -> dict[str, int]:
@@ -86,14 +85,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cards = [(Path(r), read_card(Path(r))) for r in args.runs]
+        start = cards[0][1]["train"].get("init_from")
+        base = None
+        if start and (Path(start) / "card.json").is_file():
+            base = {"run": start, "perplexity": read_card(Path(start))["test_perplexity"]}
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = [row(run, card) for run, card in cards]
-    base = None
-    start = cards[0][1]["train"].get("init_from")
-    if start and (Path(start) / "card.json").is_file():
-        base = {"run": start, "perplexity": read_card(Path(start))["test_perplexity"]}
     command = "python -m models.adapter_results " + " ".join(args.runs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render(rows, base, command), encoding="utf-8")

@@ -79,7 +79,8 @@ def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     return out
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from a model directory file; CheckpointError when it is not one."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -116,10 +117,10 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu") -> Load
             raise CheckpointError(f"{root / name} is missing (a model directory holds {', '.join(FILES)})")
 
     try:
-        cfg = ModelConfig.from_dict(_read_json(root / CONFIG))
+        cfg = ModelConfig.from_dict(read_json(root / CONFIG))
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{root / CONFIG}: {e}") from None
-    card = _read_json(root / CARD)
+    card = read_json(root / CARD)
 
     try:
         tensors = load_file(str(root / WEIGHTS))

@@ -14,6 +14,15 @@ def tiny_config(mixer: str, **overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def cached_logits(model, idx: torch.Tensor, chunks: list[int] | None = None):
+    """idx fed through a fresh static cache in chunks (default: one token at a time): (logits, cache)."""
+    cache, outs, at = model.new_cache(batch=idx.shape[0]), [], 0
+    for n in chunks or [1] * idx.shape[1]:
+        outs.append(model(idx[:, at:at + n], cache=cache).logits)
+        at += n
+    return torch.cat(outs, 1), cache
+
+
 def randomize(module: torch.nn.Module, std: float = 0.3, seed: int = 0) -> None:
     """Fresh, large random weights: small paper-style inits would hide indexing mistakes."""
     g = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ from models.adapters import KINDS, Adapter, PHMLinear, adapter_parameter_formula
 from models.config import ConfigError, ModelConfig
 from models.params import count_parameters
 from models.transformer import DecoderLM
-from tests.helpers import randomize, tiny_config
+from tests.helpers import cached_logits, randomize, tiny_config
 
 
 @pytest.mark.parametrize("rank", [None, 1, 3])
@@ -68,8 +68,7 @@ def test_incremental_decode_with_adapters(kind):
     idx = torch.randint(0, 61, (2, 12))
     with torch.no_grad():
         full = model(idx).logits
-        cache = model.new_cache(batch=2)
-        steps = torch.cat([model(idx[:, i:i + 1], cache=cache).logits for i in range(12)], 1)
+        steps, _ = cached_logits(model, idx)
     torch.testing.assert_close(steps, full, rtol=1e-6, atol=1e-6)
 
 

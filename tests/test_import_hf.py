@@ -8,6 +8,7 @@ from models.checkpoint import load_model_dir
 from models.generate import generate
 from models.import_hf import ImportError_, import_hf
 from models.tokenizer import train_bpe
+from tests.helpers import cached_logits
 
 
 def save_hf(model, tmp_path, name):
@@ -58,8 +59,7 @@ def test_imported_llama_decodes_incrementally(tmp_path):
     ids = torch.randint(0, 300, (2, 17))
     with torch.no_grad():
         full = ours(ids).logits
-        cache = ours.new_cache(batch=2)
-        steps = torch.cat([ours(ids[:, i:i + 1], cache=cache).logits for i in range(17)], 1)
+        steps, _ = cached_logits(ours, ids)
     torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
     assert ours.config.mixer == "gqa" and ours.blocks[0].mixer.n_groups == 2
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from models.transformer import DecoderLM
-from tests.helpers import ALL_MIXERS, randomize, tiny_config
+from tests.helpers import ALL_MIXERS, cached_logits, randomize, tiny_config
 
 
 def model_for(mixer, dtype=torch.float64, **cfg):
@@ -19,13 +19,9 @@ def test_incremental_equals_full_forward(mixer, chunks):
     idx = torch.randint(0, model.config.vocab_size, (3, sum(chunks)))
     with torch.no_grad():
         full = model(idx).logits
-        cache = model.new_cache(batch=3)
-        steps, pos = [], 0
-        for n in chunks:
-            steps.append(model(idx[:, pos:pos + n], cache=cache).logits)
-            pos += n
+        steps, cache = cached_logits(model, idx, chunks)
     assert cache.length == idx.shape[1]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(steps, full, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mixer", ALL_MIXERS)
@@ -34,9 +30,8 @@ def test_incremental_float32(mixer):
     idx = torch.randint(0, model.config.vocab_size, (2, 10))
     with torch.no_grad():
         full = model(idx).logits
-        cache = model.new_cache(batch=2)
-        steps = [model(idx[:, i:i + 1], cache=cache).logits for i in range(10)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+        steps, _ = cached_logits(model, idx)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("mixer", ALL_MIXERS)

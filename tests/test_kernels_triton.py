@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 from kernels import reference, triton_attention, triton_lag  # noqa: E402
 from models.transformer import DecoderLM  # noqa: E402
-from tests.helpers import ATTENTION, randomize, tiny_config  # noqa: E402
+from tests.helpers import ATTENTION, cached_logits, randomize, tiny_config  # noqa: E402
 
 
 class _Poisoned:
@@ -188,15 +188,6 @@ def test_attention_backward_falls_back_to_reference_autograd(monkeypatch):
         close(got, want, tol=1e-5)
 
 
-def run_tokens(model, idx, chunks):
-    """Logits of idx fed through the static cache in the given chunk sizes."""
-    cache, outs, at = model.new_cache(batch=idx.shape[0]), [], 0
-    for n in chunks:
-        outs.append(model(idx[:, at:at + n], cache=cache).logits)
-        at += n
-    return torch.cat(outs, 1)
-
-
 @pytest.mark.parametrize("mixer", ATTENTION + ["me", "we", "he"])
 def test_models_on_triton_equal_the_reference_path(mixer, monkeypatch):
     model = DecoderLM(tiny_config(mixer, n_layers=1)).eval()
@@ -206,7 +197,7 @@ def test_models_on_triton_equal_the_reference_path(mixer, monkeypatch):
     for path in ("reference", "triton"):
         monkeypatch.setenv("MIXSCOPE_KERNELS", path)
         with torch.no_grad():
-            results[path] = (model(idx).logits, run_tokens(model, idx, [5, 1, 1, 6]))
+            results[path] = (model(idx).logits, cached_logits(model, idx, [5, 1, 1, 6])[0])
     full_ref, inc_ref = results["reference"]
     full_tri, inc_tri = results["triton"]
     close(full_tri, full_ref, tol=1e-4)

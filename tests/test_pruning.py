@@ -8,7 +8,7 @@ from models.config import ConfigError, ModelConfig
 from models.mixers import build_mixer
 from models.mixers.pruning import alpha_schedule, alpha_sigmoid, sparsity
 from models.transformer import DecoderLM
-from tests.helpers import ATTENTION, randomize, tiny_config
+from tests.helpers import ATTENTION, cached_logits, randomize, tiny_config
 
 
 def brute_force(x: float, alpha: float) -> float:
@@ -161,12 +161,8 @@ def test_incremental_decode_equals_full_forward_with_the_step_mask(mixer, chunks
     idx = torch.randint(0, 61, (3, 14))
     with torch.no_grad():
         full = model(idx, diagnostics=True)
-        cache = model.new_cache(batch=3)
-        steps, pos = [], 0
-        for n in chunks:
-            steps.append(model(idx[:, pos:pos + n], cache=cache).logits)
-            pos += n
-    torch.testing.assert_close(torch.cat(steps, 1), full.logits, rtol=1e-6, atol=1e-6)
+        steps, cache = cached_logits(model, idx, chunks)
+    torch.testing.assert_close(steps, full.logits, rtol=1e-6, atol=1e-6)
     keep = full.diagnostics[0]["keep"]
     assert torch.equal(cache.layers[0].alive[:, :14], keep[:, -1].bool())
     assert 0 < keep.tril(-1).sum() < 3 * 14 * 13 / 2
@@ -222,8 +218,7 @@ def test_fixed_sparse_baselines(pattern, k):
     idx = torch.randint(0, 61, (2, 13))
     with torch.no_grad():
         full = model(idx, diagnostics=True)
-        cache = model.new_cache(batch=2)
-        steps = torch.cat([model(idx[:, i:i + 1], cache=cache).logits for i in range(13)], 1)
+        steps, _ = cached_logits(model, idx)
     torch.testing.assert_close(steps, full.logits, rtol=1e-6, atol=1e-6)
     p = full.diagnostics[0]["attn"]
     mask = pattern_mask(13, 13, pattern, k).tril()

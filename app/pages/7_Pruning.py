@@ -1,5 +1,4 @@
 """Pruning: which tokens a context-pruned model drops, per layer and part of speech, and what it saves."""
-import json
 import sys
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
 from app.common import export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
-from models.checkpoint import CheckpointError  # noqa: E402
+from models.checkpoint import CheckpointError, read_json  # noqa: E402
 
 
 def only_pruned(loaded):
@@ -20,9 +19,9 @@ def first_pruned() -> str | None:
     """The page opens on a pruned model when there is one (read from config.json, nothing loaded)."""
     for path in model_paths():
         try:
-            if json.loads((path / "config.json").read_text(encoding="utf-8")).get("prune"):
+            if read_json(path / "config.json").get("prune"):
                 return path.name
-        except (OSError, ValueError):
+        except (OSError, CheckpointError):
             continue
     return None
 
