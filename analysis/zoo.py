@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 
 from models.checkpoint import CheckpointError, load_model_dir
 from models.evaluate import paper_metrics
-from models.params import COMPONENTS, count_parameters
+from models.params import COMPONENTS, count_parameters, count_trainable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,8 +36,7 @@ def describe(path: Path, loaded=None) -> dict:
         return row | {"error": str(e)}
     cfg, model, card = loaded.config, loaded.model, loaded.card
     counts = count_parameters(model)
-    # what a fine-tune of this model trains: everything, or (with adapters) adapters + norms + pruning
-    trainable = counts["adapters"] + counts["norms"] + counts["pruning"] if cfg.adapter else counts["total"]
+    trainable = count_trainable(model)["total"]  # everything, or (with adapters) adapters + norms + pruning
     return row | {
         "mixer": cfg.mixer, "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads,
         "context": cfg.context, "attention params": counts["mixer"], "total params": counts["total"],

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.pruning.interaction import survives  # the one survival rule (papers.md section 3)
+
 
 def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
     """[T, S] bool, True where allowed: the T queries are the last T of the S positions."""
@@ -66,8 +68,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
 
     lengths [B]: sequence b sees slots [0, lengths[b]). prune (the compacted pruning cache): q_int [B,r],
     k_int [B,S,r], beta, live [B,S], pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B]. A live slot
-    survives the new query when x = q_int . k_int / sqrt(r) + beta > 0, or when it is the query's own (or a
-    later) position; a padding row (valid False) drops nothing and attends to every used slot. Returns out,
+    stays live by models.pruning.survives on x = q_int . k_int / sqrt(r) + beta; a padding row (valid False)
+    drops nothing and attends to every used slot. Returns out,
     or (out, keep [B,S]: the live mask after this query) with prune.
     """
     b, s = q.shape[0], k.shape[2]
@@ -79,7 +81,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
         pos, q_pos, valid = prune["pos"], prune["q_pos"][:, None], prune["valid"][:, None]
         x = prune["q_int"][:, None, :] @ prune["k_int"].transpose(1, 2) / prune["q_int"].shape[-1] ** 0.5
         x = x[:, 0] + prune["beta"]
-        keep = prune["live"] & ((x > 0) | (pos >= q_pos) | ~valid)
+        keep = prune["live"] & survives(x, pos, q_pos, valid)
         allowed &= torch.where(valid, keep & (pos <= q_pos), pos >= 0)
     mask = torch.zeros(b, 1, 1, s, dtype=q.dtype, device=q.device).masked_fill(~allowed[:, None, None], float("-inf"))
     if bias is not None:

@@ -136,7 +136,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             kint = tl.load(KINT + b * skib + offs_n[:, None] * skis + offs_i[None, :],
                            mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
             x = tl.sum(kint * q_int[None, :], 1) * int_scale + beta
-            keep = live & ((x > 0) | (pos >= q_pos) | (valid == 0))
+            keep = live & ((x > 0) | (pos >= q_pos) | (valid == 0))  # models.pruning.survives, restated in Triton
             if g == 0:  # the score is shared by every head: group 0 writes it, the others only use it
                 tl.store(LIVE_OUT + b * S + offs_n, keep.to(tl.int8), mask=n_mask)
             allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)

@@ -92,6 +92,9 @@ class Adapter(nn.Module):
             self.down, self.up = PHMLinear(k, d, n, rank, rule), PHMLinear(d, k, n, rank, rule)
         self.merged: tuple[torch.Tensor, ...] | None = None
 
+    def adapter_params(self) -> dict[str, nn.Parameter]:
+        return dict(self.named_parameters())  # a shared A_i is the model's, not this adapter's
+
     def merge(self) -> None:
         """Inference: build the two weight matrices once (exact) instead of the PHM sums every call."""
         with torch.no_grad():
@@ -118,12 +121,42 @@ def adapter_parameter_formula(kind: str, layers: int, k: int, d: int, n: int = 4
     raise ValueError(kind)
 
 
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """What a parameter-efficient fine-tune trains, found by structure (as torchtune's get_adapter_params): every
+    module's own adapter_params() (the adapters, COMPACTER's shared A_i on the model, context pruning's
+    W^Qint, W^Kint, beta) and the norms. Names are the model's qualified parameter names."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "adapter_params"):
+            own = module.adapter_params()
+        elif isinstance(module, NORMS):
+            own = dict(module.named_parameters(recurse=False))
+        else:
+            continue
+        found |= {f"{prefix}.{name}" if prefix else name: p for name, p in own.items()}
+    return found
+
+
+def trainable_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The one answer to "which parameters train": with an adapter in the config, get_adapter_params; otherwise
+    every parameter. The trainer, the parameter counts, the Models table and the adapter table all ask here."""
+    if model.config.adapter:
+        return get_adapter_params(model)
+    return dict(model.named_parameters())
+
+
+def set_trainable_params(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    """requires_grad on exactly these parameters, off on every other."""
+    chosen = {id(p) for p in params.values()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in chosen)
+
+
 def freeze_for_adapters(model: nn.Module) -> list[str]:
-    """Only adapters, LayerNorms and (when present) pruning's interaction weights train; returns their names."""
-    train = []
-    for name, p in model.named_parameters():
-        keep = "adapter" in name or ".ln_" in name or name.startswith("ln_f") or ".pruning." in name
-        p.requires_grad_(keep)
-        if keep:
-            train.append(name)
-    return train
+    """Freeze the base for a parameter-efficient fine-tune; returns the names of what trains."""
+    params = get_adapter_params(model)
+    set_trainable_params(model, params)
+    return list(params)

@@ -13,7 +13,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    mixer: str = "mha"          # registry name, see models.mixers.MIXERS
+    # --- the papers' settings -------------------------------------------------------------------
+    mixer: str = "mha"          # registry name, see models.mixers.MIXERS (papers.md sections 1-2)
     vocab_size: int = 8192
     context: int = 256          # l: max positions, and the Extractors' number of lag weights
     d_model: int = 128          # d_m
@@ -27,12 +28,19 @@ class ModelConfig:
     extractor_init_std: float = 0.01  # Extractor paper: all weights N(0, 0.01)
     head_embed_std: float = 0.02      # MHE head embeddings: small random, heads must differ
     extractor_out: bool = True  # the Extractors' optional output projection W^out
-    prune: bool = False         # adaptively sparse attention (papers.md section 3), softmax mixers only
+    # context pruning, papers.md section 3 (softmax mixers only)
+    prune: bool = False         # adaptively sparse attention
     prune_r: int = 64           # width r of the interaction projections W^Qint, W^Kint
     prune_beta: float = 2.0     # initial beta: positive, so nothing is dropped at first
     pattern: str = "dense"      # fixed sparse baselines: "local" (window of pattern_k) or "strided" (Child et al.)
     pattern_k: int = 64
-    # architecture options for imported models (GPT-2, Llama); the defaults are the zoo's decoder
+    # adapters, papers.md section 4
+    adapter: str | None = None  # None | adapter | phm | compacter | compacter++
+    adapter_reduction: int = 32  # bottleneck d = d_model / reduction
+    phm_n: int = 4              # n of the PHM layers (A_i are n x n)
+    phm_rank: int = 1           # r of COMPACTER's LPHM factors
+
+    # --- architecture options for imported models (GPT-2, Llama); the defaults are the zoo's decoder ---
     n_kv_heads: int | None = None  # gqa: key/value heads (default n_heads // 2)
     norm: str = "layernorm"     # layernorm | rmsnorm
     positions: str = "learned"  # learned | rope
@@ -41,10 +49,6 @@ class ModelConfig:
     ffn_bias: bool = True
     attn_bias: bool = False     # biases on W_Q, W_K, W_V, W_O (GPT-2; mha and gqa only)
     tie_embeddings: bool = True
-    adapter: str | None = None  # None | adapter | phm | compacter | compacter++ (papers.md section 4)
-    adapter_reduction: int = 32  # bottleneck d = d_model / reduction
-    phm_n: int = 4              # n of the PHM layers (A_i are n x n)
-    phm_rank: int = 1           # r of COMPACTER's LPHM factors
 
     def __post_init__(self) -> None:
         if self.d_head is None:

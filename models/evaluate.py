@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from models.pruning import sparsity
 from models.tokenizer import EOS
 from models.transformer import evaluating
 
@@ -68,6 +69,48 @@ def score_documents(model, docs: list[list[int]], stride: int, batch_size: int =
             bar.update(len(group))
     bar.close()
     return {"nll": nll, "tokens": count, "loss": nll / max(count, 1), "perplexity": math.exp(nll / max(count, 1))}
+
+
+BUCKETS = ((100, 256), (256, 512), (512, 1024))  # context sizes of the pruning tables
+
+
+def method_of(cfg, card: dict) -> str:
+    if cfg.prune:
+        return f"pruned (gamma {card.get('train', {}).get('gamma')})"
+    if cfg.pattern != "dense":
+        return f"{cfg.pattern} (k {cfg.pattern_k})"
+    return "dense"
+
+
+@torch.inference_mode()
+def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_windows: int | None = None,
+                progress: bool = False) -> list[dict]:
+    """Perplexity and sparsity by context size over consecutive windows of a token stream: a predicted token's
+    bucket is its position k in the window; sparsity is the share of its k earlier tokens that its attention
+    cannot see (the step mask), averaged over layers (0 for a dense model). Used by analysis.reports.pruning."""
+    dev = model.wte.weight.device
+    n = (len(stream) - 1) // window
+    if max_windows:
+        n = min(n, max_windows)
+    acc = {b: [0.0, 0, 0.0] for b in buckets}  # nll, tokens, sparsity sum
+    with evaluating(model):
+        for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
+            seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
+            out = model(seq[None, :-1], diagnostics=True)
+            logp = out.logits[0].float().log_softmax(-1).gather(-1, seq[1:, None]).squeeze(-1).double().cpu()
+            keeps = [d.get("keep") for d in out.diagnostics]
+            k = torch.arange(window)
+            if keeps[0] is None:
+                sp = torch.zeros(window, dtype=torch.float64)
+            else:  # share of the k earlier tokens not visible, mean over layers
+                sp = torch.stack([sparsity(kk[:1])[0].cpu() for kk in keeps]).double().mean(0)
+            for lo, hi in buckets:
+                sel = (k >= lo) & (k < hi)
+                acc[(lo, hi)][0] -= float(logp[sel].sum())
+                acc[(lo, hi)][1] += int(sel.sum())
+                acc[(lo, hi)][2] += float(sp[sel].sum())
+    return [{"bucket": f"{lo}-{hi}", "tokens": t, "perplexity": math.exp(nll / t) if t else float("nan"),
+             "sparsity": s / t if t else float("nan")} for (lo, hi), (nll, t, s) in acc.items()]
 
 
 def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:

@@ -30,12 +30,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from models.adapters import freeze_for_adapters
+from models.adapters import set_trainable_params, trainable_params
 from models.checkpoint import file_sha256, save_model_dir
 from models.config import ConfigError, ModelConfig
 from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
-from models.mixers.pruning import alpha_schedule
+from models.params import components, count_trainable
+from models.pruning import alpha_schedule, pair_count, sparsity_loss
 from models.transformer import DecoderLM
 
 log = logging.getLogger("models.train")
@@ -145,11 +146,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def ctx_pairs(n: int) -> int:
-    """n (n - 1): the normaliser of the paper's sparsity loss for sequences of n tokens."""
-    return n * (n - 1)
-
-
 def config_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -201,7 +197,8 @@ def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenize
     if base.tokenizer.to_str() != data_tokenizer.to_str():
         raise ConfigError(f"init_from {path}: its tokenizer.json is not the data directory's tokenizer")
     result = model.load_state_dict(base.model.state_dict(), strict=False)
-    missing = [k for k in result.missing_keys if ".pruning." not in k and "adapter" not in k]
+    owner = components(model)
+    missing = [k for k in result.missing_keys if owner.get(k) not in ("pruning", "adapters")]
     if missing or result.unexpected_keys:
         raise ConfigError(f"init_from {path}: weights do not fit (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]})")
 
@@ -253,12 +250,13 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     model = DecoderLM(model_cfg)
     if tc.init_from:
         init_from(model, model_cfg, tc.init_from, tokenizer)
+    trainable = trainable_params(model)
+    set_trainable_params(model, trainable)
     if model_cfg.adapter:  # parameter-efficient: the base stays frozen
-        trainable = freeze_for_adapters(model)
         log.info("training %d tensors (adapters, LayerNorms%s)", len(trainable), ", pruning" if model_cfg.prune else "")
     model = model.to(dev)
     pruning = model_cfg.prune
-    n_pairs = model_cfg.n_layers * ctx_pairs(model_cfg.context)
+    n_pairs = pair_count(model_cfg.n_layers, model_cfg.context)
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                             fused=dev.type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
@@ -342,7 +340,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                 res = fwd(x, targets=y)
                 loss = res.loss
                 if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
-                    loss = loss + tc.gamma * res.prune_mass / n_pairs
+                    loss = loss + sparsity_loss(res.prune_mass, tc.gamma, n_pairs)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
             opt.step()
@@ -417,7 +415,7 @@ def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed
         "final_train_loss": float(np.mean(recent)) if recent else None, "final_valid_loss": v_loss,
         "test_perplexity": test["perplexity"], "test_tokens": test["tokens"], "eval_stride": tc.eval_stride,
         "params": sum(p.numel() for p in model.parameters()),
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "trainable_params": count_trainable(model)["total"],
     } | extra
     save_model_dir(out, model.cpu(), tokenizer, card)
     return card

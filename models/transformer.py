@@ -12,9 +12,9 @@ from torch import nn
 
 from models.adapters import Adapter, shared_rule
 from models.cache import DecodeCache
-from models.compact_cache import CompactCache, CompactDecodeCache
 from models.config import ModelConfig
 from models.mixers import build_mixer
+from models.pruning import CompactCache, CompactDecodeCache
 
 
 class FeedForward(nn.Module):
@@ -114,6 +114,10 @@ class DecoderLM(nn.Module):
         self.adapter_rule = shared_rule(cfg.phm_n) if cfg.adapter in ("compacter", "compacter++") else None
         self.blocks = nn.ModuleList(Block(cfg, self.adapter_rule) for _ in range(cfg.n_layers))
         self.ln_f = norm(cfg)
+
+    def adapter_params(self) -> dict[str, nn.Parameter]:
+        """COMPACTER's shared A_i belong to the model (see models.adapters.get_adapter_params)."""
+        return {} if self.adapter_rule is None else {"adapter_rule": self.adapter_rule}
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:
         capacity = self.config.context if capacity is None else min(capacity, self.config.context)

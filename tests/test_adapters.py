@@ -123,7 +123,7 @@ def test_zoo_table_reports_the_trainable_share(tmp_path):
 def test_adapter_table_is_built_from_the_run_cards(tmp_path):
     import json
 
-    from models import adapter_results
+    from analysis.reports import adapters as adapter_results
     base = tmp_path / "base"
     base.mkdir()
     (base / "card.json").write_text(json.dumps({"test_perplexity": 163.2}))

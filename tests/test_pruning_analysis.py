@@ -69,7 +69,8 @@ def test_keep_matrices_from_a_pruned_model():
 
 
 def test_bucket_eval_on_dense_pruned_and_local_models():
-    from models.pruning_results import bucket_eval, figure, render
+    from analysis.reports.pruning import figure, render
+    from models.evaluate import bucket_eval
     from models.transformer import DecoderLM
     from tests.helpers import tiny_config
     import pandas as pd

@@ -1,6 +1,11 @@
-"""Token mixers by registry name: mha sha mqa skv el-att mhe-add mhe-mul she he we me."""
+"""Token mixers by registry name (papers.md sections 1-2):
+
+attention.py   mha sha mqa skv el-att, and gqa for imported models
+mhe.py         mhe-add mhe-mul (head embeddings)
+extractor.py   she he we me
+"""
 from models.mixers.base import MIXERS, Mixer, register
-from models.mixers import attention, extractor  # noqa: F401  (fill the registry)
+from models.mixers import attention, mhe, extractor  # noqa: F401  (fill the registry)
 
 
 def build_mixer(cfg) -> Mixer:

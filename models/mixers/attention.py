@@ -1,4 +1,5 @@
-"""Causal softmax attention variants (Xue & Aletras, arXiv 2310.07911), papers.md section 1.
+"""Causal softmax attention variants (Xue & Aletras, arXiv 2310.07911), papers.md section 1: MHA, SHA, MQA,
+SKV, EL-ATT (the head-embedding variants are in mhe.py), and GQA for imported models.
 
 Projection weights are stored as [d_m, heads, d_h], so W_Q[:, i] is the paper's W_i^Q.
 Every variant reduces to q [B,H,T,D] against k, v [B,G,S,D] with G key/value groups;
@@ -13,9 +14,8 @@ from torch import nn
 
 import kernels
 from models.config import ConfigError
-from models.compact_cache import CompactCache
 from models.mixers.base import Mixer, register
-from models.mixers.pruning import ContextPruning, pattern_mask
+from models.pruning import CompactCache, ContextPruning, pattern_mask
 
 
 def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -96,45 +96,66 @@ class Attention(Mixer):
         y = o.transpose(1, 2).flatten(2) @ self.W_O
         return y if self.b_O is None else y + self.b_O
 
-    def forward(self, x, cache=None, record=None, positions=None):
-        q, k, v = self.project(x)
-        if self.rope_theta is not None:
-            q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
-        if isinstance(cache, CompactCache):
-            return self.compact_step(x, q, k, v, cache, record)
-        bias = keep = None
-        if cache is None:
-            if self.pruning is not None:
-                log_i, keep = self.pruning.log_keep(x)
-                bias = log_i[:, None]
-                if self.training:
-                    self.prune_mass = keep.tril(-1).sum((1, 2)).mean()
-        else:
-            new = {"k": k} if self.kv_shared else {"k": k, "v": v}
-            if self.pruning is not None:
-                if self.training:
-                    raise RuntimeError("incremental decoding with context pruning runs at inference only (model.eval())")
-                new["k_int"] = self.pruning.keys(x)
-            past = cache.append(**new)
-            k = past["k"]
-            v = k if self.kv_shared else past["v"]
-            if self.pruning is not None:
-                s = cache.length
-                keep = self.pruning.step_keep(x, past["k_int"], cache.alive[:, :s])
-                cache.alive[:, :s] = keep[:, -1]
-                bias = additive(keep, q.dtype)[:, None]
-                keep = keep.to(q.dtype)
-        fixed = pattern_mask(q.shape[2], k.shape[2], self.pattern, self.pattern_k, q.device)
-        if fixed is not None:  # the local / strided baselines
-            bias = additive(fixed, q.dtype)[None, None]
-            keep = fixed.to(q.dtype)[None].expand(q.shape[0], -1, -1)
+    def cache_entries(self, x, k, v) -> dict[str, torch.Tensor]:
+        """What the new positions add to a decode cache: K (and V unless K is V), and K_int with pruning."""
+        new = {"k": k} if self.kv_shared else {"k": k, "v": v}
+        if self.pruning is not None:
+            if self.training:
+                raise RuntimeError("decoding with context pruning runs at inference only (model.eval())")
+            new["k_int"] = self.pruning.keys(x)
+        return new
+
+    def attend(self, q, k, v, bias, record, keep=None, causal=True):
+        """softmax(q k^T * scale + bias) v through the kernel dispatch, then W_O; fills `record` when asked."""
         o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=record is not None,
-                                     **self.head_maps())
+                                     causal=causal, **self.head_maps())
         if record is not None:
             record["attn"] = probs
             if keep is not None:
                 record["keep"] = keep
         return self.output(o)
+
+    def forward(self, x, cache=None, record=None, positions=None):
+        q, k, v = self.project(x)                                      # [B,H,T,D], [B,G,T,D], [B,G,T,D]
+        if self.rope_theta is not None:
+            q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
+        if cache is None:
+            return self.full(x, q, k, v, record)
+        if isinstance(cache, CompactCache):
+            return self.compact_step(x, q, k, v, cache, record)
+        return self.cached_step(x, q, k, v, cache, record)
+
+    def full(self, x, q, k, v, record):
+        """A whole sequence (training, scoring): causal softmax attention, plus log I with context pruning
+        (the alpha-sigmoid while training, the step at inference) or a fixed local/strided pattern."""
+        if self.pruning is not None:
+            log_i, keep = self.pruning.log_keep(x)                      # [B,T,T] each
+            if self.training:
+                self.prune_mass = self.pruning.mass(keep)
+            return self.attend(q, k, v, log_i[:, None], record, keep)
+        bias, keep = self.pattern_bias(q.shape[0], q.shape[2], k.shape[2], q.dtype, q.device)
+        return self.attend(q, k, v, bias, record, keep)
+
+    def cached_step(self, x, q, k, v, cache, record):
+        """Decoding over the static cache: append the new positions; with pruning, the new queries drop what
+        they drop (the step), for their own attention too, and the cache remembers it in `alive`."""
+        past = cache.append(**self.cache_entries(x, k, v))
+        kk = past["k"]                                                 # [B,G,S,D]
+        vv = kk if self.kv_shared else past["v"]
+        if self.pruning is None:
+            bias, keep = self.pattern_bias(q.shape[0], q.shape[2], kk.shape[2], q.dtype, q.device)
+            return self.attend(q, kk, vv, bias, record, keep)
+        s = cache.length
+        allowed = self.pruning.step_keep(x, past["k_int"], cache.alive[:, :s])  # [B,T,S]
+        cache.alive[:, :s] = allowed[:, -1]
+        return self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, allowed.to(q.dtype))
+
+    def pattern_bias(self, b: int, t: int, s: int, dtype, device):
+        """The local / strided baselines as (additive bias [1,1,T,S], keep [B,T,S]); (None, None) when dense."""
+        fixed = pattern_mask(t, s, self.pattern, self.pattern_k, device)
+        if fixed is None:
+            return None, None
+        return additive(fixed, dtype)[None, None], fixed.to(dtype)[None].expand(b, -1, -1)
 
     def compact_step(self, x, q, k, v, cache: CompactCache, record=None):
         """Inference over the compacted cache: insert the new tokens, let them drop what they drop (the
@@ -142,10 +163,7 @@ class Attention(Mixer):
         if self.training:
             raise RuntimeError("the compacted cache is for inference (model.eval())")
         q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]
-        new = {"k": k} if self.kv_shared else {"k": k, "v": v}
-        if self.pruning is not None:
-            new["k_int"] = self.pruning.keys(x)
-        cache.insert(new, q_pos, valid)
+        cache.insert(self.cache_entries(x, k, v), q_pos, valid)
         past = cache.view()
         slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
         kk = past["k"]
@@ -166,12 +184,10 @@ class Attention(Mixer):
             trigger = torch.where(dropped.any(1), torch.gather(q_pos, 1, dropped.long().argmax(1)), -1)
             cache.update_live(kept[rows, last], trigger)
         allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
-        bias = additive(allowed, q.dtype)[:, None]
-        o, probs = kernels.attention(q, kk, vv, scale=self.scale, bias=bias, need_weights=record is not None,
-                                     causal=False, **self.head_maps())
+        out = self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, causal=False)
         if record is not None:
-            record |= {"attn": probs, "slot_pos": slot_pos}
-        return self.output(o)
+            record["slot_pos"] = slot_pos
+        return out
 
 
 @register("mha")
@@ -262,50 +278,6 @@ class ELAtt(Attention):
     def project(self, x):
         kv = x.unflatten(-1, (self.n_heads, self.d_head)).transpose(1, 2)
         return split_heads(x, self.W_Q), kv, kv
-
-
-class MHE(Attention):
-    """Head embeddings: one shared W^Q, W^K, W^V; head i sees psi(Q, e_i^Q), psi(K, e_i^K), psi(V, e_i^V).
-
-    Computed exactly from the single shared K and V (papers.md identities), so the cache is one head.
-    """
-
-    n_groups = property(lambda self: 1)
-
-    def __init__(self, cfg):
-        super().__init__(cfg, cfg.n_heads)
-        d_m, n, d_h = cfg.d_model, cfg.n_heads, cfg.d_head
-        self.W_Q = projection(d_m, 1, d_h, cfg.init_std)
-        self.W_K = projection(d_m, 1, d_h, cfg.init_std)
-        self.W_V = projection(d_m, 1, d_h, cfg.init_std)
-        # small random, not zero: identical heads would stay identical
-        self.e_Q = nn.Parameter(torch.randn(n, d_h) * cfg.head_embed_std)
-        self.e_K = nn.Parameter(torch.randn(n, d_h) * cfg.head_embed_std)
-        self.e_V = nn.Parameter(torch.randn(n, d_h) * cfg.head_embed_std)
-
-    def project(self, x):  # one shared Q head: the kernel applies each head's map (head_maps)
-        return split_heads(x, self.W_Q), split_heads(x, self.W_K), split_heads(x, self.W_V)
-
-
-@register("mhe-mul")
-class MHEMul(MHE):
-    """psi(A, e) = A * (e + 1). Q~_i K~_i^T = Q diag(g_i) K^T, g_i = (1+e_i^Q)(1+e_i^K); A_i V~_i = (A_i V) diag(1+e_i^V)."""
-
-    def query_scale(self) -> torch.Tensor:
-        """g_i [n, d_h]: the effective per-head diagonal query scaling."""
-        return (1 + self.e_Q) * (1 + self.e_K)
-
-    def head_maps(self):
-        return {"q_mul": self.query_scale(), "o_mul": 1 + self.e_V}
-
-
-@register("mhe-add")
-class MHEAdd(MHE):
-    """psi(A, e) = A + e. (Q+e_i^Q)(K+e_i^K)^T differs from (Q+e_i^Q)K^T by a constant per softmax row,
-    so e^K has no effect (zero gradient; kept because the paper counts it); A_i (V+e_i^V) = A_i V + e_i^V."""
-
-    def head_maps(self):
-        return {"q_add": self.e_Q, "o_add": self.e_V}
 
 
 @register("gqa")

@@ -1,7 +1,7 @@
 """The parameter-efficient fine-tuning table: full fine-tune vs Adapter / PHM-Adapter / COMPACTER / COMPACTER++,
 each with context pruning, from the same dense model.
 
-    python -m models.adapter_results RUN_DIR [RUN_DIR ...] [--out docs/adapters.md]
+    python -m analysis.reports.adapters RUN_DIR [RUN_DIR ...] [--out docs/adapters.md]
 
 Every number comes from the runs' model cards (written by models.train): trainable parameters and their share of
 the model, test perplexity (the zoo's protocol), sparsity on the validation batch at inference (step function),
@@ -13,7 +13,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from models.checkpoint import CheckpointError, read_json
+from models.config import ModelConfig
+from models.params import count_parameters
+from models.transformer import DecoderLM
 
 METHOD = {None: "full fine-tune", "adapter": "Adapter (Houlsby)", "phm": "PHM-Adapter", "compacter": "COMPACTER",
           "compacter++": "COMPACTER++"}
@@ -27,22 +32,13 @@ def read_card(run: Path) -> dict:
 
 
 def parameter_parts(run: Path) -> dict[str, int]:
-    """Parameters by part, from the weight file's names and shapes (nothing is built or unpickled)."""
-    from safetensors import safe_open
-    parts = {"adapters": 0, "pruning": 0}
-    path = run / "model.safetensors"
-    if not path.is_file():
-        return parts
-    with safe_open(str(path), "pt") as f:
-        for name in f.keys():
-            n = 1
-            for dim in f.get_slice(name).get_shape():
-                n *= dim
-            if "adapter" in name:
-                parts["adapters"] += n
-            elif ".pruning." in name:
-                parts["pruning"] += n
-    return parts
+    """Adapter and pruning parameters of a finished run's model (zeros when it has no weights yet), counted by
+    models.params on its config.json, built on the meta device (no weights are read)."""
+    if not (run / "model.safetensors").is_file():
+        return {"adapters": 0, "pruning": 0}
+    with torch.device("meta"):
+        counts = count_parameters(DecoderLM(ModelConfig.load(run / "config.json")))
+    return {"adapters": counts["adapters"], "pruning": counts["pruning"]}
 
 
 def row(run: Path, card: dict) -> dict:
@@ -79,7 +75,7 @@ def render(rows: list[dict], base: dict | None, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m models.adapter_results", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m analysis.reports.adapters", description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--out", default="docs/adapters.md")
     args = ap.parse_args(argv)
@@ -93,7 +89,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = [row(run, card) for run, card in cards]
-    command = "python -m models.adapter_results " + " ".join(args.runs)
+    command = "python -m analysis.reports.adapters " + " ".join(args.runs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render(rows, base, command), encoding="utf-8")
     print(Path(args.out).read_text(encoding="utf-8"))

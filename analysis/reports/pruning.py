@@ -1,6 +1,6 @@
 """Perplexity against sparsity for context pruning and its fixed baselines (local, strided), by context size.
 
-    python -m models.pruning_results MODEL_DIR [MODEL_DIR ...] [--window 1024] [--out docs/pruning.md]
+    python -m analysis.reports.pruning MODEL_DIR [MODEL_DIR ...] [--window 1024] [--out docs/pruning.md]
 
 The test split's documents are joined (each after <|endoftext|>) and cut into non-overlapping windows of
 `window` tokens. Every predicted token is put in a bucket by its position k in the window (the size of its
@@ -11,58 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 from pathlib import Path
 
 import pandas as pd
 import plotly.express as px
-import torch
-from tqdm import tqdm
 
 from models.checkpoint import load_model_dir
 from models.data import load_documents
-from models.evaluate import encode_documents
-from models.mixers.pruning import sparsity
-from models.transformer import evaluating
-
-BUCKETS = ((100, 256), (256, 512), (512, 1024))
-
-
-def method_of(cfg, card: dict) -> str:
-    if cfg.prune:
-        return f"pruned (gamma {card.get('train', {}).get('gamma')})"
-    if cfg.pattern != "dense":
-        return f"{cfg.pattern} (k {cfg.pattern_k})"
-    return "dense"
-
-
-@torch.inference_mode()
-def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_windows: int | None = None,
-                progress: bool = False) -> list[dict]:
-    dev = model.wte.weight.device
-    n = (len(stream) - 1) // window
-    if max_windows:
-        n = min(n, max_windows)
-    acc = {b: [0.0, 0, 0.0] for b in buckets}  # nll, tokens, sparsity sum
-    with evaluating(model):
-        for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
-            seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
-            out = model(seq[None, :-1], diagnostics=True)
-            logp = out.logits[0].float().log_softmax(-1).gather(-1, seq[1:, None]).squeeze(-1).double().cpu()
-            keeps = [d.get("keep") for d in out.diagnostics]
-            k = torch.arange(window)
-            if keeps[0] is None:
-                sp = torch.zeros(window, dtype=torch.float64)
-            else:  # share of the k earlier tokens not visible, mean over layers
-                sp = torch.stack([sparsity(kk[:1])[0].cpu() for kk in keeps]).double().mean(0)
-            for lo, hi in buckets:
-                sel = (k >= lo) & (k < hi)
-                acc[(lo, hi)][0] -= float(logp[sel].sum())
-                acc[(lo, hi)][1] += int(sel.sum())
-                acc[(lo, hi)][2] += float(sp[sel].sum())
-    return [{"bucket": f"{lo}-{hi}", "tokens": t, "perplexity": math.exp(nll / t) if t else float("nan"),
-             "sparsity": s / t if t else float("nan")} for (lo, hi), (nll, t, s) in acc.items()]
+from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of
 
 
 def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_windows: int | None = None) -> pd.DataFrame:
@@ -99,7 +55,7 @@ def render(table: pd.DataFrame, window: int, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m models.pruning_results")
+    ap = argparse.ArgumentParser(prog="python -m analysis.reports.pruning")
     ap.add_argument("model_dirs", nargs="+")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--data", default=None)
@@ -109,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     table = evaluate_models(args.model_dirs, args.window, args.data, args.max_windows)
-    command = "python -m models.pruning_results " + " ".join(args.model_dirs) + f" --window {args.window}"
+    command = "python -m analysis.reports.pruning " + " ".join(args.model_dirs) + f" --window {args.window}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render(table, args.window, command), encoding="utf-8")
     if args.figure:

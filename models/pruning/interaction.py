@@ -1,0 +1,120 @@
+"""Interaction scores, the keep structure I, the survival rule and the sparsity loss (papers.md section 3;
+Anagnostidis et al., arXiv 2305.15805).
+
+Per layer: W^Qint, W^Kint in R^{d_m x r} and a scalar beta, shared by all heads.
+    x_{n,j} = (Q_int)_n . (K_int)_j / sqrt(r) + beta
+    I_{k,j} = prod_{n=j+1..k} sigma(x_{n,j}) (j < k),  I_{k,k} = 1,  I_{k,j} = 0 (j > k)
+and every head attends with softmax(Q K^T / sqrt(d_h) + log I). sigma is the alpha-sigmoid during
+training (alpha raised from 1 to 8 on a cosine schedule) and the step 1[x > 0] at inference.
+A token never drops itself, and once dropped (sigma = 0) it stays dropped for every later token.
+    L = L_lm + gamma / (L_layers n (n - 1)) sum_layers sum_{j<k} I_{k,j}
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from models.pruning.alpha_sigmoid import alpha_sigmoid
+
+LOG_FLOOR = 1e-40  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
+
+
+def survives(x: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The survival rule at inference, for one query against each key (shapes broadcast): key j outlives
+    query n when x_{n,j} > 0; a query never drops its own or a later position; a padding row (valid False)
+    drops nothing. Every cache path uses this rule (the Triton decode kernel restates it, tested equal)."""
+    keep = (x > 0) | (key_pos >= q_pos)
+    return keep if valid is None else keep | ~valid
+
+
+def pair_count(n_layers: int, n: int) -> int:
+    """L_layers n (n - 1): the normaliser of the sparsity loss for sequences of n tokens."""
+    return n_layers * n * (n - 1)
+
+
+def sparsity_loss(mass: torch.Tensor, gamma: float, pairs: int) -> torch.Tensor:
+    """gamma / (L_layers n (n - 1)) sum_layers sum_{j<k} I_{k,j}; mass is that double sum (batch mean) and
+    pairs = pair_count(L_layers, n)."""
+    return gamma * mass / pairs
+
+
+class ContextPruning(nn.Module):
+    """The interaction projections of one layer, and the keep structure I they define."""
+
+    def __init__(self, d_model: int, r: int, beta: float):
+        super().__init__()
+        self.r = r
+        self.W_Qint = nn.Parameter(torch.randn(d_model, r) / math.sqrt(d_model))
+        self.W_Kint = nn.Parameter(torch.randn(d_model, r) / math.sqrt(d_model))
+        self.beta = nn.Parameter(torch.tensor(float(beta)))  # positive: nothing is dropped at first
+        self.alpha = math.inf  # set by the trainer while training; inf (the step) at inference
+
+    def adapter_params(self) -> dict[str, nn.Parameter]:
+        """What trains in a parameter-efficient fine-tune with pruning (models.adapters.get_adapter_params)."""
+        return dict(self.named_parameters())
+
+    def current_alpha(self) -> float:
+        return self.alpha if self.training else math.inf
+
+    def scores(self, x_q: torch.Tensor, k_int: torch.Tensor) -> torch.Tensor:
+        """x_{n,j} for the query rows x_q [B,Tq,d] against interaction keys k_int [B,S,r] -> [B,Tq,S]."""
+        return (x_q @ self.W_Qint) @ k_int.transpose(1, 2) / math.sqrt(self.r) + self.beta
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.W_Kint
+
+    def log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole sequence x [B,T,d] -> (log I [B,T,T], I [B,T,T]); -inf / 0 above the diagonal.
+
+        log I accumulates log sigma (floored at 1e-40) in log space, so it is finite and never NaN; I itself
+        is the plain cumulative product, exactly 0 once a token is dropped."""
+        t = x.shape[1]
+        sig = alpha_sigmoid(self.scores(x, self.keys(x)), self.current_alpha())         # [B, n, j]
+        later = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1)           # n > j
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        one, zero = torch.ones((), dtype=sig.dtype, device=x.device), torch.zeros((), dtype=sig.dtype, device=x.device)
+        log_i = torch.where(later, sig.clamp_min(LOG_FLOOR).log(), zero).cumsum(dim=1)  # sum over j < n <= k
+        keep = torch.where(causal, torch.where(later, sig, one).cumprod(dim=1), zero)
+        return log_i.masked_fill(~causal, float("-inf")), keep
+
+    @staticmethod
+    def mass(keep: torch.Tensor) -> torch.Tensor:
+        """sum_{j<k} I_{k,j} of one layer, batch mean: this layer's term of the sparsity loss."""
+        return keep.tril(-1).sum((1, 2)).mean()
+
+    def survival(self, x_new: torch.Tensor, k_int: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Inference: whether each key has survived every new query up to and including each row (the rule of
+        `survives`, accumulated: only a later query can drop a key, and a drop is forever). The new query rows
+        are in position order. key_pos [S] or [B,S], q_pos [T] or [B,T] -> [B,T,S] bool."""
+        each = survives(self.scores(x_new, k_int), key_pos[..., None, :], q_pos[..., :, None],
+                        None if valid is None else valid[:, :, None])
+        return each.cumprod(dim=1).bool()
+
+    def step_keep(self, x_new: torch.Tensor, k_int: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Inference over the static cache: the T new queries are the last T of S positions. alive [B,S] says
+        which positions were still kept before them. Returns keep [B,T,S] (bool) for the attention of each
+        new row; keep[:, -1] is the new alive state."""
+        t, s = x_new.shape[1], k_int.shape[1]
+        j = torch.arange(s, device=x_new.device)
+        q = torch.arange(s - t, s, device=x_new.device)
+        return alive[:, None, :] & self.survival(x_new, k_int, j, q) & (j[None, :] <= q[:, None])
+
+
+def sparsity(keep: torch.Tensor) -> torch.Tensor:
+    """Per query position k: the share of the k earlier tokens that are dropped ([B,T,T] -> [B,T]; 0 at k = 0)."""
+    t = keep.shape[-1]
+    earlier = torch.arange(t, device=keep.device)
+    dropped = earlier - keep.tril(-1).float().sum(-1)
+    return dropped / earlier.clamp_min(1)
+
+
+def drop_records(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From an inference keep matrix [B,T,T] (0/1): for each token j, the position k of the query that
+    dropped it (its trigger, and the step at which it left the context), or -1 if it survived to the end."""
+    b, t, _ = keep.shape
+    dropped = (keep < 0.5) & torch.ones(t, t, dtype=torch.bool, device=keep.device).tril(-1)  # [B, k, j]
+    first = torch.where(dropped, torch.arange(t, device=keep.device)[None, :, None], t).min(dim=1).values  # [B, j]
+    return torch.where(first < t, first, -1), dropped.any(dim=1)
