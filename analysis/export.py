@@ -130,16 +130,32 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     return out
 
 
-def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Path) -> list[Path]:
+def bundle_paths(out_dir: str | Path, name: str) -> list[Path]:
+    return [Path(out_dir) / f"{name}.{ext}" for ext in (*FORMATS, "csv", "json")]
+
+
+def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Path, force: bool = False) -> list[Path]:
+    """Every figure of model_figures as a bundle in out_dir. Existing files are refused (nothing is written)
+    unless force."""
     from analysis.text import decode_upload
     from models.checkpoint import load_model_dir
 
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a directory")
     path = Path(text_file)
+    if not path.is_file():
+        raise ExportError(f"--text {path} is not a file")
     text = decode_upload(path.name, path.read_bytes())
     loaded = load_model_dir(model_dir)
+    figures = model_figures(loaded, text)
+    clash = [p for name, *_ in figures for p in bundle_paths(out, name) if p.exists()]
+    if clash and not force:
+        raise ExportError(f"{len(clash)} file(s) in {out} would be overwritten ({', '.join(p.name for p in clash[:4])}"
+                          f"{' ...' if len(clash) > 4 else ''}): choose another --out, or pass --force")
     written = []
-    for name, fig, table, settings in model_figures(loaded, text):
-        written += write_bundle(fig, table, out_dir, name, sidecar(model_dir, text, settings, name))
+    for name, fig, table, settings in figures:
+        written += write_bundle(fig, table, out, name, sidecar(model_dir, text, settings, name))
     return written
 
 
@@ -151,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model_dir")
     ap.add_argument("--text", required=True, help="a UTF-8 .txt or .md file")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--force", action="store_true", help="overwrite files already in --out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        written = export_model(args.model_dir, args.text, args.out)
+        written = export_model(args.model_dir, args.text, args.out, force=args.force)
     except (CheckpointError, TextError, ExportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

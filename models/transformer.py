@@ -80,6 +80,9 @@ def evaluating(model: nn.Module):
     """Inference mode inside the block (no dropout; context pruning's step function), then the mode the
     model had before."""
     was = model.training
+    if not was:  # already in inference mode: write nothing (a model shared by app sessions stays untouched)
+        yield model
+        return
     model.eval()
     try:
         yield model
@@ -125,15 +128,20 @@ class DecoderLM(nn.Module):
         return DecodeCache([b.mixer.new_cache(batch, capacity, p.dtype, p.device) for b in self.blocks])
 
     def new_compact_cache(self, batch: int = 1, capacity: int = 16) -> CompactDecodeCache:
-        """The compacted cache (context pruning's data structure; rows may have different lengths)."""
+        """The compacted cache (context pruning's data structure; rows may have different lengths). Attention
+        mixers only: an Extractor's state is a window of past inputs indexed by lag, which slots cannot hold."""
+        if not hasattr(self.blocks[0].mixer, "compact_step"):
+            raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: an "
+                             "Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
         p = self.wte.weight
         return CompactDecodeCache([CompactCache(b.mixer.cache_spec(), batch, capacity, p.dtype, p.device) for b in self.blocks])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
                 diagnostics: bool = False, positions: torch.Tensor | None = None,
-                valid: torch.Tensor | None = None) -> ModelOutput:
-        """idx [B,T] token ids. With a cache, idx holds the next T positions and the cache is extended.
-        With a CompactDecodeCache, positions [B,T] give each row's own positions and valid [B,T] marks
+                valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> ModelOutput:
+        """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
+        there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
+        and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and valid [B,T] marks
         real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
@@ -150,7 +158,7 @@ class DecoderLM(nn.Module):
             if start + t > self.config.context:
                 raise ValueError(f"{start + t} positions exceed the context window of {self.config.context}")
             positions = torch.arange(start, start + t, device=idx.device)
-        x = self.wte(idx)
+        x = self.wte(idx) if embeds is None else embeds
         if self.wpe is not None:
             x = x + self.wpe(positions)
         x = self.drop(x)

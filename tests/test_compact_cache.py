@@ -113,3 +113,25 @@ def test_generate_batch_matches_single_greedy_generation():
         assert ids == generate(model, p, 10, greedy=True).new_ids
     assert len(res.step_latency_s) == 10 and len(res.drops) == model.config.n_layers
     assert res.decode_tokens_per_s > 0 and all(m > 0 for m in res.cache_bytes)
+
+
+@pytest.mark.parametrize("pattern, k", [("local", 4), ("strided", 3)])
+def test_fixed_patterns_on_the_compacted_cache_equal_the_full_forward(pattern, k):
+    model = model_for("mha", prune=False, pattern=pattern, pattern_k=k)
+    seqs = torch.randint(0, 61, (3, 16)).tolist()
+    got, _ = run_compact(model, seqs, [5, 9, 3])
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            full = model(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(torch.stack([got[r][p] for p in range(16)]), full, rtol=1e-6, atol=1e-6)
+    dense = model_for("mha", prune=False)
+    with torch.no_grad():  # the pattern really restricts: the same weights without it differ
+        assert not torch.allclose(dense(torch.tensor([seqs[0]])).logits, model(torch.tensor([seqs[0]])).logits)
+
+
+@pytest.mark.parametrize("mixer", ["she", "he", "we", "me"])
+def test_extractors_are_refused_by_the_compacted_cache_with_the_reason(mixer):
+    from models.generate import generate_batch
+    model = DecoderLM(tiny_config(mixer)).eval()
+    with pytest.raises(ValueError, match=f"serves attention mixers, not {mixer}.*generate\\(\\)"):
+        generate_batch(model, [[1, 2, 3]], max_new_tokens=2)

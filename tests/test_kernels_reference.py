@@ -61,8 +61,9 @@ def test_lag_conv_refuses_more_positions_than_lags():
 def test_dispatch(monkeypatch):
     q = torch.randn(1, 2, 3, 4)
     monkeypatch.delenv("MIXSCOPE_KERNELS", raising=False)
-    kernels.attention(q, q, q, scale=0.5)
-    assert kernels.last_paths()["attention"] == "reference"   # CPU tensors take the reference
+    with kernels.record_paths() as paths:
+        kernels.attention(q, q, q, scale=0.5)
+    assert paths["attention"] == "reference"   # CPU tensors take the reference
     monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
     assert kernels.backend_for("attention", q) == "reference"
     monkeypatch.setenv("MIXSCOPE_KERNELS", "cuda-please")
@@ -76,5 +77,6 @@ def test_dispatch(monkeypatch):
         with pytest.raises(RuntimeError, match="needs CUDA tensors"):
             kernels.attention(q, q, q, scale=0.5)
     monkeypatch.setattr(kernels, "TRITON", {})  # a machine without triton: the reference, and it says so
-    kernels.attention(q, q, q, scale=0.5)
-    assert kernels.last_paths()["attention"] == "reference"
+    with kernels.record_paths() as paths:
+        kernels.attention(q, q, q, scale=0.5)
+    assert paths["attention"] == "reference"

@@ -180,8 +180,9 @@ def test_attention_backward_falls_back_to_reference_autograd(monkeypatch):
         monkeypatch.setenv("MIXSCOPE_KERNELS", path)
         ts = [t.clone().requires_grad_() for t in leaves]
         q, k, v, bias, qm, om = ts
-        out, _ = kernels.attention(q, k, v, scale=0.3, bias=bias, q_mul=qm, o_mul=om)
-        assert kernels.last_paths()["attention"] == path
+        with kernels.record_paths() as paths:
+            out, _ = kernels.attention(q, k, v, scale=0.3, bias=bias, q_mul=qm, o_mul=om)
+        assert paths["attention"] == path
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         grads.append([t.grad for t in ts])
     for got, want in zip(*grads):
@@ -211,8 +212,9 @@ def test_pruned_compacted_generation_on_triton_equals_the_full_forward(mixer, mo
     model = model_for(mixer, beta=0.02).float()
     seqs = torch.randint(0, 61, (3, 14)).tolist()
     monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
-    got, cache = run_compact(model, seqs, [5, 9, 3])
-    assert kernels.last_paths()["compact_decode"] == "triton"
+    with kernels.record_paths() as paths:
+        got, cache = run_compact(model, seqs, [5, 9, 3])
+    assert paths["compact_decode"] == "triton"
     monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
     for r, seq in enumerate(seqs):
         with torch.no_grad():

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
-from models.evaluate import paper_metrics
+from models.evaluate import paper_metrics, zoo_references
 from models.mixers import MIXERS
 from models.params import count_parameters
 from models.transformer import DecoderLM
@@ -28,7 +28,7 @@ def load_cards(zoo: Path) -> dict[str, dict]:
     return cards
 
 
-def rows(cards: dict[str, dict]) -> list[dict]:
+def rows(cards: dict[str, dict], zoo: Path) -> list[dict]:
     out = []
     for name, card in cards.items():
         cfg = ModelConfig.from_dict(card["config"])
@@ -37,7 +37,7 @@ def rows(cards: dict[str, dict]) -> list[dict]:
         out.append({"model": name, "mixer": cfg.mixer, "attn": counts["mixer"], "total": counts["total"],
                     "ppl": card.get("test_perplexity"), "tok_s": card.get("train_tokens_per_s"),
                     "valid": card.get("final_valid_loss"), "status": card.get("status", "ok"), "card": card})
-    ref = {r["mixer"]: (r["ppl"], r["attn"]) for r in out if r["status"] == "ok"}
+    ref = zoo_references(zoo)
     for r in out:
         r |= paper_metrics(r["ppl"], r["attn"], ref.get("mha"), ref.get("sha")) if r["status"] == "ok" else {"prr": None, "peop": None}
     order = list(MIXERS)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no */card.json under {args.zoo}", file=sys.stderr)
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render(rows(cards), Path(args.zoo)), encoding="utf-8")
+    Path(args.out).write_text(render(rows(cards, Path(args.zoo)), Path(args.zoo)), encoding="utf-8")
     print(f"wrote {args.out} ({len(cards)} models)", file=sys.stderr)
     return 0
 

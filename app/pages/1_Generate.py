@@ -7,7 +7,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import streamlit as st  # noqa: E402
 
-import kernels  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
 from app.common import export_buttons, pick_model, setup  # noqa: E402
 from models.generate import generate  # noqa: E402
@@ -70,7 +69,7 @@ if "gen_result" in st.session_state:
     m[2].metric("median ms/token", f"{table['latency_ms'].iloc[1:].median() if len(table) > 1 else table['latency_ms'].iloc[0]:.2f}")
     m[3].metric("perplexity of output", f"{res.perplexity:.2f}")
     m[4].metric("cache memory", f"{res.cache_bytes / 1024:.1f} KiB")
-    paths = kernels.last_paths()
+    paths = res.kernel_paths
     st.caption(f"Device: {device_name(loaded.model.wte.weight.device)} · kernel path: "
                + ", ".join(f"{op}={p}" for op, p in sorted(paths.items())) + f" · stop: {res.stop_reason}")
     fig = latency_figure(table, f"{cfg.mixer}: per-token latency")

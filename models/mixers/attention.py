@@ -15,7 +15,7 @@ from torch import nn
 import kernels
 from models.config import ConfigError
 from models.mixers.base import Mixer, register
-from models.pruning import CompactCache, ContextPruning, pattern_mask
+from models.pruning import CompactCache, ContextPruning, pattern_allows, pattern_mask
 
 
 def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -175,6 +175,8 @@ class Attention(Mixer):
             cache.update_live(keep, q_pos[:, :1].expand_as(keep))
             return self.output(o)
         allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])  # [B,T,S]
+        if self.pattern != "dense":  # the local / strided baselines, by position (slots are not in order)
+            allowed = allowed & pattern_allows(q_pos[:, :, None], slot_pos[:, None, :], self.pattern, self.pattern_k)
         if self.pruning is not None:
             kept = self.pruning.survival(x, past["k_int"], slot_pos, q_pos, valid)
             allowed = allowed & kept
