@@ -65,13 +65,23 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, card: dict | None = None) -> Path:
+STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, card: dict | None = None,
+                   weights_dtype: str | None = None) -> Path:
+    """weights_dtype (bfloat16 | float16): store floating-point weights in that type (loading computes in float32
+    with the rounded values); recorded in the card."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     card = dict(card or {})
     card.setdefault("code_version", code_version())
     card.setdefault("mixer", model.config.mixer)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if weights_dtype is not None:
+        store = STORAGE[weights_dtype]
+        tensors = {k: v.to(store) if v.is_floating_point() else v for k, v in tensors.items()}
+        card["weights_dtype"] = weights_dtype
     _write_atomic(out / CONFIG, lambda p: model.config.save(p))
     _write_atomic(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _write_atomic(out / TOKENIZER, lambda p: tokenizer.save(str(p)))
@@ -146,6 +156,60 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu") -> Load
                               f"{CONFIG} sets vocab_size={cfg.vocab_size}")
 
     model = DecoderLM(cfg)
-    model.load_state_dict(tensors, strict=True)
+    model.load_state_dict(tensors, strict=True)  # copies into the float32 parameters, whatever the stored type
     model.to(device).eval()
     return LoadedModel(model, tokenizer, card, root)
+
+
+def shrink(src: str | Path, out: str | Path, weights_dtype: str = "bfloat16", data_dir: str | Path | None = None,
+           force: bool = False) -> dict:
+    """A copy of a model directory whose weights are stored in weights_dtype (computed in float32), with its
+    test perplexity re-measured under the zoo's protocol (the card keeps the original as test_perplexity_float32),
+    so the price of the smaller file is on the card."""
+    from models.data import load_documents
+    from models.evaluate import encode_documents, score_documents
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"{out} is not empty: choose another directory, or pass --force")
+    loaded = load_model_dir(src)
+    with torch.no_grad():
+        for p in loaded.model.parameters():
+            p.copy_(p.to(STORAGE[weights_dtype]).float())
+    card = dict(loaded.card)
+    data = Path(data_dir or card.get("data", {}).get("dir", "data"))
+    docs = encode_documents(loaded.tokenizer, load_documents(data, "test"))
+    res = score_documents(loaded.model, docs, min(card.get("eval_stride", 256), loaded.config.context), progress=True)
+    card |= {"test_perplexity_float32": card.get("test_perplexity"), "test_perplexity": res["perplexity"],
+             "shrunk_from": str(Path(src)), "weights_dtype": weights_dtype}
+    save_model_dir(out, loaded.model, loaded.tokenizer, card, weights_dtype)
+    return card
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from models.data import DataError
+
+    ap = argparse.ArgumentParser(prog="python -m models.checkpoint", description="Model directory tools.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("shrink", help="store a model's weights in bfloat16 (or float16); re-measures test perplexity")
+    p.add_argument("src")
+    p.add_argument("out")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--data", default=None, help="prepared data directory (default: the one on the card)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty OUT")
+    args = ap.parse_args(argv)
+    try:
+        card = shrink(args.src, args.out, args.dtype, args.data, args.force)
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: test perplexity {card['test_perplexity']:.3f} "
+          f"(float32 weights: {card['test_perplexity_float32']})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -140,3 +140,28 @@ def test_tokenizer_larger_than_vocabulary(tmp_path, tokenizer):
 def test_save_leaves_no_temporary_files_and_hash_is_stable(model_dir):
     assert sorted(p.name for p in model_dir.iterdir()) == ["card.json", "config.json", "model.safetensors", "tokenizer.json"]
     assert file_sha256(model_dir / "model.safetensors") == file_sha256(model_dir / "model.safetensors")
+
+
+def test_bfloat16_storage_loads_the_rounded_weights_in_float32(model_dir, tmp_path, tokenizer):
+    model = load_model_dir(model_dir).model
+    out = save_model_dir(tmp_path / "bf16", model, tokenizer, {"steps": 0}, weights_dtype="bfloat16")
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    loaded = load_model_dir(out)
+    assert loaded.card["weights_dtype"] == "bfloat16"
+    for (name, a), b in zip(model.state_dict().items(), loaded.model.state_dict().values()):
+        assert b.dtype == torch.float32 and torch.equal(b, a.to(torch.bfloat16).float()), name
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (model_dir / "model.safetensors").stat().st_size
+
+
+def test_shrink_records_the_perplexity_price(model_dir, tmp_path):
+    from models.checkpoint import main, shrink
+    from models.data import prepare
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(6):
+        (texts / f"{i}.txt").write_text(" ".join(TEXT[:10]) + f" {i}")
+    prepare(tmp_path / "data", [], [str(texts)], vocab_size=280, cache=None, min_frequency=1)
+    card = shrink(model_dir, tmp_path / "small", data_dir=tmp_path / "data")
+    assert card["test_perplexity"] > 0 and card["weights_dtype"] == "bfloat16"
+    assert load_model_dir(tmp_path / "small").card["test_perplexity"] == card["test_perplexity"]
+    assert main(["shrink", str(model_dir), str(tmp_path / "small")]) == 2   # never over what is there
