@@ -16,7 +16,7 @@ def decode_upload(name: str, data: bytes, max_chars: int = MAX_CHARS) -> str:
     suffix = PurePath(name).suffix.lower()
     if suffix not in ALLOWED_SUFFIXES:
         raise TextError(f"{name}: only {' and '.join(ALLOWED_SUFFIXES)} files are accepted")
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) and _utf16_text(data):
         raise TextError(f"{name} is UTF-16 text; save it as UTF-8 and upload it again")
     if b"\x00" in data[:8192]:
         raise TextError(f"{name} looks like a binary file (it contains NUL bytes), not text")
@@ -26,6 +26,14 @@ def decode_upload(name: str, data: bytes, max_chars: int = MAX_CHARS) -> str:
         raise TextError(f"{name} is not UTF-8 text (invalid byte 0x{data[e.start]:02x} at position {e.start}); "
                         "save it as UTF-8 and upload it again") from None
     return check_text(text, max_chars, what=name)
+
+
+def _utf16_text(data: bytes) -> bool:
+    """A byte-order mark followed by valid UTF-16 holding no NUL characters (else it is binary)."""
+    try:
+        return "\x00" not in data.decode("utf-16")
+    except UnicodeDecodeError:
+        return False
 
 
 def check_text(text: str, max_chars: int = MAX_CHARS, what: str = "The text") -> str:

@@ -67,3 +67,19 @@ def test_kernel_paths_are_seen_only_by_the_caller():
     with kernels.record_paths() as paths:
         pass
     assert paths == {}
+
+
+def test_inference_on_a_shared_model_writes_nothing_to_it():
+    """App sessions share one model object: evaluating() on a model already in inference mode must not flip
+    any module's mode (another session may be mid-forward)."""
+    from models.transformer import DecoderLM, evaluating
+    from tests.helpers import tiny_config
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=4)).eval()
+
+    def no_writes(mode=True):
+        raise AssertionError("train()/eval() called on a shared model")
+    for m in model.modules():
+        m.train = no_writes
+    with evaluating(model):
+        model(torch.randint(0, 61, (1, 5)))
+    assert not model.training
