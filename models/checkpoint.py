@@ -69,15 +69,15 @@ STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, card: dict | None = None,
-                   weights_dtype: str | None = None) -> Path:
+                   weights_dtype: str | None = None, only: set[str] | None = None) -> Path:
     """weights_dtype (bfloat16 | float16): store floating-point weights in that type (loading computes in float32
-    with the rounded values); recorded in the card."""
+    with the rounded values); recorded in the card. only: write just these tensors (a delta directory)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     card = dict(card or {})
     card.setdefault("code_version", code_version())
     card.setdefault("mixer", model.config.mixer)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if only is None or k in only}
     if weights_dtype is not None:
         store = STORAGE[weights_dtype]
         tensors = {k: v.to(store) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -87,6 +87,22 @@ def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     _write_atomic(out / TOKENIZER, lambda p: tokenizer.save(str(p)))
     _write_atomic(out / CARD, lambda p: p.write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8"))
     return out
+
+
+def save_delta_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, base_source: str,
+                   card: dict | None = None, base_dir: str | Path | None = None) -> Path:
+    """A delta directory over base_source (models/delta.py): only the tensors the base lacks or changes are written.
+    base_dir: where the base is now (default: where loading will look for base_source)."""
+    from models import delta
+    out = Path(out_dir)
+    where = Path(base_dir) if base_dir is not None else delta.base_dir_for(base_source, out)
+    if not (where / WEIGHTS).is_file():
+        raise CheckpointError(f"the base {base_source} is not at {where}: a delta is written against the base's weights")
+    keep, replaces = delta.delta_of(model.state_dict(), where)
+    out.mkdir(parents=True, exist_ok=True)
+    sha = file_sha256(where / WEIGHTS)
+    _write_atomic(out / delta.BASE, lambda p: delta.write_base_spec(p, base_source, sha, replaces))
+    return save_model_dir(out, model, tokenizer, dict(card or {}) | {"base": base_source}, only=set(keep))
 
 
 def read_json(path: Path) -> dict:
@@ -138,6 +154,10 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu") -> Load
         tensors = load_file(str(root / WEIGHTS))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{root / WEIGHTS} is not a readable safetensors file (corrupt or truncated?): {e}") from None
+
+    from models.delta import BASE, merged_tensors
+    if (root / BASE).is_file():  # a delta directory: the base's weights, overlaid by this one's
+        tensors = merged_tensors(root, tensors)
 
     with torch.device("meta"):
         expected = DecoderLM(cfg).state_dict()

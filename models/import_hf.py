@@ -1,4 +1,4 @@
-"""Import a Hugging Face GPT-2 or Llama-family checkpoint into one of our model directories, logits-exact.
+"""Import a Hugging Face GPT-2, Llama, Mistral or Qwen2 checkpoint into one of our model directories, logits-exact.
 
     python -m models.import_hf SRC_DIR OUT_DIR            # SRC_DIR: config.json, model.safetensors, tokenizer.json
     python -m models.import_hf SRC_DIR OUT_DIR --gguf FILE.gguf   # a GGUF file (needs the `gguf` package)

@@ -1,5 +1,6 @@
 """Corpus preparation on local fixtures (no network): splits by document, bad files, failures, R reader."""
 import gzip
+import re
 import json
 import struct
 import zlib
@@ -121,3 +122,40 @@ def test_manifest_is_json(tmp_path):
     prepare(tmp_path / "d", [], [str(src)], vocab_size=280, cache=None, min_frequency=1)
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert m["sources"][0]["name"] == "user" and m["vocab_size"] <= 280
+
+
+MIXED_TEXT = "Document 3 opens here, with w3_7 words — ünïcödé."
+
+
+def test_prepare_with_another_models_tokenizer_keeps_documents_and_splits(tmp_path):
+    from models.checkpoint import save_model_dir
+    from models.data.build import token_dtype
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    src = write_fixture(tmp_path / "texts")
+    own = prepare(tmp_path / "own", [], [str(src)], vocab_size=300, cache=None, min_frequency=1)
+    other = train_bpe(["a different tokenizer, trained on other text: " + "xyz " * 50] * 10, vocab_size=280, min_frequency=1)
+    model_dir = save_model_dir(tmp_path / "model", DecoderLM(tiny_config("mha", vocab_size=300)), other)
+    m = prepare(tmp_path / "theirs", [], [str(src)], cache=None, tokenizer_from=model_dir)
+    for s in data.SPLITS:
+        assert (tmp_path / "theirs" / f"{s}.txt").read_bytes() == (tmp_path / "own" / f"{s}.txt").read_bytes()
+        arr = np.load(tmp_path / "theirs" / f"{s}.npy")
+        docs = (tmp_path / "theirs" / f"{s}.txt").read_text().split("\n\n")
+        want = [i for d in docs for i in (*other.encode(d).ids, other.token_to_id(EOS))]
+        assert arr.tolist() == want and arr.dtype == np.uint16
+    assert m["tokenizer"]["from"] == str(model_dir) and m["vocab_size"] == other.get_vocab_size() != own["vocab_size"]
+    from tokenizers import Tokenizer
+    written = Tokenizer.from_file(str(tmp_path / "theirs" / "tokenizer.json"))
+    assert written.get_vocab() == other.get_vocab() and written.encode(MIXED_TEXT).ids == other.encode(MIXED_TEXT).ids
+    assert token_dtype(49_152) == np.uint16 and token_dtype(65_536) == np.uint16 and token_dtype(65_537) == np.uint32
+
+
+def test_a_tokenizer_without_end_of_text_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models as tmodels
+    src = write_fixture(tmp_path / "texts")
+    (tmp_path / "m").mkdir()
+    Tokenizer(tmodels.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "m" / "tokenizer.json"))
+    with pytest.raises(DataError, match=re.escape("has no <|endoftext|> token")):
+        prepare(tmp_path / "o", [], [str(src)], cache=None, tokenizer_from=tmp_path / "m")
+    with pytest.raises(DataError, match="not found"):
+        prepare(tmp_path / "o", [], [str(src)], cache=None, tokenizer_from=tmp_path / "nowhere")

