@@ -1,6 +1,6 @@
 """Sliding-window perplexity on held-out documents, and the MHE paper's PRR / PEoP.
 
-    python -m models.evaluate MODEL_DIR [--split test] [--stride 256] [--data DIR] [--json]
+    python -m models.evaluate MODEL_DIR [--split test] [--stride 256] [--window N] [--data DIR] [--json]
 
 Each document is scored on its own (windows never cross documents), starting from <|endoftext|>;
 windows hold at most `context` tokens and advance by `stride`; every token is scored exactly once,
@@ -44,9 +44,11 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
 
 
 @torch.inference_mode()
-def score_documents(model, docs: list[list[int]], stride: int, batch_size: int = 16, progress: bool = False) -> dict:
-    """Summed negative log-likelihood and count over all targets of the documents (token id lists)."""
-    context = model.config.context
+def score_documents(model, docs: list[list[int]], stride: int, batch_size: int = 16, progress: bool = False,
+                    window: int | None = None) -> dict:
+    """Summed negative log-likelihood and count over all targets of the documents (token id lists). window: the
+    longest window fed (default and at most the model's context; an 8k-context model is costly on a CPU)."""
+    context = model.config.context if window is None else min(window, model.config.context)
     jobs = [(doc[b:e], doc[b + 1:e + 1], k) for doc in docs for b, e, k in windows(len(doc), context, stride)]
     jobs.sort(key=lambda j: len(j[0]))  # equal lengths batch together
     device = model.wte.weight.device
@@ -159,7 +161,7 @@ def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
 
 
 def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, data_dir: str | Path | None = None,
-                 progress: bool = False) -> dict:
+                 progress: bool = False, window: int | None = None) -> dict:
     from models.checkpoint import file_sha256, load_model_dir
     from models.data import load_documents
     from models.params import count_parameters
@@ -167,11 +169,12 @@ def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, 
     loaded = load_model_dir(model_dir)
     data_dir = Path(data_dir or loaded.card.get("data", {}).get("dir", "data"))
     docs = encode_documents(loaded.tokenizer, load_documents(data_dir, split))
-    res = score_documents(loaded.model, docs, stride, progress=progress)
+    res = score_documents(loaded.model, docs, stride, progress=progress, window=window)
     counts = count_parameters(loaded.model)
     card_sha = loaded.card.get("data", {}).get(f"{split}_sha256")
     now_sha = file_sha256(data_dir / f"{split}.txt")
     return {"model_dir": str(loaded.path), "mixer": loaded.config.mixer, "split": split, "stride": stride,
+            "window": min(window or loaded.config.context, loaded.config.context),
             "data_dir": str(data_dir), "data_matches_card": card_sha == now_sha if card_sha else None,
             "tokens": res["tokens"], "loss": res["loss"], "perplexity": res["perplexity"],
             "parameters": counts, "attention_parameters": counts["mixer"]}
@@ -185,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model_dir")
     ap.add_argument("--split", default="test", choices=["train", "valid", "test"])
     ap.add_argument("--stride", type=int, default=256)
+    ap.add_argument("--window", type=int, default=None, help="longest window fed (default: the model's context)")
     ap.add_argument("--data", default=None, help="prepared data directory (default: the one on the model card)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout, logs to stderr")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True)
+        result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window)
         parent = Path(args.model_dir).resolve().parent
         ref = {}
         for name in ("mha", "sha"):  # the zoo's baselines, evaluated the same way

@@ -181,6 +181,14 @@ def test_score_matches_direct_loss_and_sliding_history():
             want -= sum(logp[i, doc[b + i + 1]].item() for i in range(e - b - k, e - b))
     assert res["nll"] == pytest.approx(want, rel=1e-9) and res["tokens"] == 22
     assert res["perplexity"] == pytest.approx(math.exp(want / 22))
+    # a window shorter than the context: the same windows as a model of that context
+    res = score_documents(model, [doc], stride=3, window=5)
+    want = 0.0
+    with torch.no_grad():
+        for b, e, k in windows(len(doc), 5, 3):
+            logp = model(torch.tensor([doc[b:e]])).logits[0].log_softmax(-1)
+            want -= sum(logp[i, doc[b + i + 1]].item() for i in range(e - b - k, e - b))
+    assert res["nll"] == pytest.approx(want, rel=1e-9) and res["tokens"] == 22
 
 
 def test_paper_metrics():
