@@ -47,16 +47,22 @@ def run_compact(model, seqs, prompt_lens, diagnostics=False):
     return got, cache
 
 
+def assert_ragged_equals_full(model, n=16, prompt_lens=(5, 9, 3)):
+    """Ragged prompts decoded together over the compacted cache give, row by row, the full forward's logits."""
+    seqs = torch.randint(0, 61, (len(prompt_lens), n)).tolist()
+    got, cache = run_compact(model, seqs, list(prompt_lens))
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            full = model(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(torch.stack([got[r][p] for p in range(n)]), full, rtol=1e-6, atol=1e-6)
+    return seqs, cache
+
+
 @pytest.mark.parametrize("prune", [True, False], ids=["pruned", "dense"])
 @pytest.mark.parametrize("mixer", ["mha", "mqa", "skv", "mhe-add", "el-att"])
 def test_ragged_batch_equals_full_forward_per_row(mixer, prune):
     model = model_for(mixer, prune)
-    seqs = torch.randint(0, 61, (3, 16)).tolist()
-    got, cache = run_compact(model, seqs, [5, 9, 3])
-    for r, seq in enumerate(seqs):
-        with torch.no_grad():
-            full = model(torch.tensor([seq])).logits[0]
-        torch.testing.assert_close(torch.stack([got[r][p] for p in range(16)]), full, rtol=1e-6, atol=1e-6)
+    seqs, cache = assert_ragged_equals_full(model)
     if prune:
         assert len(cache.layers[0].drop_table()) > 0   # this setting does drop tokens
 
@@ -118,12 +124,7 @@ def test_generate_batch_matches_single_greedy_generation():
 @pytest.mark.parametrize("pattern, k", [("local", 4), ("strided", 3)])
 def test_fixed_patterns_on_the_compacted_cache_equal_the_full_forward(pattern, k):
     model = model_for("mha", prune=False, pattern=pattern, pattern_k=k)
-    seqs = torch.randint(0, 61, (3, 16)).tolist()
-    got, _ = run_compact(model, seqs, [5, 9, 3])
-    for r, seq in enumerate(seqs):
-        with torch.no_grad():
-            full = model(torch.tensor([seq])).logits[0]
-        torch.testing.assert_close(torch.stack([got[r][p] for p in range(16)]), full, rtol=1e-6, atol=1e-6)
+    seqs, _ = assert_ragged_equals_full(model)
     dense = model_for("mha", prune=False)
     with torch.no_grad():  # the pattern really restricts: the same weights without it differ
         assert not torch.allclose(dense(torch.tensor([seqs[0]])).logits, model(torch.tensor([seqs[0]])).logits)

@@ -174,21 +174,22 @@ def test_score_matches_direct_loss_and_sliding_history():
     # a long doc with stride 3: each target scored with exactly the history its window gives
     doc = docs[3]
     res = score_documents(model, [doc], stride=3)
-    want = 0.0
-    with torch.no_grad():
-        for b, e, k in windows(len(doc), 8, 3):
-            logp = model(torch.tensor([doc[b:e]])).logits[0].log_softmax(-1)
-            want -= sum(logp[i, doc[b + i + 1]].item() for i in range(e - b - k, e - b))
+    want = window_nll(model, doc, 8, 3)
     assert res["nll"] == pytest.approx(want, rel=1e-9) and res["tokens"] == 22
     assert res["perplexity"] == pytest.approx(math.exp(want / 22))
     # a window shorter than the context: the same windows as a model of that context
     res = score_documents(model, [doc], stride=3, window=5)
+    assert res["nll"] == pytest.approx(window_nll(model, doc, 5, 3), rel=1e-9) and res["tokens"] == 22
+
+
+def window_nll(model, doc, context, stride):
+    """Each target scored with exactly the history its window gives, summed."""
     want = 0.0
     with torch.no_grad():
-        for b, e, k in windows(len(doc), 5, 3):
+        for b, e, k in windows(len(doc), context, stride):
             logp = model(torch.tensor([doc[b:e]])).logits[0].log_softmax(-1)
             want -= sum(logp[i, doc[b + i + 1]].item() for i in range(e - b - k, e - b))
-    assert res["nll"] == pytest.approx(want, rel=1e-9) and res["tokens"] == 22
+    return want
 
 
 def test_paper_metrics():
