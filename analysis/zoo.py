@@ -36,7 +36,8 @@ def describe(path: Path, loaded=None) -> dict:
         return row | {"error": str(e)}
     cfg, model, card = loaded.config, loaded.model, loaded.card
     counts = count_parameters(model)
-    trainable = count_trainable(model)["total"]  # everything, or (with adapters) adapters + norms + pruning
+    # everything, or (with adapters) adapters + norms + pruning, or (base frozen) pruning alone
+    trainable = count_trainable(model, bool(card.get("train", {}).get("freeze_base")))["total"]
     return row | {
         "mixer": cfg.mixer, "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads,
         "context": cfg.context, "attention params": counts["mixer"], "total params": counts["total"],

@@ -140,11 +140,16 @@ def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return found
 
 
-def trainable_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The one answer to "which parameters train": with an adapter in the config, get_adapter_params; otherwise
-    every parameter. The trainer, the parameter counts, the Models table and the adapter table all ask here."""
+def trainable_params(model: nn.Module, freeze_base: bool = False) -> dict[str, nn.Parameter]:
+    """The one answer to "which parameters train": with an adapter in the config, get_adapter_params; with
+    freeze_base (a training choice, on the card as train.freeze_base), context pruning's parameters alone;
+    otherwise every parameter. The trainer, the parameter counts, the Models table and the adapter table ask here."""
     if model.config.adapter:
         return get_adapter_params(model)
+    if freeze_base:
+        from models.pruning import ContextPruning
+        return {f"{prefix}.{name}": p for prefix, m in model.named_modules() if isinstance(m, ContextPruning)
+                for name, p in m.adapter_params().items()}
     return dict(model.named_parameters())
 
 

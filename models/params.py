@@ -58,9 +58,9 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> dict[str
     return counts
 
 
-def count_trainable(model: nn.Module) -> dict[str, int]:
+def count_trainable(model: nn.Module, freeze_base: bool = False) -> dict[str, int]:
     """Counts per component of what a fine-tune of this model trains (models.adapters.trainable_params)."""
-    owner, chosen = components(model), trainable_params(model)
+    owner, chosen = components(model), trainable_params(model, freeze_base)
     counts = dict.fromkeys(COMPONENTS, 0)
     for name, p in chosen.items():
         counts[owner[name]] += p.numel()

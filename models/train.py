@@ -67,6 +67,7 @@ class TrainConfig:
     gamma: float = 0.3            # context pruning: weight of the sparsity loss
     alpha_end: float = 8.0        # context pruning: alpha rises 1 -> alpha_end on a cosine over alpha_steps
     alpha_steps: int | None = None  # default: all steps
+    freeze_base: bool = False     # train context pruning's parameters alone (the base model stays as it is)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -181,7 +182,8 @@ def load_state(path: Path, model, opt) -> dict:
     return meta
 
 
-FINE_TUNE_FIELDS = {"prune", "prune_r", "prune_beta", "pattern", "pattern_k",
+FINE_TUNE_FIELDS = {"context",  # shorter for a fine-tune of a rotary model; learned positions must match (shapes)
+                    "prune", "prune_r", "prune_beta", "pattern", "pattern_k",
                     "adapter", "adapter_reduction", "phm_n", "phm_rank"}  # config fields a fine-tune may change
 
 
@@ -191,7 +193,8 @@ def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenize
     from models.checkpoint import load_model_dir
     base = load_model_dir(path)
     a, b = base.config.to_dict(), model_cfg.to_dict()
-    differ = sorted(k for k in a if k not in FINE_TUNE_FIELDS and a[k] != b[k])
+    differ = sorted(k for k in a if (k not in FINE_TUNE_FIELDS or (k == "context" and b["positions"] == "learned"))
+                    and a[k] != b[k])
     if differ:
         raise ConfigError(f"init_from {path}: its config differs in {', '.join(f'{k} ({a[k]} vs {b[k]})' for k in differ)}")
     if base.tokenizer.to_str() != data_tokenizer.to_str():
@@ -268,7 +271,9 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     model = DecoderLM(model_cfg)
     if tc.init_from:
         init_from(model, model_cfg, tc.init_from, tokenizer)
-    trainable = trainable_params(model)
+    if tc.freeze_base and not model_cfg.prune:
+        raise ConfigError(f"{config_path}: train.freeze_base trains context pruning alone, but model.prune is off")
+    trainable = trainable_params(model, tc.freeze_base)
     set_trainable_params(model, trainable)
     if model_cfg.adapter:  # parameter-efficient: the base stays frozen
         log.info("training %d tensors (adapters, LayerNorms%s)", len(trainable), ", pruning" if model_cfg.prune else "")
@@ -436,7 +441,7 @@ def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed
         "final_train_loss": float(np.mean(recent)) if recent else None, "final_valid_loss": v_loss,
         "test_perplexity": test["perplexity"], "test_tokens": test["tokens"], "eval_stride": tc.eval_stride,
         "params": sum(p.numel() for p in model.parameters()),
-        "trainable_params": count_trainable(model)["total"],
+        "trainable_params": count_trainable(model, tc.freeze_base)["total"],
     } | extra
     save_model_dir(out, model.cpu(), tokenizer, card)
     return card

@@ -87,3 +87,12 @@ def test_structure_not_names_decides():
     model.blocks[0].ffn.register_parameter("adapter_like", torch.nn.Parameter(torch.zeros(3)))
     assert components(model)["blocks.0.ffn.adapter_like"] == "feed_forward"
     assert "blocks.0.ffn.adapter_like" not in get_adapter_params(model)
+
+
+@pytest.mark.parametrize("mixer", ["mha", "gqa", "mhe-mul"])
+def test_a_frozen_base_trains_context_pruning_alone(mixer):
+    model = DecoderLM(tiny_config(mixer, prune=True, prune_r=4))
+    chosen = trainable_params(model, freeze_base=True)
+    assert chosen and all(".pruning." in n for n in chosen)
+    counts = count_trainable(model, freeze_base=True)
+    assert counts["total"] == counts["pruning"] == count_parameters(model)["pruning"]

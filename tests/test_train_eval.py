@@ -252,3 +252,31 @@ def test_compacter_fine_tune_trains_only_adapters_and_norms(tmp_path, data_dir):
     changed = {k for k in dense if not torch.equal(dense[k], tuned[k])}
     assert changed and all(".ln_" in k or k.startswith("ln_f") for k in changed)
     assert any("adapter" in k for k in tuned)
+
+
+def test_frozen_base_trains_pruning_alone_and_a_rotary_context_may_shrink(tmp_path, data_dir):
+    dense_cfg = write_config(tmp_path / "dense.json", data_dir, mixer="mha", steps=2)
+    raw = json.loads(dense_cfg.read_text())
+    raw["model"] |= {"positions": "rope", "context": 16}
+    dense_cfg.write_text(json.dumps(raw))
+    train(dense_cfg, tmp_path / "dense", progress=False)
+    raw["model"] |= {"prune": True, "prune_r": 8, "context": 12}
+    raw["train"] |= {"init_from": str(tmp_path / "dense"), "steps": 3, "freeze_base": True, "eval_stride": 6}
+    (tmp_path / "p.json").write_text(json.dumps(raw))
+    card = train(tmp_path / "p.json", tmp_path / "p", progress=False)
+    dense = load_model_dir(tmp_path / "dense").model.state_dict()
+    tuned = load_model_dir(tmp_path / "p").model.state_dict()
+    assert all(torch.equal(dense[k], tuned[k]) for k in dense)                 # the base did not move
+    assert card["trainable_params"] == sum(v.numel() for k, v in tuned.items() if ".pruning." in k)
+    raw["model"]["prune"] = False
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="freeze_base trains context pruning alone"):
+        train(tmp_path / "bad.json", tmp_path / "bad", progress=False)
+    learned = write_config(tmp_path / "l.json", data_dir, mixer="mha", steps=2)
+    train(learned, tmp_path / "l", progress=False)
+    raw = json.loads(learned.read_text())
+    raw["model"] |= {"context": 12}
+    raw["train"] |= {"init_from": str(tmp_path / "l"), "eval_stride": 6}
+    (tmp_path / "l2.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"differs in context \(16 vs 12\)"):
+        train(tmp_path / "l2.json", tmp_path / "l2", progress=False)
