@@ -1,0 +1,84 @@
+"""Where a training step's time goes, for any run config (issue: profile before fine-tuning a real model).
+
+    python -m bench.train_step_profile --config configs/real/smollm2-pruned.json [--alphas 1,1.02,2,8] [--steps 2]
+        [--batch 4] [--json FILE]
+
+Builds the model of the config with random weights (the cost does not depend on their values), freezes what the
+run freezes, and times forward + backward + AdamW on random tokens at each alpha of the schedule (the alpha-sigmoid
+takes a different path below 1.05, at 2, and elsewhere), then lists the operators that took the most time in the
+last step (torch.profiler). Threads: torch's setting, reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from models.adapters import set_trainable_params, trainable_params
+from models.pruning import pair_count, sparsity_loss
+from models.train import device_name, load_run_config
+from models.transformer import DecoderLM
+
+
+def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        res = model(x, targets=y)
+        loss = res.loss if res.prune_mass is None else res.loss + sparsity_loss(res.prune_mass, gamma, pairs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.train_step_profile")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--alphas", default="1,1.02,2,8")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=None, help="default: the config's batch_size")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cfg, tc, _ = load_run_config(args.config)
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).train()
+    set_trainable_params(model, trainable_params(model, tc.freeze_base))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    b = args.batch or tc.batch_size
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.context))
+    y = torch.randint(0, cfg.vocab_size, (b, cfg.context))
+    pairs = pair_count(cfg.n_layers, cfg.context)
+    rows = []
+    for alpha in [float(a) for a in args.alphas.split(",")]:
+        model.set_alpha(alpha)
+        step_times(model, opt, x, y, tc.gamma, pairs, 1)  # warm-up
+        times = step_times(model, opt, x, y, tc.gamma, pairs, args.steps)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step_times(model, opt, x, y, tc.gamma, pairs, 1)
+        top = [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6}
+               for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]]
+        rows.append({"alpha": alpha, "step_s": statistics.median(times), "tokens_per_s": b * cfg.context / statistics.median(times),
+                     "top_ops": top})
+        print(f"alpha {alpha:g}: {statistics.median(times):.2f} s/step ({b} x {cfg.context} tokens); top: "
+              + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
+    result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
+              "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+              "device": device_name(torch.device("cpu")), "torch": torch.__version__,
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
