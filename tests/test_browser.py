@@ -129,8 +129,9 @@ def test_upload_text_and_export_a_figure(server, browser, tmp_path):
 
 
 def test_four_sessions_at_once_each_see_their_own_numbers(server, browser):
-    """Attribution and Compare on mha, Generate on mqa and Attention on we, all started together on a fresh
-    server (nothing cached yet): each finishes without an error and shows what its page computes alone."""
+    """Attribution and Compare on mha, Generate and Attention on mhe-mul (Compare's model B too), all started
+    together on a fresh server (nothing cached yet): each finishes without an error and shows what its page
+    computes alone."""
     from analysis import attribution, tokens
     from analysis.text import tokenize, window
     from app.common import SAMPLE_TEXT
@@ -138,16 +139,16 @@ def test_four_sessions_at_once_each_see_their_own_numbers(server, browser):
     from models.checkpoint import load_model_dir
     from models.generate import generate
 
-    mha, mhe, mqa = (load_model_dir(models_root() / n) for n in ("mha", "mhe-mul", "mqa"))
+    mha, mhe = (load_model_dir(models_root() / n) for n in ("mha", "mhe-mul"))
     ids = window(tokenize(mha.tokenizer, SAMPLE_TEXT), 0, mha.config.context).ids
     _, _, logp = attribution.attribute(mha.model, ids, len(ids) - 1, None, "integrated gradients", 16)
     size = min(mha.config.context, mhe.config.context, 128)
     ppl_a = tokens.perplexity(tokens.token_logprobs(mha.model, window(tokenize(mha.tokenizer, SAMPLE_TEXT), 0, size).ids))
-    gen = generate(mqa.model, mqa.tokenizer.encode("The president said that").ids, 64, temperature=0.8, top_k=40,
+    gen = generate(mhe.model, mhe.tokenizer.encode("The president said that").ids, 64, temperature=0.8, top_k=40,
                    top_p=0.95, seed=0)
 
     pages = {}
-    for name, query in (("Attribution", ""), ("Compare", ""), ("Generate", "?model=mqa"), ("Attention", "?model=we")):
+    for name, query in (("Attribution", ""), ("Compare", ""), ("Generate", "?model=mhe-mul"), ("Attention", "?model=mhe-mul")):
         pages[name] = browser.new_page(viewport={"width": 1400, "height": 1000})
         pages[name].goto(f"{server}/{name}{query}")
     pages["Generate"].get_by_role("button", name="Generate").click(timeout=60_000)
@@ -160,6 +161,6 @@ def test_four_sessions_at_once_each_see_their_own_numbers(server, browser):
     assert f"{ppl_a:.2f}" in pages["Compare"].locator("[data-testid='stMetric']").first.inner_text()
     pages["Generate"].wait_for_selector("text=perplexity of output", timeout=120_000)
     assert f"{gen.perplexity:.2f}" in pages["Generate"].locator("[data-testid='stMetric']").nth(3).inner_text()
-    pages["Attention"].wait_for_selector("text=we: layer 3 (mixing)", timeout=60_000)
+    pages["Attention"].wait_for_selector("text=mhe-mul: layer 3, head 0", timeout=60_000)
     for page in pages.values():
         page.close()

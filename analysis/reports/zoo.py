@@ -21,10 +21,23 @@ from models.params import count_parameters
 from models.transformer import DecoderLM
 
 
-def load_cards(zoo: Path) -> dict[str, dict]:
+ZOO_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "zoo"
+
+
+def zoo_names() -> list[str]:
+    """The default zoo: one model per configs/zoo/<name>.json (base.json is their shared part)."""
+    return sorted(p.stem for p in ZOO_CONFIGS.glob("*.json") if p.stem != "base")
+
+
+def load_cards(zoo: Path, names: list[str] | None = None) -> dict[str, dict]:
+    """Cards of the models trained here (a card with its config); names: only these directories."""
     cards = {}
     for path in sorted(zoo.glob("*/card.json")):
-        cards[path.parent.name] = json.loads(path.read_text(encoding="utf-8"))
+        if names is not None and path.parent.name not in names:
+            continue
+        card = json.loads(path.read_text(encoding="utf-8"))
+        if "config" in card:  # imported models (no training card) are not results of this corpus
+            cards[path.parent.name] = card
     return cards
 
 
@@ -83,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis.reports.zoo")
     ap.add_argument("--zoo", default="assets/models")
     ap.add_argument("--out", default="docs/results.md")
+    ap.add_argument("--models", default=None, help="comma-separated directory names (default: the configs/zoo models)")
     args = ap.parse_args(argv)
-    cards = load_cards(Path(args.zoo))
+    cards = load_cards(Path(args.zoo), args.models.split(",") if args.models else zoo_names())
     if not cards:
         print(f"error: no */card.json under {args.zoo}", file=sys.stderr)
         return 2
