@@ -88,3 +88,37 @@ def test_bucket_eval_on_dense_pruned_and_local_models():
     assert rows["dense"][0]["tokens"] == 12 * 6 and math.isfinite(rows["pruned"][1]["perplexity"])
     table = pd.DataFrame([{"model": n, "method": n, **r} for n, rs in rows.items() for r in rs])
     assert "| local | local | 8-16 |" in render(table, 16, "cmd") and figure(table).data
+
+
+def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
+    import json
+
+    from analysis.reports import real
+    from models.checkpoint import save_model_dir
+    from models.data import prepare
+    from models.transformer import DecoderLM
+    from tests.helpers import randomize, tiny_config
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(8):
+        (texts / f"{i}.txt").write_text(f"The committee met on day {i}. They spoke of bread, roads and the bridge. " * 8)
+    prepare(tmp_path / "data", [], [str(texts)], vocab_size=300, cache=None, min_frequency=1)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json"))
+    base = DecoderLM(tiny_config("gqa", vocab_size=300, context=128, positions="rope", n_kv_heads=2))
+    randomize(base, std=0.1)
+    save_model_dir(tmp_path / "base", base, tok, {})
+    pruned = DecoderLM(tiny_config("gqa", vocab_size=300, context=128, positions="rope", n_kv_heads=2, prune=True, prune_r=4))
+    pruned.load_state_dict(base.state_dict(), strict=False)
+    for b in pruned.blocks:
+        b.mixer.pruning.beta.data.fill_(0.0)   # drops something
+    save_model_dir(tmp_path / "run", pruned, tok, {"steps": 3, "trainable_params": 42, "train": {"gamma": 0.3},
+                                                    "config": pruned.config.to_dict(), "wall_time_s": 60, "device": "cpu"})
+    out = tmp_path / "real.md"
+    assert real.main([str(tmp_path / "run"), "--base", str(tmp_path / "base"), "--data", str(tmp_path / "data"),
+                      "--window", "128", "--pos-docs", "2", "--out", str(out), "--figure", str(tmp_path / "f.png")]) == 0
+    text = out.read_text()
+    assert "| run | 3 | 42 | 0.3 | 128 |" in text and "| base | 100-256 |" in text and "+0.00%" in text
+    assert "## Sparsity per layer" in text and "| run | " in text and "trigger POS" in text
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.dumps(text)  # plain text
