@@ -68,6 +68,7 @@ class TrainConfig:
     alpha_end: float = 8.0        # context pruning: alpha rises 1 -> alpha_end on a cosine over alpha_steps
     alpha_steps: int | None = None  # default: all steps
     freeze_base: bool = False     # train context pruning's parameters alone (the base model stays as it is)
+    prune_init: str = "paper"     # "calibrated": scale W^Qint, W^Kint to the base's real inputs (ContextPruning.calibrate)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -111,6 +112,8 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
             raise ConfigError(f"{path}: train.{name} must be a positive integer, got {getattr(tc, name)!r}")
     if not 0 < tc.eval_stride <= model_cfg.context:
         raise ConfigError(f"{path}: train.eval_stride ({tc.eval_stride}) must be in [1, model.context={model_cfg.context}]")
+    if tc.prune_init not in ("paper", "calibrated"):
+        raise ConfigError(f"{path}: train.prune_init must be paper or calibrated, got {tc.prune_init!r}")
     if tc.warmup < 0 or tc.lr <= 0 or tc.min_lr < 0:
         raise ConfigError(f"{path}: train.lr, min_lr and warmup must be positive")
     return model_cfg, tc, raw
@@ -206,6 +209,22 @@ def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenize
         raise ConfigError(f"init_from {path}: weights do not fit (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]})")
 
 
+def calibrate_pruning(model: DecoderLM, idx: torch.Tensor) -> list[float]:
+    """ContextPruning.calibrate of every layer on the inputs it really sees for the token batch idx; returns
+    the per-layer RMS."""
+    from models.transformer import evaluating
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [b.ln_1.register_forward_hook(lambda mod, inp, out, k=k: seen.__setitem__(k, out.detach()))
+             for k, b in enumerate(model.blocks)]
+    try:
+        with torch.no_grad(), evaluating(model):
+            model(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [b.mixer.pruning.calibrate(seen[k]) for k, b in enumerate(model.blocks)]
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -271,6 +290,12 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     model = DecoderLM(model_cfg)
     if tc.init_from:
         init_from(model, model_cfg, tc.init_from, tokenizer)
+    calibration = None
+    if model_cfg.prune and tc.prune_init == "calibrated":  # on the first training batch (a function of the seed)
+        x0, _ = get_batch(train_tokens, batch_offsets(tc.seed, 0, train_tokens.size, model_cfg.context, tc.batch_size),
+                          model_cfg.context, "cpu")
+        calibration = calibrate_pruning(model, x0)
+        log.info("pruning calibrated to input RMS %s", ", ".join(f"{r:.3f}" for r in calibration))
     if tc.freeze_base and not model_cfg.prune:
         raise ConfigError(f"{config_path}: train.freeze_base trains context pruning alone, but model.prune is off")
     trainable = trainable_params(model, tc.freeze_base)
@@ -415,6 +440,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     card = {}
     if main_proc:
         extra = {"final_valid_sparsity": valid_sparsity()} if pruning and status == "ok" else {}
+        if calibration is not None:
+            extra["prune_calibration_rms"] = calibration
         card = finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev,
                       valid_loss() if status == "ok" else float("nan"), extra)
         state_path.unlink(missing_ok=True)

@@ -243,3 +243,20 @@ def test_alpha_sigmoid_float32_agrees_with_float64(alpha):
     alpha_sigmoid(xd, alpha).sum().backward()
     assert torch.isfinite(xf.grad).all()
     torch.testing.assert_close(xf.grad.double(), xd.grad, atol=2e-3, rtol=2e-3)
+
+
+def test_calibration_gives_small_inputs_the_spread_the_paper_init_assumes():
+    """With inputs of RMS 0.05 the paper's init leaves every score at beta (saturated alpha-sigmoid, no gradient);
+    after calibrate() the scores spread as they do for unit-scale inputs."""
+    from models.pruning import ContextPruning
+    torch.manual_seed(0)
+    x_unit = torch.randn(2, 64, 96)
+    unit = ContextPruning(96, 16, 2.0)
+    spread = (unit.scores(x_unit, unit.keys(x_unit)) - 2.0).std().item()
+    small = ContextPruning(96, 16, 2.0)
+    small.load_state_dict(unit.state_dict())
+    x = x_unit * 0.05
+    assert (small.scores(x, small.keys(x)) - 2.0).std().item() < 0.01 * spread
+    rms = small.calibrate(x)
+    assert rms == pytest.approx(0.05, rel=0.05)
+    torch.testing.assert_close(small.scores(x, small.keys(x)), unit.scores(x_unit, unit.keys(x_unit)), rtol=0.12, atol=0.12)

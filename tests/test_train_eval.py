@@ -261,9 +261,11 @@ def test_frozen_base_trains_pruning_alone_and_a_rotary_context_may_shrink(tmp_pa
     dense_cfg.write_text(json.dumps(raw))
     train(dense_cfg, tmp_path / "dense", progress=False)
     raw["model"] |= {"prune": True, "prune_r": 8, "context": 12}
-    raw["train"] |= {"init_from": str(tmp_path / "dense"), "steps": 3, "freeze_base": True, "eval_stride": 6}
+    raw["train"] |= {"init_from": str(tmp_path / "dense"), "steps": 3, "freeze_base": True, "eval_stride": 6,
+                     "prune_init": "calibrated"}
     (tmp_path / "p.json").write_text(json.dumps(raw))
     card = train(tmp_path / "p.json", tmp_path / "p", progress=False)
+    assert len(card["prune_calibration_rms"]) == 2 and all(r > 0 for r in card["prune_calibration_rms"])
     dense = load_model_dir(tmp_path / "dense").model.state_dict()
     tuned = load_model_dir(tmp_path / "p").model.state_dict()
     assert all(torch.equal(dense[k], tuned[k]) for k in dense)                 # the base did not move

@@ -55,6 +55,18 @@ class ContextPruning(nn.Module):
         """What trains in a parameter-efficient fine-tune with pruning (models.adapters.get_adapter_params)."""
         return dict(self.named_parameters())
 
+    @torch.no_grad()
+    def calibrate(self, x: torch.Tensor) -> float:
+        """Data-dependent init for a pretrained base. The paper's N(0, 1/sqrt(d_m)) init assumes unit-scale inputs
+        (GPT-2's LayerNorm); a base whose normed inputs are small (SmolLM2's RMSNorm: RMS 0.05-0.4) would leave
+        every x_{n,j} at beta, the alpha-sigmoid saturated at 1 and the sparsity loss without a gradient. Dividing
+        W^Qint and W^Kint by the RMS of this layer's real inputs x restores the spread the paper's init has.
+        Returns that RMS."""
+        rms = float(x.float().pow(2).mean().sqrt())
+        self.W_Qint.div_(rms)
+        self.W_Kint.div_(rms)
+        return rms
+
     def current_alpha(self) -> float:
         return self.alpha if self.training else math.inf
 
