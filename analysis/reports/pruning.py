@@ -21,18 +21,19 @@ from models.data import load_documents
 from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of
 
 
+def model_buckets(loaded, window: int, data: str | None = None, max_windows: int | None = None) -> list[dict]:
+    """Rows of one loaded model: the test split (of `data`, default the card's) joined and cut into windows."""
+    if window > loaded.config.context:
+        raise ValueError(f"{loaded.path}: window {window} exceeds its context of {loaded.config.context}")
+    docs = encode_documents(loaded.tokenizer, load_documents(data or loaded.card.get("data", {}).get("dir", "data"), "test"))
+    stream = [t for doc in docs for t in doc]
+    buckets = [b for b in BUCKETS if b[0] < window]
+    return [{"model": loaded.path.name, "method": method_of(loaded.config, loaded.card), **r}
+            for r in bucket_eval(loaded.model, stream, window, buckets, max_windows, progress=True)]
+
+
 def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_windows: int | None = None) -> pd.DataFrame:
-    rows = []
-    for d in dirs:
-        loaded = load_model_dir(d)
-        if window > loaded.config.context:
-            raise ValueError(f"{d}: window {window} exceeds its context of {loaded.config.context}")
-        docs = encode_documents(loaded.tokenizer, load_documents(data or loaded.card.get("data", {}).get("dir", "data"), "test"))
-        stream = [t for doc in docs for t in doc]
-        buckets = [b for b in BUCKETS if b[0] < window]
-        for r in bucket_eval(loaded.model, stream, window, buckets, max_windows, progress=True):
-            rows.append({"model": Path(d).name, "method": method_of(loaded.config, loaded.card), **r})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([r for d in dirs for r in model_buckets(load_model_dir(d), window, data, max_windows)])
 
 
 def figure(table: pd.DataFrame):
