@@ -128,16 +128,17 @@ def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
     """What a parameter-efficient fine-tune trains, found by structure (as torchtune's get_adapter_params): every
     module's own adapter_params() (the adapters, COMPACTER's shared A_i on the model, context pruning's
     W^Qint, W^Kint, beta) and the norms. Names are the model's qualified parameter names."""
-    found = {}
-    for prefix, module in model.named_modules():
+    def own(module):
         if hasattr(module, "adapter_params"):
-            own = module.adapter_params()
-        elif isinstance(module, NORMS):
-            own = dict(module.named_parameters(recurse=False))
-        else:
-            continue
-        found |= {f"{prefix}.{name}" if prefix else name: p for name, p in own.items()}
-    return found
+            return module.adapter_params()
+        return dict(module.named_parameters(recurse=False)) if isinstance(module, NORMS) else {}
+    return _collect(model, own)
+
+
+def _collect(model: nn.Module, own) -> dict[str, nn.Parameter]:
+    """own(module) -> {name: parameter} for every module, under the model's qualified names."""
+    return {f"{prefix}.{name}" if prefix else name: p
+            for prefix, module in model.named_modules() for name, p in own(module).items()}
 
 
 def trainable_params(model: nn.Module, freeze_base: bool = False) -> dict[str, nn.Parameter]:
@@ -148,8 +149,7 @@ def trainable_params(model: nn.Module, freeze_base: bool = False) -> dict[str, n
         return get_adapter_params(model)
     if freeze_base:
         from models.pruning import ContextPruning
-        return {f"{prefix}.{name}": p for prefix, m in model.named_modules() if isinstance(m, ContextPruning)
-                for name, p in m.adapter_params().items()}
+        return _collect(model, lambda m: m.adapter_params() if isinstance(m, ContextPruning) else {})
     return dict(model.named_parameters())
 
 

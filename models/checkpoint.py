@@ -82,6 +82,8 @@ def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
         store = STORAGE[weights_dtype]
         tensors = {k: v.to(store) if v.is_floating_point() else v for k, v in tensors.items()}
         card["weights_dtype"] = weights_dtype
+    if only is None:  # a full model: a base.json left from an earlier delta here would make loading overlay a base
+        (out / "base.json").unlink(missing_ok=True)
     _write_atomic(out / CONFIG, lambda p: model.config.save(p))
     _write_atomic(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _write_atomic(out / TOKENIZER, lambda p: tokenizer.save(str(p)))

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window)
         parent = Path(args.model_dir).resolve().parent
         ref = {}
-        for name in ("mha", "sha"):  # the zoo's baselines, evaluated the same way
+        for name in REFERENCES:  # the zoo's baselines, evaluated the same way (zoo_references reads their cards)
             if (parent / name).is_dir():
                 r = result if Path(result["model_dir"]).resolve() == parent / name else \
                     evaluate_dir(parent / name, args.split, args.stride, args.data)

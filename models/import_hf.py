@@ -198,7 +198,7 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: 
         raise ImportError_(f"source directory {src} does not exist")
     hf, sd, tok = _read_source(src, gguf)
     cfg = config_from_hf(hf)
-    arch = _arch(hf)
+    arch, window = _arch(hf), sliding_window(hf)
     weights = convert_gpt2(sd, cfg) if arch == "gpt2" else convert_llama(sd, cfg, o_bias=arch != "qwen2")
     model = DecoderLM(cfg)
     try:
@@ -206,8 +206,8 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: 
     except RuntimeError as e:
         raise ImportError_(f"{src}: the weights do not fit the converted config: {e}") from None
     notes = []
-    if sliding_window(hf) is not None:
-        notes.append(f"context limited to the sliding window of {sliding_window(hf)} tokens (of "
+    if window is not None:
+        notes.append(f"context limited to the sliding window of {window} tokens (of "
                      f"{hf['max_position_embeddings']} positions): inside it the window changes nothing, so this is exact")
     card = {"imported_from": str(src.resolve()), "gguf": gguf, "architecture": arch, "notes": notes,
             "hf_config": {k: hf.get(k) for k in ("model_type", "architectures", "_name_or_path") if k in hf}}

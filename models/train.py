@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from models.adapters import set_trainable_params, trainable_params
-from models.checkpoint import file_sha256, save_model_dir
+from models.checkpoint import FILES, file_sha256, save_model_dir
 from models.config import ConfigError, ModelConfig
 from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
@@ -112,6 +112,8 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
             raise ConfigError(f"{path}: train.{name} must be a positive integer, got {getattr(tc, name)!r}")
     if not 0 < tc.eval_stride <= model_cfg.context:
         raise ConfigError(f"{path}: train.eval_stride ({tc.eval_stride}) must be in [1, model.context={model_cfg.context}]")
+    if tc.freeze_base and not model_cfg.prune:
+        raise ConfigError(f"{path}: train.freeze_base trains context pruning alone, but model.prune is off")
     if tc.prune_init not in ("paper", "calibrated"):
         raise ConfigError(f"{path}: train.prune_init must be paper or calibrated, got {tc.prune_init!r}")
     if tc.warmup < 0 or tc.lr <= 0 or tc.min_lr < 0:
@@ -242,7 +244,7 @@ class StopFlag:
         self.reason = signal.Signals(signum).name
 
 
-MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "card.json", LOG)  # what a run writes
+MODEL_FILES = (*FILES, LOG)  # what a finished run leaves (a model directory and its curve)
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
@@ -296,8 +298,6 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                           model_cfg.context, "cpu")
         calibration = calibrate_pruning(model, x0)
         log.info("pruning calibrated to input RMS %s", ", ".join(f"{r:.3f}" for r in calibration))
-    if tc.freeze_base and not model_cfg.prune:
-        raise ConfigError(f"{config_path}: train.freeze_base trains context pruning alone, but model.prune is off")
     trainable = trainable_params(model, tc.freeze_base)
     set_trainable_params(model, trainable)
     if model_cfg.adapter:  # parameter-efficient: the base stays frozen

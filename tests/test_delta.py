@@ -117,3 +117,12 @@ def test_bad_base_spec(base, tmp_path, tok):
     (d / "base.json").write_text(json.dumps({"source": "../base"}))
     with pytest.raises(CheckpointError, match="must name a base"):
         load_model_dir(d)
+
+
+def test_a_full_save_over_a_delta_directory_is_a_full_model(base, tmp_path, tok):
+    model = fine_tune(base)
+    d = save_delta_dir(tmp_path / "delta", model, tok, "../base")
+    save_model_dir(d, model, tok)
+    assert not (d / "base.json").exists()
+    (base / "model.safetensors").unlink()          # it no longer needs the base
+    assert torch.equal(load_model_dir(d).model.state_dict()["wte.weight"], model.state_dict()["wte.weight"])

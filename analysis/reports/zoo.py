@@ -2,7 +2,7 @@
 
     python -m analysis.reports.zoo [--zoo assets/models] [--out docs/results.md]
 
-Reads ZOO/*/card.json (SHE's card is committed without its weights); parameter counts come from the
+Reads the card.json of each configs/zoo model under ZOO (or --models); parameter counts come from the
 card's config. PRR is relative to the MHA model, PEoP to the SHA model (papers.md, perplexity forms).
 """
 from __future__ import annotations
