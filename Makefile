@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-all install clean data zoo results chromium pruning smollm2 adapters ship
+.PHONY: run test test-all install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
 
 install: $(STAMP)
 
@@ -41,6 +41,12 @@ test-all: $(STAMP) chromium
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# On a machine with an NVIDIA GPU (at most 10 minutes on one H100): GPU tests, kernel benchmark, bf16 training,
+# generation through the app's loader; results in bench/results/*_<gpu>.json. Uses .venv or python3, whichever
+# has a CUDA torch and triton (PYTHON=... to choose).
+gpu-check:
+	bash bench/gpu_check.sh
 
 # Training targets write under runs/ and never into assets/: `make ship RUN=runs/zoo/mha NAME=mha` copies a
 # finished run there, and refuses when assets/models/NAME already exists.

@@ -134,7 +134,8 @@ def bundle_paths(out_dir: str | Path, name: str) -> list[Path]:
     return [Path(out_dir) / f"{name}.{ext}" for ext in (*FORMATS, "csv", "json")]
 
 
-def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Path, force: bool = False) -> list[Path]:
+def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Path, force: bool = False,
+                 device: str = "cpu", dtype: str = "float32") -> list[Path]:
     """Every figure of model_figures as a bundle in out_dir. Existing files are refused (nothing is written)
     unless force."""
     from analysis.text import decode_upload
@@ -147,7 +148,7 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
     if not path.is_file():
         raise ExportError(f"--text {path} is not a file")
     text = decode_upload(path.name, path.read_bytes())
-    loaded = load_model_dir(model_dir)
+    loaded = load_model_dir(model_dir, device=device, dtype=dtype)
     figures = model_figures(loaded, text)
     clash = [p for name, *_ in figures for p in bundle_paths(out, name) if p.exists()]
     if clash and not force:
@@ -162,16 +163,18 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
 def main(argv: list[str] | None = None) -> int:
     from analysis.text import TextError
     from models.checkpoint import CheckpointError
+    from models.device import add_arguments as add_device_arguments
 
     ap = argparse.ArgumentParser(prog="python -m analysis.export", description="Write every figure for a model and a text.")
     ap.add_argument("model_dir")
     ap.add_argument("--text", required=True, help="a UTF-8 .txt or .md file")
     ap.add_argument("--out", required=True)
     ap.add_argument("--force", action="store_true", help="overwrite files already in --out")
+    add_device_arguments(ap, dtype="float32")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        written = export_model(args.model_dir, args.text, args.out, force=args.force)
+        written = export_model(args.model_dir, args.text, args.out, force=args.force, device=args.device, dtype=args.dtype)
     except (CheckpointError, TextError, ExportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ import streamlit as st
 from analysis import export
 from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, models_root
-from models.checkpoint import CheckpointError, load_model_dir
+from models.checkpoint import CheckpointError, load_for_app
 
 SAMPLE_TEXT = ("The committee met again on Tuesday. After a long debate about the harbour, the roads and the "
                "price of bread, the members agreed that the new bridge would be built in the spring, and that "
@@ -24,7 +24,7 @@ def setup(title: str) -> None:
 
 @st.cache_resource(max_entries=16, show_spinner="Loading model…")
 def load(path: str):
-    return load_model_dir(path)
+    return load_for_app(path)  # on the GPU (bf16) when there is one
 
 
 def add_path() -> None:

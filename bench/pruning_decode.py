@@ -20,7 +20,7 @@ import torch
 
 from models.checkpoint import load_model_dir
 from models.config import ModelConfig
-from models.train import device_name
+from models.device import add_arguments as add_device_arguments, describe as device_name, inference_dtype, resolve
 from models.transformer import DecoderLM
 
 
@@ -110,13 +110,17 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mb", type=float, default=64.0, help="cache memory budget for the large-batch runs")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--json")
+    add_device_arguments(ap, dtype="float32")
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.synthetic:
         dense, pruned = synthetic_pair(max(contexts), args.beta)
+        dev = resolve(args.device)
+        dense, pruned = (m.to(device=dev, dtype=inference_dtype(dev, args.dtype)) for m in (dense, pruned))
         source = {"kind": "synthetic", "beta": args.beta, "note": "random weights: latency and memory only, no quality"}
     elif args.dense and args.pruned:
-        dense, pruned = load_model_dir(args.dense).model.eval(), load_model_dir(args.pruned).model.eval()
+        dense, pruned = (load_model_dir(p, device=args.device, dtype=args.dtype).model.eval()
+                         for p in (args.dense, args.pruned))
         source = {"kind": "trained", "dense": args.dense, "pruned": args.pruned}
     else:
         ap.error("give --dense and --pruned model directories, or --synthetic")

@@ -22,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from models.adapters import set_trainable_params, trainable_params
 from models.pruning import pair_count, sparsity_loss
-from models.train import device_name, load_run_config
+from models.device import describe as device_name
+from models.train import load_run_config
 from models.transformer import DecoderLM
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.params import count_parameters
-from models.train import device_name
+from models.device import describe as device_name
 from models.transformer import DecoderLM
 
 

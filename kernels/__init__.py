@@ -2,8 +2,8 @@
 
 `MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
 the interpreter the tests use). The app, `generate` and the benchmarks all call these functions, so they
-run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's matrix lags) run
-the reference on every device; `record_paths()` reports what really ran, for the caller's own context only.
+run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's matrix lags) and
+anything that needs a gradient (training: the kernels are inference-only) run the reference on every device; `record_paths()` reports what really ran, for the caller's own context only.
 """
 from __future__ import annotations
 
@@ -65,39 +65,16 @@ def _run(op: str, tensor, ref, *args, **kwargs):
     return (TRITON[op] if path == "triton" else ref)(*args, **kwargs)
 
 
-class _FusedAttention(torch.autograd.Function):
-    """Forward in Triton; backward recomputes the reference under autograd (no Triton backward yet)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, q_mul, q_add, o_mul, o_add, scale, causal):
-        from kernels import triton_attention
-        ctx.save_for_backward(q, k, v, bias, q_mul, q_add, o_mul, o_add)
-        ctx.scale, ctx.causal = scale, causal
-        return triton_attention.prefill(q, k, v, scale=scale, bias=bias, causal=causal, q_mul=q_mul, q_add=q_add,
-                                        o_mul=o_mul, o_add=o_add)
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved = ctx.saved_tensors
-        leaves = [t.detach().requires_grad_(need) if t is not None else None
-                  for t, need in zip(saved, ctx.needs_input_grad)]
-        with torch.enable_grad():
-            q, k, v, bias, q_mul, q_add, o_mul, o_add = leaves
-            out, _ = reference.attention(q, k, v, scale=ctx.scale, bias=bias, causal=ctx.causal, q_mul=q_mul,
-                                         q_add=q_add, o_mul=o_mul, o_add=o_add)
-            wanted = [t for t in leaves if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (*[next(grads) if t is not None and t.requires_grad else None for t in leaves], None, None)
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 def _triton_attention(q, k, v, *, scale, bias=None, causal=True, q_mul=None, q_add=None, o_mul=None, o_add=None):
     from kernels import triton_attention
     maps = dict(q_mul=q_mul, q_add=q_add, o_mul=o_mul, o_add=o_add)
     if q.shape[2] == 1:  # one query per sequence: the split-KV decode kernel (it sees the whole cache)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *maps.values())):
-            return _FusedAttention.apply(q, k, v, bias, q_mul, q_add, o_mul, o_add, scale, causal)
         return triton_attention.decode(q, k, v, scale=scale, bias=bias, **maps)
-    return _FusedAttention.apply(q, k, v, bias, q_mul, q_add, o_mul, o_add, scale, causal)
+    return triton_attention.prefill(q, k, v, scale=scale, bias=bias, causal=causal, **maps)
 
 
 TRITON: dict[str, object] = _triton_ops()
@@ -108,6 +85,11 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
     if need_weights:
         _note("attention", "reference")
         return reference.attention(q, k, v, scale=scale, bias=bias, need_weights=True, causal=causal, **maps)
+    if _needs_grad(q, k, v, bias, *maps.values()):
+        # Training: the Triton kernels have no backward; PyTorch's SDPA (flash / memory-efficient on CUDA, the
+        # log I bias included) has a real one, and kernels.bench measures it against FlexAttention.
+        _note("attention", "reference")
+        return reference.attention(q, k, v, scale=scale, bias=bias, causal=causal, **maps)[0], None
     out = _run("attention", q, lambda *a, **kw: reference.attention(*a, **kw)[0], q, k, v, scale=scale, bias=bias,
                causal=causal, **maps)
     return out, None
@@ -119,7 +101,7 @@ def compact_decode(q, k, v, *, scale: float, prune: dict, **maps):
 
 
 def lag_conv(x, w, start: int = 0):
-    if w.dim() == 3:  # SHE: matrix lags stay on batched matmuls / FFT (kernels.bench measures the rate)
+    if w.dim() == 3 or _needs_grad(x, w):  # SHE's matrix lags (batched matmuls / FFT) and training
         _note("lag_conv", "reference")
         return reference.lag_conv(x, w, start)
     return _run("lag_conv", x, reference.lag_conv, x, w, start)

@@ -32,11 +32,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         q = q * q_mul[:, None]
     if q_add is not None:
         q = q + q_add[:, None]
+    # Under autocast q and K/V arrive in bf16 while MHE's maps are float32 parameters: the maps promote q, and
+    # SDPA wants one dtype, so the product runs in K/V's dtype (what the Triton kernels do) and the output
+    # comes back in it.
+    q = q.to(k.dtype)
     out, probs = _attention(q, k, v, scale, bias, need_weights, causal)
     if o_mul is not None:
-        out = out * o_mul[:, None]
+        out = (out * o_mul[:, None]).to(v.dtype)
     if o_add is not None:
-        out = out + o_add[:, None]
+        out = (out + o_add[:, None]).to(v.dtype)
     return out, probs
 
 
@@ -49,13 +53,13 @@ def _attention(q, k, v, scale, bias, need_weights, causal):
     if not need_weights:
         mask = None if t == 1 else allowed
         if bias is not None:
-            mask = bias.masked_fill(~allowed, float("-inf")).to(q.dtype)
+            mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g != h), None
     r = h // g
     qg = q.reshape(b, g, r, t, d)
     scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale          # [B,G,R,T,S]
     if bias is not None:
-        scores = scores + bias.unsqueeze(1)
+        scores = scores + bias.unsqueeze(1).to(scores.dtype)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(dim=-1)
     out = probs @ v.unsqueeze(2)                                        # [B,G,R,T,D]

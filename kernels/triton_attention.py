@@ -19,16 +19,35 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: float32 inputs stay IEEE float32 (on a GPU Triton's default would be TF32,
+    ~1e-3 relative, and the float32 contract with the reference would not hold); half types use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Launch shape per head width on a GPU (block_m, block_n, num_warps, num_stages): chosen from the sweep that
+# `python -m kernels.bench --tune` runs (bench/results/kernels_*.json records it); the interpreter ignores them.
+PREFILL_LAUNCH = {64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
+DECODE_LAUNCH = {64: (64, 4, 2), 128: (64, 4, 2)}  # (block_n, num_warps, num_stages)
+
+
+def prefill_launch(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    bm, bn, warps, stages = PREFILL_LAUNCH.get(_pow2(d), (64, 64, 4, 2))
+    if dtype == torch.float32:  # twice the bytes per tile: keep shared memory within the limit
+        bn, stages = min(bn, 32), min(stages, 2)
+    return bm, bn, warps, stages
+
+
 @triton.jit
 def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
                     sqb, sqh, sqt, skb, skg, sks, svb, svg, svs, sob, soh, sot, sbb, sbt, sbs,
                     H, R, T, S, D, qk_scale,
                     HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
+    pid_bh = tl.program_id(0)  # batch x heads on axis 0 (up to 2^31 programs; axes 1 and 2 stop at 65,535)
+    pid_m = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: b * (T x S) overflows int32 for long pruned sequences
     h = pid_bh % H
     g = h // R
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,7 +75,7 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < S
         kt = tl.load(k_base + offs_n[None, :] * sks + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-        s = tl.dot(q, kt)                                    # [M, N], log2 units
+        s = tl.dot(q, kt, input_precision=PRECISION)         # [M, N], log2 units
         if HAS_BIAS:
             bias = tl.load(BIAS + b * sbb + offs_m[:, None] * sbt + offs_n[None, :] * sbs,
                            mask=m_mask[:, None] & n_mask[None, :], other=0.0)
@@ -71,7 +90,7 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
         corr = tl.exp2(m_i - m_safe)
         l_i = l_i * corr + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (never stored) see nothing
     if HAS_OM:
@@ -86,7 +105,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
                    sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, skib, skis, sqib,
                    H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta,
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-                   PRUNE: tl.constexpr,
+                   PRUNE: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
@@ -98,7 +117,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     A padding row (VALID = 0) drops nothing and attends to every used slot (its output is discarded)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = pid // G
+    b = (pid // G).to(tl.int64)  # 64-bit offsets: b x G x S x D passes 2^31 at batch 64, 32k context
     g = pid % G
     length = S
     if HAS_LENS:
@@ -142,7 +161,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)
         kt = tl.load(K + b * skb + g * skg + offs_n[None, :] * sks + offs_d[:, None],
                      mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-        s = tl.dot(q, kt)                                    # [R, N]
+        s = tl.dot(q, kt, input_precision=PRECISION)         # [R, N]
         if HAS_BIAS:
             bias = tl.load(BIAS + b * sbb + offs_n * sbs, mask=n_mask, other=0.0).to(tl.float32)
             s = s + bias[None, :] * 1.4426950408889634
@@ -154,7 +173,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         l_i = l_i * corr + tl.sum(p, 1)
         v = tl.load(V + b * svb + g * svg + offs_n[:, None] * svs + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     n_split = tl.num_programs(1)
     part = (b * H + heads) * n_split + split
@@ -206,8 +225,10 @@ def _check_rows(*ts):
 
 
 def prefill(q, k, v, *, scale: float, bias=None, causal: bool = True, q_mul=None, q_add=None, o_mul=None, o_add=None,
-            block_m: int = 64, block_n: int = 64):
-    """Flash-style causal attention; see kernels.reference.attention for the contract."""
+            block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+            num_stages: int | None = None):
+    """Flash-style causal attention; see kernels.reference.attention for the contract. The launch shape
+    defaults to PREFILL_LAUNCH for the head width."""
     b, hq, t, d = q.shape
     s = k.shape[2]
     h, (qm, qa, om, oa) = _heads_and_maps(q, k, q_mul, q_add, o_mul, o_add)
@@ -220,16 +241,18 @@ def prefill(q, k, v, *, scale: float, bias=None, causal: bool = True, q_mul=None
     else:
         bias, sb = q.new_empty(1), (0, 0, 0)
     bd = _pow2(d)
-    bm = min(block_m, _pow2(t))
-    bn = min(block_n, _pow2(s))
-    grid = (triton.cdiv(t, bm), b * h)
+    dbm, dbn, dw, dst = prefill_launch(d, k.dtype)
+    bm = min(block_m or dbm, _pow2(t))
+    bn = min(block_n or dbn, _pow2(s))
+    grid = (b * h, triton.cdiv(t, bm))
     _prefill_kernel[grid](
         q, k, v, out, qm, qa, om, oa, bias,
         q.stride(0), q.stride(1) if hq > 1 else 0, q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *sb,
         h, h // k.shape[1], t, s, d, scale * LOG2E,
         HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
-        HAS_BIAS=has_bias, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
+        HAS_BIAS=has_bias, CAUSAL=causal, PRECISION=precision(k.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        num_warps=num_warps or dw, num_stages=num_stages or dst)
     return out
 
 
@@ -240,7 +263,8 @@ def _splits(s: int, b: int, g: int, block_n: int, target_programs: int = 128) ->
 
 
 def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=None, o_mul=None, o_add=None,
-           prune: dict | None = None, block_n: int = 64, n_split: int | None = None):
+           prune: dict | None = None, block_n: int | None = None, n_split: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None):
     """One new query per sequence, q [B,H|1,1,D], over a cache k/v [B,G,S,D].
 
     bias: additive [B,1,1,S] (or [B,S]); lengths [B]: sequence b uses cache slots [0, lengths[b]).
@@ -257,12 +281,14 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
     dummy = q.new_empty(1)
     bias_t, sbb, sbs = dummy, 0, 0
     if bias is not None:
-        bias_t = bias.reshape(b, s) if bias.shape[-1] == s else None
-        if bias_t is None:
-            raise ValueError("decode bias must cover the cache: [B,1,1,S]")
+        if bias.shape[-1] != s or bias.numel() not in (s, b * s):
+            raise ValueError(f"decode bias must cover the cache: [B or 1,1,1,{s}] or [B or 1,{s}], got {list(bias.shape)}")
+        # one row shared by the batch (the local/strided patterns) is read with batch stride 0, not copied
+        bias_t = bias.reshape(-1, s).expand(b, s)
         sbb, sbs = bias_t.stride(0), bias_t.stride(1)
     lens = lengths.to(torch.int32).contiguous() if lengths is not None else dummy
-    block_n = min(block_n, _pow2(s))
+    dbn, dw, dst = DECODE_LAUNCH.get(_pow2(d), (64, 4, 2))
+    block_n = min(block_n or dbn, _pow2(s))
     ns = n_split or _splits(s, b, g, block_n)
     split_len = triton.cdiv(triton.cdiv(s, ns), block_n) * block_n
     ns = triton.cdiv(s, split_len)
@@ -288,7 +314,8 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         v.stride(0), v.stride(1), v.stride(2), sbb, sbs, skib, skis, sqib,
         h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta,
         HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
-        PRUNE=prune is not None, BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d), BLOCK_RI=_pow2(ri))
+        PRUNE=prune is not None, PRECISION=precision(k.dtype), BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b * h,)](po, pl, out, om, oa, h, d, ns, out.stride(0), out.stride(1),
                             HAS_OM=o_mul is not None, HAS_OA=o_add is not None,

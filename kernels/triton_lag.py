@@ -10,11 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_attention import precision
+
 
 @triton.jit
 def _lag_kernel(X, W, Y, sxb, sxs, syb, sys, S, C, start, n_out,
-                PER_CHANNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
-    b = tl.program_id(0)
+                PER_CHANNEL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: b x S x C can pass 2^31
     pt = tl.program_id(1)
     pc = tl.program_id(2)
     offs_o = pt * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -38,7 +40,7 @@ def _lag_kernel(X, W, Y, sxb, sxs, syb, sys, S, C, start, n_out,
             acc += tl.sum(w * x[None, :, :], 1)
         else:
             w = tl.load(W + lag, mask=lmask, other=0.0).to(tl.float32)              # [T, J]: a Toeplitz tile
-            acc += tl.dot(w, x)
+            acc += tl.dot(w, x, input_precision=PRECISION)
     tl.store(Y + b * syb + offs_o[:, None] * sys + offs_c[None, :], acc.to(Y.dtype.element_ty),
              mask=i_mask[:, None] & c_mask[None, :])
 
@@ -63,5 +65,5 @@ def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0) -> torch.Tensor:
     bc = min(32 if per_channel else 64, max(16, triton.next_power_of_2(c)))
     grid = (b, triton.cdiv(n_out, bt), triton.cdiv(c, bc))
     _lag_kernel[grid](x, w, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), s, c, start, n_out,
-                      PER_CHANNEL=per_channel, BLOCK_T=bt, BLOCK_J=bj, BLOCK_C=bc)
+                      PER_CHANNEL=per_channel, PRECISION=precision(x.dtype), BLOCK_T=bt, BLOCK_J=bj, BLOCK_C=bc)
     return y

@@ -136,7 +136,13 @@ def _check_weights(path: Path, tensors: dict[str, torch.Tensor], expected: dict[
         raise CheckpointError(f"{path} does not match {cfg_path.name}: " + "; ".join(problems))
 
 
-def load_model_dir(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "float32"
+                   ) -> LoadedModel:
+    """Read and check a model directory (a delta one over its base too); the model in eval mode on `device`
+    ('auto': CUDA when present) in `dtype` ('auto': bfloat16 on a GPU, float32 on the CPU)."""
+    from models.device import inference_dtype, resolve
+    dev = resolve(device)
+    dt = inference_dtype(dev, dtype)
     root = Path(path)
     if not root.exists():
         raise CheckpointError(f"model directory {root} does not exist")
@@ -179,12 +185,20 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu") -> Load
 
     model = DecoderLM(cfg)
     model.load_state_dict(tensors, strict=True)  # copies into the float32 parameters, whatever the stored type
-    model.to(device).eval()
+    model.to(device=dev, dtype=dt).eval()
     return LoadedModel(model, tokenizer, card, root)
 
 
+def load_for_app(path: str | Path) -> LoadedModel:
+    """How the app (and `make gpu-check`, which has no streamlit) opens a model: on the GPU in bfloat16 when
+    there is one, else the CPU in float32; MIXSCOPE_DEVICE / MIXSCOPE_DTYPE override (cpu, cuda:1, float32...)."""
+    import os
+    return load_model_dir(path, device=os.environ.get("MIXSCOPE_DEVICE", "auto"),
+                          dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"))
+
+
 def shrink(src: str | Path, out: str | Path, weights_dtype: str = "bfloat16", data_dir: str | Path | None = None,
-           force: bool = False) -> dict:
+           force: bool = False, device: str = "cpu") -> dict:
     """A copy of a model directory whose weights are stored in weights_dtype (computed in float32), with its
     test perplexity re-measured under the zoo's protocol (the card keeps the original as test_perplexity_float32),
     so the price of the smaller file is on the card."""
@@ -194,7 +208,7 @@ def shrink(src: str | Path, out: str | Path, weights_dtype: str = "bfloat16", da
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty: choose another directory, or pass --force")
-    loaded = load_model_dir(src)
+    loaded = load_model_dir(src, device=device)
     with torch.no_grad():
         for p in loaded.model.parameters():
             p.copy_(p.to(STORAGE[weights_dtype]).float())
@@ -222,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--data", default=None, help="prepared data directory (default: the one on the card)")
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT")
+    p.add_argument("--device", default="auto", help="where the perplexity is re-measured (float32): auto | cpu | cuda")
     args = ap.parse_args(argv)
     try:
-        card = shrink(args.src, args.out, args.dtype, args.data, args.force)
+        card = shrink(args.src, args.out, args.dtype, args.data, args.force, args.device)
     except (CheckpointError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -161,12 +161,12 @@ def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
 
 
 def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, data_dir: str | Path | None = None,
-                 progress: bool = False, window: int | None = None) -> dict:
+                 progress: bool = False, window: int | None = None, device: str = "cpu", dtype: str = "float32") -> dict:
     from models.checkpoint import file_sha256, load_model_dir
     from models.data import load_documents
     from models.params import count_parameters
 
-    loaded = load_model_dir(model_dir)
+    loaded = load_model_dir(model_dir, device=device, dtype=dtype)
     data_dir = Path(data_dir or loaded.card.get("data", {}).get("dir", "data"))
     docs = encode_documents(loaded.tokenizer, load_documents(data_dir, split))
     res = score_documents(loaded.model, docs, stride, progress=progress, window=window)
@@ -183,6 +183,7 @@ def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, 
 def main(argv: list[str] | None = None) -> int:
     from models.checkpoint import CheckpointError
     from models.data import DataError
+    from models.device import add_arguments as add_device_arguments
 
     ap = argparse.ArgumentParser(prog="python -m models.evaluate")
     ap.add_argument("model_dir")
@@ -191,16 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=None, help="longest window fed (default: the model's context)")
     ap.add_argument("--data", default=None, help="prepared data directory (default: the one on the model card)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout, logs to stderr")
+    add_device_arguments(ap, dtype="float32")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    dev = dict(device=args.device, dtype=args.dtype)
     try:
-        result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window)
+        result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window, **dev)
         parent = Path(args.model_dir).resolve().parent
         ref = {}
         for name in REFERENCES:  # the zoo's baselines, evaluated the same way (zoo_references reads their cards)
             if (parent / name).is_dir():
                 r = result if Path(result["model_dir"]).resolve() == parent / name else \
-                    evaluate_dir(parent / name, args.split, args.stride, args.data)
+                    evaluate_dir(parent / name, args.split, args.stride, args.data, **dev)
                 ref[name] = (r["perplexity"], r["attention_parameters"])
         result |= paper_metrics(result["perplexity"], result["attention_parameters"], ref.get("mha"), ref.get("sha"))
     except (CheckpointError, DataError, ValueError) as e:

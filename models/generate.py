@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from models.checkpoint import CheckpointError, load_model_dir
+    from models.device import add_arguments as add_device_arguments, describe
 
     ap = argparse.ArgumentParser(prog="python -m models.generate", description="Generate text from a model directory.")
     ap.add_argument("model_dir")
@@ -240,10 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout, logs to stderr")
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        loaded = load_model_dir(args.model_dir)
+        loaded = load_model_dir(args.model_dir, device=args.device, dtype=args.dtype)
         if not args.prompt.strip():
             raise ValueError("empty prompt: generation needs at least one prompt token (the prompt is blank)")
         prompt = loaded.tokenizer.encode(args.prompt).ids
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         "stop_reason": res.stop_reason, "notes": res.notes, "prefill_ms": res.prefill_s * 1000,
         "ms_per_token": ms, "mean_ms_per_token": sum(ms) / len(ms), "tokens_per_s": res.decode_tokens_per_s,
         "perplexity": res.perplexity, "cache_bytes": res.cache_bytes,
-        "device": str(loaded.model.wte.weight.device),
+        "device": describe(loaded.model.wte.weight.device), "dtype": str(loaded.model.wte.weight.dtype),
+        "kernel_paths": res.kernel_paths,
     }
     if args.json:
         print(json.dumps(summary))

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from models.adapters import set_trainable_params, trainable_params
 from models.checkpoint import FILES, file_sha256, save_model_dir
 from models.config import ConfigError, ModelConfig
+from models.device import describe, resolve
 from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
 from models.params import components, count_trainable
@@ -227,12 +228,6 @@ def calibrate_pruning(model: DecoderLM, idx: torch.Tensor) -> list[float]:
     return [b.mixer.pruning.calibrate(seen[k]) for k, b in enumerate(model.blocks)]
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
-
-
 class StopFlag:
     """SIGINT/SIGTERM only raise a flag; the loop stops at the next step boundary, so the saved state is
     never half an optimizer step."""
@@ -269,9 +264,9 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     out = Path(out)
     check_out_dir(out, overwrite)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    if device == "auto":
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    if device == "auto" and torch.cuda.is_available():
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    dev = resolve(device)
     if world > 1:
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         if tc.batch_size % world:
@@ -464,7 +459,7 @@ def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed
                  "test_sha256": file_sha256(data / "test.txt")},
         "steps": step, "tokens_seen": tokens_seen, "wall_time_s": elapsed,
         "train_tokens_per_s": tokens_seen / elapsed if elapsed else None,
-        "device": device_name(dev), "torch": torch.__version__, "seed": tc.seed,
+        "device": describe(dev), "torch": torch.__version__, "seed": tc.seed,
         "final_train_loss": float(np.mean(recent)) if recent else None, "final_valid_loss": v_loss,
         "test_perplexity": test["perplexity"], "test_tokens": test["tokens"], "eval_stride": tc.eval_stride,
         "params": sum(p.numel() for p in model.parameters()),

@@ -20,6 +20,7 @@ def model_for(mixer, prune=True, beta=0.02, seed=5, **cfg):
 def run_compact(model, seqs, prompt_lens, diagnostics=False):
     """Prefill ragged prompts in one padded call, then one token per row per step; logits per row/position."""
     b, total = len(seqs), len(seqs[0])
+    dev = model.wte.weight.device  # the GPU tests run this on CUDA
     cache = model.new_compact_cache(batch=b)
     width = max(prompt_lens)
     idx = torch.zeros(b, width, dtype=torch.long)
@@ -27,6 +28,7 @@ def run_compact(model, seqs, prompt_lens, diagnostics=False):
         idx[r, :n] = torch.tensor(s[:n])
     pos = torch.arange(width).expand(b, -1)
     valid = pos < torch.tensor(prompt_lens)[:, None]
+    idx, pos, valid = idx.to(dev), pos.to(dev), valid.to(dev)
     got = [dict() for _ in range(b)]
     with torch.no_grad():
         logits = model(idx, cache=cache, positions=pos, valid=valid).logits
@@ -38,6 +40,7 @@ def run_compact(model, seqs, prompt_lens, diagnostics=False):
         step_idx = torch.tensor([[seqs[r][min(cur[r], total - 1)]] for r in range(b)])
         step_pos = torch.tensor([[min(c, total - 1)] for c in cur])
         step_valid = torch.tensor([[c < total] for c in cur])
+        step_idx, step_pos, step_valid = step_idx.to(dev), step_pos.to(dev), step_valid.to(dev)
         with torch.no_grad():
             out = model(step_idx, cache=cache, positions=step_pos, valid=step_valid).logits
         for r in range(b):

@@ -170,23 +170,72 @@ def test_lag_conv_refuses_matrix_lags_and_bad_start():
         triton_lag.lag_conv(torch.randn(1, 4, 2), torch.randn(4), start=4)
 
 
-def test_attention_backward_falls_back_to_reference_autograd(monkeypatch):
+def test_training_takes_the_reference_path_with_a_real_backward(monkeypatch):
+    """The kernels are inference-only: with a gradient wanted, even a forced Triton dispatch runs the
+    reference (SDPA), whose backward is autograd's; under no_grad the same call runs Triton, same values."""
     monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
     h, d = 4, 16
     leaves = [torch.randn(2, 1, 7, d), torch.randn(2, 1, 7, d), torch.randn(2, 1, 7, d), torch.randn(2, 1, 7, 7),
               torch.randn(h, d), torch.randn(h, d)]
-    grads = []
-    for path in ("triton", "reference"):
-        monkeypatch.setenv("MIXSCOPE_KERNELS", path)
-        ts = [t.clone().requires_grad_() for t in leaves]
-        q, k, v, bias, qm, om = ts
-        with kernels.record_paths() as paths:
-            out, _ = kernels.attention(q, k, v, scale=0.3, bias=bias, q_mul=qm, o_mul=om)
-        assert paths["attention"] == path
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        grads.append([t.grad for t in ts])
-    for got, want in zip(*grads):
-        close(got, want, tol=1e-5)
+    ts = [t.clone().requires_grad_() for t in leaves]
+    q, k, v, bias, qm, om = ts
+    with kernels.record_paths() as paths:
+        out, _ = kernels.attention(q, k, v, scale=0.3, bias=bias, q_mul=qm, o_mul=om)
+    assert paths["attention"] == "reference" and out.grad_fn is not None
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in ts)
+    with torch.no_grad(), kernels.record_paths() as paths:
+        fast, _ = kernels.attention(*leaves[:3], scale=0.3, bias=leaves[3], q_mul=leaves[4], o_mul=leaves[5])
+    assert paths["attention"] == "triton"
+    close(fast, out.detach(), tol=1e-5)
+
+
+def test_extractor_training_gets_gradients_through_the_dispatch(monkeypatch):
+    """A Triton output has no grad_fn: the lag convolution must take the reference when training, else the
+    Extractor's lag weights would silently never learn on a GPU."""
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    x, w = torch.randn(2, 9, 5, requires_grad=True), torch.randn(9, 5, requires_grad=True)
+    with kernels.record_paths() as paths:
+        kernels.lag_conv(x, w).square().sum().backward()
+    assert paths["lag_conv"] == "reference"
+    assert w.grad is not None and w.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("shape", ["[1,1,1,S]", "[B,1,1,S]", "[B,S]"])
+def test_decode_with_a_pattern_bias_at_any_batch(b, shape):
+    """The local/strided baselines pass one bias row shared by the batch; pruning-free decode must take
+    it at batch > 1 (it crashed with reshape(b, s) before)."""
+    h, g, s, d = 4, 2, 33, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    allowed = torch.rand(s) > 0.4
+    allowed[-1] = True
+    row = torch.zeros(s).masked_fill(~allowed, float("-inf"))
+    bias = {"[1,1,1,S]": row.view(1, 1, 1, s), "[B,1,1,S]": row.expand(b, 1, 1, s).clone() + torch.randn(b, 1, 1, s),
+            "[B,S]": row.expand(b, s).clone()}[shape]
+    want = reference.decode(q, k, v, scale=0.25, bias=bias.reshape(-1, 1, 1, s).expand(b, 1, 1, s))
+    close(triton_attention.decode(q, k, v, scale=0.25, bias=bias), want)
+
+
+def test_decode_refuses_a_bias_that_does_not_cover_the_cache():
+    q, k = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 10, 16)
+    with pytest.raises(ValueError, match="cover the cache"):
+        triton_attention.decode(q, k, k, scale=0.25, bias=torch.zeros(2, 1, 1, 9))
+
+
+@pytest.mark.parametrize("pattern", ["local", "strided"])
+def test_pattern_models_decode_at_batch_three_on_triton(pattern, monkeypatch):
+    model = DecoderLM(tiny_config("mha", n_layers=1, pattern=pattern, pattern_k=4)).eval()
+    randomize(model, std=0.2)
+    idx = torch.randint(0, 61, (3, 13))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    with torch.no_grad(), kernels.record_paths() as paths:
+        inc, _ = cached_logits(model, idx, [5, 1, 1, 6])
+    assert paths["attention"] == "triton"
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    with torch.no_grad():
+        full = model(idx).logits
+    close(inc, full, tol=1e-4)
 
 
 @pytest.mark.parametrize("mixer", ATTENTION + ["me", "we", "he"])

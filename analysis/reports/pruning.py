@@ -18,6 +18,7 @@ import plotly.express as px
 
 from models.checkpoint import load_model_dir
 from models.data import load_documents
+from models.device import add_arguments as add_device_arguments
 from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of
 
 
@@ -32,8 +33,9 @@ def model_buckets(loaded, window: int, data: str | None = None, max_windows: int
             for r in bucket_eval(loaded.model, stream, window, buckets, max_windows, progress=True)]
 
 
-def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_windows: int | None = None) -> pd.DataFrame:
-    return pd.DataFrame([r for d in dirs for r in model_buckets(load_model_dir(d), window, data, max_windows)])
+def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_windows: int | None = None,
+                    device: str = "cpu") -> pd.DataFrame:
+    return pd.DataFrame([r for d in dirs for r in model_buckets(load_model_dir(d, device=device), window, data, max_windows)])
 
 
 def figure(table: pd.DataFrame):
@@ -64,8 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/pruning.md")
     ap.add_argument("--figure", default="docs/pruning.png")
     ap.add_argument("--json", action="store_true")
+    add_device_arguments(ap, dtype=None)  # perplexity in float32 on any device
     args = ap.parse_args(argv)
-    table = evaluate_models(args.model_dirs, args.window, args.data, args.max_windows)
+    table = evaluate_models(args.model_dirs, args.window, args.data, args.max_windows, args.device)
     command = "python -m analysis.reports.pruning " + " ".join(args.model_dirs) + f" --window {args.window}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render(table, args.window, command), encoding="utf-8")

@@ -21,6 +21,7 @@ from analysis.text import tokenize, window
 from models.checkpoint import load_model_dir
 from analysis.reports.pruning import model_buckets
 from models.data import load_documents
+from models.device import add_arguments as add_device_arguments
 
 
 def pos_view(loaded, docs: list[str], size: int) -> pd.DataFrame:
@@ -86,11 +87,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pos-docs", type=int, default=6)
     ap.add_argument("--out", default="docs/real.md")
     ap.add_argument("--figure", default="docs/real_pos.png")
+    add_device_arguments(ap, dtype=None)  # perplexity in float32 on any device
     args = ap.parse_args(argv)
     docs_text = load_documents(args.data, "test")
     buckets, cards, layer_rows, rates, triggers, figures = [], {}, {}, [], [], {}
     for d in [args.base, *args.runs]:
-        loaded = load_model_dir(d)
+        loaded = load_model_dir(d, device=args.device)
         name = loaded.path.name
         cards[name] = loaded.card
         buckets += model_buckets(loaded, args.window, args.data, args.max_windows)

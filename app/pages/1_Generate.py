@@ -10,7 +10,7 @@ import streamlit as st  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
 from app.common import export_buttons, pick_model, setup  # noqa: E402
 from models.generate import generate  # noqa: E402
-from models.train import device_name  # noqa: E402
+from models.device import describe as device_name  # noqa: E402
 
 setup("Generate")
 loaded = pick_model(default="mha")
@@ -70,7 +70,7 @@ if "gen_result" in st.session_state:
     m[3].metric("perplexity of output", f"{res.perplexity:.2f}")
     m[4].metric("cache memory", f"{res.cache_bytes / 1024:.1f} KiB")
     paths = res.kernel_paths
-    st.caption(f"Device: {device_name(loaded.model.wte.weight.device)} · kernel path: "
+    st.caption(f"Device: {device_name(loaded.model.wte.weight.device)} ({str(loaded.model.wte.weight.dtype)[6:]}) · kernel path: "
                + ", ".join(f"{op}={p}" for op, p in sorted(paths.items())) + f" · stop: {res.stop_reason}")
     fig = latency_figure(table, f"{cfg.mixer}: per-token latency")
     st.plotly_chart(fig, width="stretch")

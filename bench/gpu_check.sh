@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# `make gpu-check`: pick a Python whose torch sees CUDA and has Triton, install only what the GPU checks
+# import and is missing, make sure the corpus exists, then run bench/gpu_check.py (tests, kernel benchmark,
+# bf16 training, generation through the app's loader). Results: bench/results/*_<gpu>.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for c in .venv/bin/python python3; do
+    if command -v "$c" >/dev/null && "$c" -c "import torch, triton; assert torch.cuda.is_available()" 2>/dev/null; then
+      PY="$c"; break
+    fi
+  done
+fi
+if [ -z "$PY" ]; then
+  echo "gpu-check: no Python here has a CUDA build of torch with a GPU visible, and triton."
+  echo "  On a GPU machine: python3 -m venv .venv && .venv/bin/pip install torch triton (the CUDA wheels),"
+  echo "  then .venv/bin/pip install -r requirements.txt, and run make gpu-check again."
+  exit 1
+fi
+# what tests/test_gpu.py and bench/gpu_check.py import (no streamlit, plotly or spacy: the app's loader is in models/)
+missing=$("$PY" - <<'PYEOF'
+import importlib.util
+need = {"numpy": "numpy", "safetensors": "safetensors", "tokenizers": "tokenizers", "tqdm": "tqdm",
+        "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+PYEOF
+)
+if [ -n "$missing" ]; then
+  echo "gpu-check: installing $missing"
+  "$PY" -m pip install --quiet $missing || { echo "gpu-check: could not install $missing (offline?): install them first"; exit 1; }
+fi
+if [ ! -f data/train.npy ] || [ ! -f data/test.txt ]; then
+  echo "gpu-check: preparing the corpus (python -m models.data prepare --out data)"
+  "$PY" -m models.data prepare --out data
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+exec "$PY" -m bench.gpu_check "$@"

@@ -1,0 +1,79 @@
+"""What used to break only on CUDA, caught on the CPU.
+
+A GPU trains under bf16 autocast and dispatches to Triton; the app loads models in bfloat16 there. Here the
+same dispatch runs with MIXSCOPE_KERNELS=triton (Triton's interpreter, set in conftest) under CPU bf16
+autocast, for every mixer with and without pruning and COMPACTER adapters, and every mixer runs inference
+in bfloat16 against its float32 self.
+"""
+import math
+
+import pytest
+import torch
+
+import kernels
+from models.adapters import set_trainable_params, trainable_params
+from models.pruning import pair_count, sparsity_loss
+from models.transformer import DecoderLM
+from tests.helpers import ALL_MIXERS, EXTRACTORS, cached_logits, randomize, tiny_config
+
+pytest.importorskip("triton")
+
+VARIANTS = {"plain": {}, "pruned": {"prune": True}, "compacter": {"adapter": "compacter", "adapter_reduction": 4},
+            "pruned+compacter": {"prune": True, "adapter": "compacter", "adapter_reduction": 4}}
+
+
+def _step(model, idx, autocast: bool):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        res = model(idx[:, :-1], targets=idx[:, 1:])
+        loss = res.loss
+        if model.config.prune:
+            loss = loss + sparsity_loss(res.prune_mass, 0.3, pair_count(model.config.n_layers, idx.shape[1] - 1))
+    loss.backward()
+    return float(res.loss.detach())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
+def test_bf16_autocast_training_step(mixer, variant, monkeypatch):
+    opts = VARIANTS[variant]
+    if opts.get("prune") and mixer in EXTRACTORS:
+        pytest.skip("context pruning is defined for softmax mixers only")
+    model = DecoderLM(tiny_config(mixer, **opts)).train()
+    randomize(model, std=0.1)
+    if opts.get("prune"):
+        model.set_alpha(2.0)
+    params = trainable_params(model, freeze_base=bool(opts.get("adapter")))
+    set_trainable_params(model, params)
+    idx = torch.randint(0, 61, (2, 17))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    want = _step(model, idx, autocast=False)
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")  # the dispatch a GPU takes
+    with kernels.record_paths() as paths:
+        got = _step(model, idx, autocast=True)
+    assert set(paths.values()) <= {"reference"}, paths  # training never runs the gradient-less kernels
+    assert math.isfinite(got) and abs(got - want) < 0.05 * abs(want), (got, want)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained
+    missing = [n for n, p in trained if p.grad is None]
+    # MHE-ADD's e^K cancels in the softmax (papers.md): no gradient by construction, nothing else may lack one
+    assert all("mhe-add" == mixer and "e_k" in n.lower() for n in missing), missing
+    assert all(torch.isfinite(p.grad).all() for _, p in trained if p.grad is not None)
+
+
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
+def test_bfloat16_inference_follows_float32(mixer, monkeypatch):
+    """What the app runs on a GPU (weights in bf16), incremental == full, near the float32 model."""
+    model = DecoderLM(tiny_config(mixer, n_layers=1)).eval()
+    randomize(model, std=0.1)
+    idx = torch.randint(0, 61, (2, 11))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    with torch.no_grad():
+        want = model(idx).logits
+        half = model.to(torch.bfloat16)
+        full = half(idx).logits.float()
+        inc = cached_logits(half, idx, [4, 1, 6])[0].float()
+    assert torch.isfinite(full).all() and torch.isfinite(inc).all()
+    scale = want.abs().max()
+    assert (full - want).abs().max() < 0.05 * scale
+    assert (inc - full).abs().max() < 0.05 * scale

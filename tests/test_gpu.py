@@ -1,0 +1,258 @@
+"""The Triton kernels on a real GPU, at the sizes users run: fp16 and bf16 against a float32 reference of
+the same (upcast) inputs, float32 against a float64 one, by relative error ||got - want|| / ||want||.
+
+Marked gpu: left out of `make test`; `make gpu-check` runs them with TRITON_INTERPRET=0 (the conftest's
+interpreter default would run the kernels on the host). Outputs are poisoned (NaN) before each run.
+"""
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="TRITON_INTERPRET=1 would run the kernels on the host: run `make gpu-check`")]
+
+triton = pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import reference, triton_attention, triton_lag  # noqa: E402
+from models.adapters import set_trainable_params, trainable_params  # noqa: E402
+from models.pruning import pair_count, sparsity_loss  # noqa: E402
+from models.transformer import DecoderLM  # noqa: E402
+from tests.helpers import ALL_MIXERS, ATTENTION, EXTRACTORS, cached_logits, randomize, tiny_config  # noqa: E402
+
+DEV = "cuda"
+HALF = [torch.float16, torch.bfloat16]
+# relative error allowed per input dtype: bf16 keeps 8 mantissa bits, fp16 11, float32 is IEEE in our kernels
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    class Poisoned:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*a, **kw):
+            t = real_empty(*a, **kw)
+            return t.fill_(float("nan") if t.is_floating_point() else 7)
+
+        @staticmethod
+        def empty_like(*a, **kw):
+            t = real_like(*a, **kw)
+            return t.fill_(float("nan") if t.is_floating_point() else 7)
+
+    monkeypatch.setattr(triton_attention, "torch", Poisoned())
+    monkeypatch.setattr(triton_lag, "torch", Poisoned())
+
+
+def rel_err(got, want) -> float:
+    assert not got.isnan().any(), "unwritten (NaN) elements"
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+def up(*ts, dtype=torch.float32):
+    return [None if t is None else t.to(dtype) for t in ts]
+
+
+def ref_dtype(dtype):
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, device=DEV, dtype=dtype)
+
+
+# (batch, query heads, K/V groups, new positions, cache + new positions, head width)
+PREFILL = [(1, 16, 16, 8192, 8192, 64), (1, 32, 8, 8192, 8192, 128), (2, 9, 3, 4096, 4096, 64),
+           (1, 16, 4, 2048, 32768, 128), (1, 8, 1, 16384, 16384, 64)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("b,h,g,t,s,d", PREFILL)
+def test_prefill_at_scale(b, h, g, t, s, d, dtype):
+    q, k, v = rand(b, h, t, d, dtype=dtype), rand(b, g, s, d, dtype=dtype), rand(b, g, s, d, dtype=dtype)
+    want, _ = reference.attention(*up(q, k, v), scale=d ** -0.5)
+    assert rel_err(triton_attention.prefill(q, k, v, scale=d ** -0.5), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kind", ["mul", "add"])
+def test_prefill_head_embeddings_at_8k(kind, dtype):
+    h, t, d = 16, 8192, 64
+    q, k, v = rand(1, 1, t, d, dtype=dtype), rand(1, 1, t, d, dtype=dtype), rand(1, 1, t, d, dtype=dtype)
+    maps = ({"q_mul": 1 + 0.3 * rand(h, d, dtype=torch.float32), "o_mul": 1 + 0.3 * rand(h, d, dtype=torch.float32)}
+            if kind == "mul" else {"q_add": rand(h, d, dtype=torch.float32), "o_add": rand(h, d, dtype=torch.float32)})
+    want, _ = reference.attention(*up(q, k, v), scale=d ** -0.5, **maps)
+    assert rel_err(triton_attention.prefill(q, k, v, scale=d ** -0.5, **maps), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_prefill_with_a_pruning_bias_at_4k(dtype):
+    """log I as the model passes it: [B,1,T,T] with -inf where a token was dropped (batch 2)."""
+    b, h, g, t, d = 2, 9, 3, 4096, 64
+    q, k, v = rand(b, h, t, d, dtype=dtype), rand(b, g, t, d, dtype=dtype), rand(b, g, t, d, dtype=dtype)
+    log_i = torch.where(torch.rand(b, 1, t, t, device=DEV) < 0.7, -torch.rand(b, 1, t, t, device=DEV), float("-inf"))
+    log_i = log_i.masked_fill(torch.eye(t, dtype=torch.bool, device=DEV), 0.0)  # a token never drops itself
+    want, _ = reference.attention(*up(q, k, v), scale=d ** -0.5, bias=log_i)
+    assert rel_err(triton_attention.prefill(q, k, v, scale=d ** -0.5, bias=log_i.to(dtype)), want) < TOL[dtype]
+
+
+def test_float32_kernels_are_ieee_not_tf32():
+    """fp32 tl.dot defaults to TF32 on a GPU (~1e-3): ours ask for IEEE, so fp32 meets the reference closely."""
+    b, h, g, t, d = 1, 8, 2, 1024, 64
+    q, k, v = rand(b, h, t, d, dtype=torch.float32), rand(b, g, t, d, dtype=torch.float32), rand(b, g, t, d, dtype=torch.float32)
+    want, _ = reference.attention(*up(q, k, v, dtype=torch.float64), scale=d ** -0.5)
+    assert rel_err(triton_attention.prefill(q, k, v, scale=d ** -0.5), want) < TOL[torch.float32]
+    want = reference.decode(*up(q[:, :, -1:], k, v, dtype=torch.float64), scale=d ** -0.5)
+    assert rel_err(triton_attention.decode(q[:, :, -1:], k, v, scale=d ** -0.5), want) < TOL[torch.float32]
+    x, w = rand(2, 1024, 96, dtype=torch.float32), rand(1024, 96, dtype=torch.float32)
+    want = reference.lag_conv(*up(x, w, dtype=torch.float64), method="fft")
+    assert rel_err(triton_lag.lag_conv(x, w), want) < 1e-5
+
+
+DECODE = [(8, 32, 8, 32768, 128), (4, 16, 16, 8192, 64), (64, 9, 3, 4096, 64), (1, 16, 1, 32768, 64)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("b,h,g,s,d", DECODE)
+def test_decode_at_scale_with_mixed_lengths(b, h, g, s, d, dtype):
+    q, k, v = rand(b, h, 1, d, dtype=dtype), rand(b, g, s, d, dtype=dtype), rand(b, g, s, d, dtype=dtype)
+    lengths = torch.randint(1, s + 1, (b,), device=DEV)
+    lengths[0] = s
+    want = reference.decode(*up(q, k, v), scale=d ** -0.5, lengths=lengths)
+    assert rel_err(triton_attention.decode(q, k, v, scale=d ** -0.5, lengths=lengths), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_decode_head_embeddings_and_pattern_bias_at_batch_8(dtype):
+    b, h, s, d = 8, 16, 16384, 64
+    q, k, v = rand(b, 1, 1, d, dtype=dtype), rand(b, 1, s, d, dtype=dtype), rand(b, 1, s, d, dtype=dtype)
+    maps = {"q_mul": 1 + 0.3 * rand(h, d, dtype=torch.float32), "o_mul": 1 + 0.3 * rand(h, d, dtype=torch.float32)}
+    pos = torch.arange(s, device=DEV)
+    row = torch.zeros(1, 1, 1, s, device=DEV).masked_fill(((s - 1 - pos) >= 4096)[None, None, None], float("-inf"))
+    want = reference.decode(*up(q, k, v), scale=d ** -0.5, bias=row.expand(b, 1, 1, s), **maps)
+    got = triton_attention.decode(q, k, v, scale=d ** -0.5, bias=row.to(dtype), **maps)
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("b,h,g,s,r", [(4, 9, 3, 16384, 64), (2, 16, 1, 32768, 64)])
+def test_compacted_decode_at_scale(b, h, g, s, r, dtype):
+    d = 64
+    q, k, v = rand(b, h, 1, d, dtype=dtype), rand(b, g, s, d, dtype=dtype), rand(b, g, s, d, dtype=dtype)
+    used = torch.randint(s // 2, s + 1, (b,), device=DEV)
+    slot = torch.arange(s, device=DEV)[None]
+    pos = torch.where(slot < used[:, None], slot * 2 + 1, -1)             # slots hold positions, out of use: -1
+    live = (slot < used[:, None]) & (torch.rand(b, s, device=DEV) < 0.3)
+    q_pos = pos.max(1).values
+    prune = {"q_int": rand(b, r, dtype=dtype), "k_int": rand(b, s, r, dtype=dtype), "beta": -0.5, "live": live,
+             "pos": pos, "q_pos": q_pos, "valid": torch.ones(b, dtype=torch.bool, device=DEV)}
+    want, want_keep = reference.decode(*up(q, k, v), scale=d ** -0.5,
+                                       prune=prune | {"q_int": prune["q_int"].float(), "k_int": prune["k_int"].float()})
+    got, keep = triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune)
+    # the keep decision is x > 0 on a bf16/fp16 dot: slots with |x| near 0 may flip; they must be rare
+    flips = float((keep != want_keep).float().mean())
+    assert flips < 1e-3, flips
+    if flips == 0:
+        assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_lag_conv_at_8k(per_channel, dtype):
+    b, s, c = 2, 8192, 576
+    x = rand(b, s, c, dtype=dtype)
+    w = (rand(s, c, dtype=dtype) if per_channel else rand(s, dtype=dtype)) / s ** 0.5
+    want = reference.lag_conv(*up(x, w), method="fft")
+    assert rel_err(triton_lag.lag_conv(x, w), want) < TOL[dtype]
+    want_tail = reference.lag_conv(*up(x, w), start=s - 1, method="direct")  # the decode-step call
+    assert rel_err(triton_lag.lag_conv(x, w, start=s - 1), want_tail) < TOL[dtype]
+
+
+def test_prefill_grid_past_65535_rows_of_heads():
+    """batch x heads sits on grid axis 0 (2^31 programs), not axis 1 (65,535)."""
+    b, h, t, d = 4200, 16, 16, 64  # 67,200 (batch, head) programs
+    q, k, v = rand(b, h, t, d, dtype=torch.bfloat16), rand(b, 1, t, d, dtype=torch.bfloat16), rand(b, 1, t, d, dtype=torch.bfloat16)
+    want, _ = reference.attention(*up(q, k, v), scale=0.125)
+    assert rel_err(triton_attention.prefill(q, k, v, scale=0.125), want) < TOL[torch.bfloat16]
+
+
+def test_decode_offsets_past_2_to_the_31():
+    """b * (G x S x D) passes 2^31 elements: the kernels index in 64 bits."""
+    b, g, s, d = 66, 8, 32768, 128  # 2.2e9 elements (4.4 GB in bf16): the last rows start past 2^31
+    k = rand(b, g, s, d, dtype=torch.bfloat16)
+    q = rand(b, g, 1, d, dtype=torch.bfloat16)
+    want = reference.decode(*up(q[-2:], k[-2:], k[-2:]), scale=d ** -0.5)
+    got = triton_attention.decode(q, k, k, scale=d ** -0.5)[-2:]
+    assert rel_err(got, want) < TOL[torch.bfloat16]
+
+
+# --- models on the GPU ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
+def test_models_on_triton_equal_the_reference_on_cuda(mixer, monkeypatch):
+    model = DecoderLM(tiny_config(mixer, n_layers=2, d_model=64, context=96)).to(DEV).eval()
+    randomize(model, std=0.1)
+    idx = torch.randint(0, 61, (3, 90), device=DEV)
+    out = {}
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("MIXSCOPE_KERNELS", path)
+        with torch.no_grad(), kernels.record_paths() as paths:
+            out[path] = (model(idx).logits, cached_logits(model, idx, [40, 1, 1, 48])[0])
+        if path == "triton" and mixer != "she":
+            assert "triton" in paths.values(), paths
+    full_ref = out["reference"][0]
+    for got in (*out["triton"], out["reference"][1]):
+        assert rel_err(got, full_ref) < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["plain", "pruned", "pruned+compacter"])
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
+def test_bf16_autocast_training_step_on_cuda(mixer, variant):
+    prune, adapter = "pruned" in variant, ("compacter" if "compacter" in variant else None)
+    if prune and mixer in EXTRACTORS:
+        pytest.skip("context pruning is defined for softmax mixers only")
+    cfg = tiny_config(mixer, d_model=64, context=128, prune=prune, adapter=adapter, adapter_reduction=4)
+    model = DecoderLM(cfg).to(DEV).train()
+    randomize(model, std=0.05)
+    if prune:
+        model.set_alpha(2.0)
+    set_trainable_params(model, trainable_params(model, freeze_base=adapter is not None))
+    idx = torch.randint(0, 61, (4, 129), device=DEV)
+    losses = []
+    for autocast in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            res = model(idx[:, :-1], targets=idx[:, 1:])
+            loss = res.loss + (sparsity_loss(res.prune_mass, 0.3, pair_count(cfg.n_layers, 128)) if prune else 0)
+        loss.backward()
+        losses.append(float(res.loss.detach()))
+    assert abs(losses[1] - losses[0]) < 0.05 * losses[0], losses
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("mixer", ["mha", "gqa", "mhe-mul"])
+def test_pruned_compacted_generation_on_cuda_equals_the_full_forward(mixer, monkeypatch):
+    from tests.test_compact_cache import model_for, run_compact
+    if mixer not in ATTENTION:
+        pytest.skip(f"{mixer} is not a softmax mixer here")
+    model = model_for(mixer, beta=0.02).float().to(DEV)
+    seqs = torch.randint(0, 61, (3, 14)).tolist()
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    with kernels.record_paths() as paths:
+        got, cache = run_compact(model, seqs, [5, 9, 3])
+    assert paths["compact_decode"] == "triton"
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            full = model(torch.tensor([seq], device=DEV)).logits[0]
+        got_r = torch.stack([got[r][p] for p in range(14)]).to(full.device)
+        assert rel_err(got_r, full) < 1e-4
