@@ -70,6 +70,7 @@ def flex_fn(dev):
     """A compiled causal FlexAttention with enable_gqa, or the reason there is none here."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        raise_recompile_limit()
         compiled = torch.compile(flex_attention, dynamic=False)
     except Exception as e:  # noqa: BLE001 - report, do not fail the run
         return None, f"{type(e).__name__}: {e}"
@@ -81,6 +82,15 @@ def flex_fn(dev):
             masks[(t, s)] = create_block_mask(lambda b, h, qi, ki: ki <= qi + (s - t), None, None, t, s, device=dev.type)
         return compiled(q, k, v, block_mask=masks[(t, s)], scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return run, None
+
+
+def raise_recompile_limit(n: int = 256) -> None:
+    """One compiled flex_attention serves every shape here; dynamo's default of 8 recompilations would fall
+    back to the unfused (score-materialising) path after the eighth shape and time that instead."""
+    import torch._dynamo
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, n)
 
 
 def expanded_sdpa(q, k, v, scale, maps):
@@ -238,6 +248,7 @@ def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(10
     if dev.type == "cuda":
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            raise_recompile_limit()
             flex = torch.compile(flex_attention, dynamic=False)
         except Exception as e:  # noqa: BLE001
             out.append({"case": "train attention", "impl": "flex", "error": f"{type(e).__name__}: {e}"[:300]})

@@ -126,8 +126,11 @@ def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0, method: str = "au
 
 
 def _lag_conv_fft(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Causal convolution by FFT, zero-padded to 2S so nothing wraps around."""
-    s = x.shape[1]
+    """Causal convolution by FFT, zero-padded to 2S so nothing wraps around. Half types (bf16 under autocast)
+    are transformed in float32: cuFFT has no bf16, and its fp16 needs power-of-two lengths."""
+    s, out_dtype = x.shape[1], x.dtype
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
     xf = torch.fft.rfft(x, n=2 * s, dim=1)                     # [B,F,C]
     wf = torch.fft.rfft(w.to(x.dtype), n=2 * s, dim=0)         # [F] | [F,C] | [F,C,C_out]
     if w.dim() == 1:
@@ -136,4 +139,4 @@ def _lag_conv_fft(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         yf = xf * wf
     else:
         yf = torch.einsum("bfi,fio->bfo", xf, wf)
-    return torch.fft.irfft(yf, n=2 * s, dim=1)[:, :s]
+    return torch.fft.irfft(yf, n=2 * s, dim=1)[:, :s].to(out_dtype)

@@ -256,3 +256,20 @@ def test_pruned_compacted_generation_on_cuda_equals_the_full_forward(mixer, monk
             full = model(torch.tensor([seq], device=DEV)).logits[0]
         got_r = torch.stack([got[r][p] for p in range(14)]).to(full.device)
         assert rel_err(got_r, full) < 1e-4
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.02, 1.5, 8.0])
+def test_pruned_training_under_cuda_autocast_over_the_alpha_schedule(alpha):
+    """Each alpha-sigmoid branch (sigmoid, float64 bisection, table) under CUDA autocast, forward + backward:
+    the mixed-dtype cumprod backward failed here before log_keep ran in float32."""
+    cfg = tiny_config("mha", d_model=64, context=128, prune=True)
+    model = DecoderLM(cfg).to(DEV).train()
+    randomize(model, std=0.2)
+    model.set_alpha(alpha)
+    idx = torch.randint(0, 61, (4, 129), device=DEV)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        res = model(idx[:, :-1], targets=idx[:, 1:])
+        loss = res.loss + sparsity_loss(res.prune_mass, 0.3, pair_count(cfg.n_layers, 128))
+    loss.backward()
+    grads = [b.mixer.pruning.W_Qint.grad for b in model.blocks]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -72,16 +72,24 @@ class ContextPruning(nn.Module):
 
     def scores(self, x_q: torch.Tensor, k_int: torch.Tensor) -> torch.Tensor:
         """x_{n,j} for the query rows x_q [B,Tq,d] against interaction keys k_int [B,S,r] -> [B,Tq,S]."""
-        return (x_q @ self.W_Qint) @ k_int.transpose(1, 2) / math.sqrt(self.r) + self.beta
+        return (x_q @ self.W_Qint.to(x_q.dtype)) @ k_int.to(x_q.dtype).transpose(1, 2) / math.sqrt(self.r) + self.beta
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.W_Kint
+        return x @ self.W_Kint.to(x.dtype)  # log_keep runs in float32 even when the model is in bf16
 
     def log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole sequence x [B,T,d] -> (log I [B,T,T], I [B,T,T]); -inf / 0 above the diagonal.
 
         log I accumulates log sigma (floored at 1e-40) in log space, so it is finite and never NaN; I itself
-        is the plain cumulative product, exactly 0 once a token is dropped."""
+        is the plain cumulative product, exactly 0 once a token is dropped.
+
+        Computed in float32 at least, outside autocast: under CUDA autocast the cumulative sums and products
+        run in float32 on bf16 inputs, and the mixed-dtype backward failed (a masked_scatter_ dtype error on
+        an H100); the r-wide products are cheap next to attention."""
+        with torch.autocast(x.device.type, enabled=False):
+            return self._log_keep(x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
+
+    def _log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[1]
         sig = alpha_sigmoid(self.scores(x, self.keys(x)), self.current_alpha())         # [B, n, j]
         later = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1)           # n > j
