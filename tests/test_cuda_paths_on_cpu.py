@@ -81,3 +81,23 @@ def test_bfloat16_inference_follows_float32(mixer, monkeypatch):
     scale = want.abs().max()
     assert (full - want).abs().max() < 0.05 * scale
     assert (inc - full).abs().max() < 0.05 * scale
+
+
+def test_gpu_check_says_there_is_no_gpu_here(capsys):
+    from bench import gpu_check
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: make gpu-check runs for real")
+    assert gpu_check.main([]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_device_choice_refuses_what_is_not_here():
+    from models.device import DeviceError, inference_dtype, resolve
+    assert resolve("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert inference_dtype(torch.device("cpu")) == torch.float32
+    assert inference_dtype(torch.device("cpu"), "bfloat16") == torch.bfloat16
+    with pytest.raises(DeviceError, match="unknown device"):
+        resolve("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            resolve("cuda")
