@@ -8,9 +8,12 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from models.checkpoint import CheckpointError, load_model_dir
+import torch
+
+from models.checkpoint import CheckpointError, inspect_model_dir
 from models.evaluate import paper_metrics, zoo_references
 from models.params import COMPONENTS, count_parameters, count_trainable
+from models.transformer import DecoderLM
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,13 +31,20 @@ def find_model_dirs(root: Path) -> list[Path]:
 
 
 def describe(path: Path, loaded=None) -> dict:
-    """One table row for a model directory; a broken directory gives its error instead of numbers."""
+    """One table row for a model directory, from its config, card and safetensors headers alone (a
+    30-layer model costs no more than a small one; models.checkpoint.inspect_model_dir), or from `loaded`.
+    A broken directory gives its error instead of numbers."""
     row = {"model": path.name, "path": str(path)}
     try:
-        loaded = loaded or load_model_dir(path)
+        info = loaded or inspect_model_dir(path)
     except CheckpointError as e:
         return row | {"error": str(e)}
-    cfg, model, card = loaded.config, loaded.model, loaded.card
+    cfg, card = info.config, info.card
+    if loaded is not None:
+        model = loaded.model
+    else:
+        with torch.device("meta"):  # shapes only: counts and cache size need no weights
+            model = DecoderLM(cfg)
     counts = count_parameters(model)
     # everything, or (with adapters) adapters + norms + pruning, or (base frozen) pruning alone
     trainable = count_trainable(model, bool(card.get("train", {}).get("freeze_base")))["total"]
@@ -46,7 +56,7 @@ def describe(path: Path, loaded=None) -> dict:
         "test ppl": card.get("test_perplexity"), "KV-cache bytes/token": model.cache_bytes_per_token(),
         "train steps": card.get("steps"), "train tokens": card.get("tokens_seen"),
         "train tokens/s": card.get("train_tokens_per_s"), "status": card.get("status", "untrained"),
-        "error": None,
+        "note": getattr(info, "base_missing", None) or "", "error": None,
     }
 
 

@@ -6,7 +6,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 import streamlit as st  # noqa: E402
 
-from app.common import add_path, export_buttons, load, model_paths, setup  # noqa: E402
+from app.common import add_path, export_buttons, model_paths, setup  # noqa: E402
 
 from analysis.zoo import efficiency_figure, models_root, zoo_table  # noqa: E402
 
@@ -22,7 +22,7 @@ if not paths:
     st.info(f"No models found in {models_root()}. Train one (see README), or add a model directory by path above.")
     st.stop()
 
-table = zoo_table(paths, loader=lambda p: load(str(p)))
+table = zoo_table(paths)  # configs, cards and weight headers only: no model is loaded to list it
 good = table[table["error"].isna()].drop(columns=["error", "path"])
 first = ["model", "mixer", "test ppl", "PRR", "PEoP", "attention params", "total params", "KV-cache bytes/token",
          "adapter", "trainable %"]
@@ -33,7 +33,9 @@ for _, row in table[table["error"].notna()].iterrows():
 if len(good):
     st.dataframe(good, hide_index=True, width="stretch")
     st.caption("attention params: the token mixer without its output projection. PRR vs the MHA model, PEoP vs the SHA "
-               "model (papers.md). KV-cache bytes/token: decode state each new token adds, all layers, float32.")
+               "model (papers.md). KV-cache bytes/token: decode state each new token adds, all layers, float32. "
+               "Listed from configs, cards and weight headers: weight values (NaN, a base's checksum) are checked "
+               "when a page opens the model.")
     if good["test ppl"].notna().any():
         fig = efficiency_figure(good)
         st.plotly_chart(fig, width="stretch")

