@@ -138,11 +138,13 @@ class DecoderLM(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
                 diagnostics: bool = False, positions: torch.Tensor | None = None,
-                valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> ModelOutput:
+                valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
+                last_only: bool = False) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
         there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
         and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and valid [B,T] marks
-        real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything)."""
+        real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything).
+        last_only: logits [B,1,V] for the last position alone (generation, attributions)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
             if positions is None:
@@ -165,6 +167,10 @@ class DecoderLM(nn.Module):
         records = [{} for _ in self.blocks] if diagnostics else None
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions)
+        if last_only and targets is not None:
+            raise ValueError("last_only gives the last position's logits; a loss needs them all")
+        if last_only:  # one position's logits: T x vocab floats (50 k vocabulary, 8 k tokens: 1.6 GB) never exist
+            x = x[:, -1:]
         logits = self.ln_f(x) @ (self.wte.weight if self.lm_head is None else self.lm_head).t()
         loss = None
         if targets is not None:

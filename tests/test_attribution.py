@@ -45,3 +45,31 @@ def test_integrated_gradients_are_complete():
     with torch.no_grad():
         base = model(torch.zeros(1, 7, dtype=torch.long)).logits[0, -1].log_softmax(-1)[target].item()
     assert scores.sum() == pytest.approx(lp - base, rel=2e-2, abs=2e-3)
+
+
+def test_budget_chunks_the_steps_and_refuses_what_cannot_fit():
+    """A small budget runs integrated gradients a few steps at a time (same scores); a budget below one
+    gradient refuses before running, naming the longest prefix that fits; progress reaches 1."""
+    from analysis.attribution import TooLarge, bytes_per_sample, max_tokens
+    model = DecoderLM(tiny_config("mha")).double().eval()
+    randomize(model, std=0.2, seed=3)
+    ids = torch.randint(0, 61, (15,)).tolist()
+    per = bytes_per_sample(model.config, 15)
+    whole, t, _ = attribute(model, ids, 14, method="integrated gradients", steps=12, budget=100 * per)
+    seen = []
+    chunked, t2, _ = attribute(model, ids, 14, method="integrated gradients", steps=12, budget=3 * per,
+                               progress=seen.append)
+    assert t == t2 and torch.allclose(torch.tensor(whole), torch.tensor(chunked), atol=1e-10)
+    assert seen[-1] == 1.0 and len(seen) >= 4          # 12 steps in chunks of 3
+    with pytest.raises(TooLarge, match=f"at most {max_tokens(model.config, per - 1)} tokens"):
+        attribute(model, ids, 14, budget=per - 1)
+    assert bytes_per_sample(model.config, max_tokens(model.config, per)) <= per
+
+
+def test_last_only_logits_equal_the_last_row():
+    model = DecoderLM(tiny_config("mhe-mul")).eval()
+    idx = torch.randint(0, 61, (2, 11))
+    with torch.no_grad():
+        assert torch.allclose(model(idx, last_only=True).logits[:, 0], model(idx).logits[:, -1], atol=1e-6)
+    with pytest.raises(ValueError, match="a loss needs them all"):
+        model(idx, targets=idx, last_only=True)

@@ -10,9 +10,15 @@ from analysis import attribution  # noqa: E402
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
 
 
-@st.cache_data(max_entries=32, show_spinner="Computing attributions…")
-def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | None, method: str, steps: int):
-    return attribution.attribute(load(path).model, list(ids), position, target, method, steps)
+def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | None, method: str, steps: int, progress):
+    """Kept per session (the last 8): st.cache_data would replay the progress bar's calls into a page that is gone."""
+    memo = st.session_state.setdefault("attr_memo", {})
+    key = (path, ids, position, target, method, steps)
+    if key not in memo:
+        memo[key] = attribution.attribute(load(path).model, list(ids), position, target, method, steps, progress=progress)
+        while len(memo) > 8:
+            memo.pop(next(iter(memo)))
+    return memo[key]
 
 
 setup("Attribution")
@@ -30,7 +36,15 @@ choices = ["the model's top choice"] + (["the actual next token"] if position < 
 which = st.radio("Explain", choices, horizontal=True, key="attr_target")
 target = view.ids[position + 1] if which == "the actual next token" else None
 
-scores, target, logprob = cached_attr(str(loaded.path), tuple(view.ids), position, target, method, int(steps))
+bar = st.progress(0.0, text=f"{method}: computing gradients…")
+try:
+    scores, target, logprob = cached_attr(str(loaded.path), tuple(view.ids), position, target, method, int(steps),
+                                          lambda f: bar.progress(f, text=f"{method}: {f:.0%} of the steps"))
+except attribution.TooLarge as e:
+    bar.empty()
+    st.error(str(e))
+    st.stop()
+bar.empty()
 df = attribution.attribution_table(scores, view.labels)
 name = tok.decode([target])
 st.markdown(f"Explaining **{name!r}** after position {position} (log p = {logprob:.3f}).")
