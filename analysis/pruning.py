@@ -42,10 +42,11 @@ def pos_tags(text: str, offsets: list[tuple[int, int]], nlp=None) -> list[str]:
 
 
 def keep_matrices(model, ids: list[int]) -> np.ndarray:
-    """[layers, T, T] inference keep matrices (1 kept, 0 dropped; causal) from the full forward."""
+    """[layers, T, T] uint8 inference keep matrices (1 kept, 0 dropped; causal) from the full forward: one
+    byte a cell (30 layers x 1,024^2 = 31 MB), no attention probabilities computed."""
     if not model.config.prune:
         raise ValueError("this model has no context pruning")
-    return np.stack([d["keep"][0].float().cpu().numpy() for d in layer_records(model, ids)])
+    return np.stack([(d["keep"][0] > 0.5).to(torch.uint8).cpu().numpy() for d in layer_records(model, ids, "keep")])
 
 
 def token_table(keeps: np.ndarray, labels: list[str], tags: list[str]) -> pd.DataFrame:
@@ -78,7 +79,7 @@ def trigger_counts(table: pd.DataFrame) -> pd.DataFrame:
 
 def sparsity_per_layer(keeps: np.ndarray) -> pd.DataFrame:
     """Mean over positions of the share of earlier tokens dropped, per layer."""
-    s = sparsity(torch.from_numpy(keeps)).numpy()  # [layers, T]
+    s = sparsity(torch.from_numpy(keeps).float()).numpy()  # [layers, T]
     return pd.DataFrame({"layer": np.arange(len(s)), "sparsity": s[:, 1:].mean(1) if s.shape[1] > 1 else 0.0})
 
 

@@ -344,7 +344,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         """Share of earlier tokens dropped at inference (step function), over the first valid batch."""
         model.eval()
         x, _ = get_batch(valid_tokens, valid_offsets[:tc.batch_size], ctx, dev)
-        keeps = [d["keep"] for d in model(x, diagnostics=True).diagnostics]
+        keeps = [d["keep"] for d in model(x, diagnostics="keep").diagnostics]
         model.train()
         kept = sum(float(k.float().tril(-1).sum()) for k in keeps)
         return 1 - kept / (len(keeps) * x.shape[0] * ctx * (ctx - 1) / 2)

@@ -137,7 +137,7 @@ class DecoderLM(nn.Module):
         return CompactDecodeCache([CompactCache(b.mixer.cache_spec(), batch, capacity, p.dtype, p.device) for b in self.blocks])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
-                diagnostics: bool = False, positions: torch.Tensor | None = None,
+                diagnostics: bool | str = False, positions: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
                 last_only: bool = False) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
@@ -164,7 +164,9 @@ class DecoderLM(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(positions)
         x = self.drop(x)
-        records = [{} for _ in self.blocks] if diagnostics else None
+        # diagnostics="keep": the pruning keep masks alone, no [H,T,T] attention probabilities (the Pruning page
+        # of a 30-layer model over 1,000 tokens would otherwise hold 1 GB of them)
+        records = [{"skip_attn": True} if diagnostics == "keep" else {} for _ in self.blocks] if diagnostics else None
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions)
         if last_only and targets is not None:

@@ -122,3 +122,19 @@ def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
     assert "## Sparsity per layer" in text and "| run | " in text and "trigger POS" in text
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     assert json.dumps(text)  # plain text
+
+
+def test_keep_only_diagnostics_skip_the_attention_probabilities():
+    """The Pruning page asks for keep masks alone: same masks as full diagnostics, no [H,T,T] maps held."""
+    import torch
+    from models.transformer import DecoderLM
+    from tests.helpers import randomize, tiny_config
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=4)).eval()
+    randomize(model, std=0.3)
+    idx = torch.randint(0, 61, (1, 20))
+    with torch.no_grad():
+        full = model(idx, diagnostics=True).diagnostics
+        keep = model(idx, diagnostics="keep").diagnostics
+    assert all("attn" in f for f in full) and not any("attn" in k for k in keep)
+    assert all(torch.equal(f["keep"], k["keep"]) for f, k in zip(full, keep))
+    assert pruning.keep_matrices(model, idx[0].tolist()).dtype.name == "uint8"

@@ -26,7 +26,10 @@ def first_pruned() -> str | None:
     return None
 
 
-@st.cache_data(max_entries=32, show_spinner="Running the pruned model…")
+MAX_VIEW = 1024  # tokens per analysed window: keep masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
+
+
+@st.cache_data(max_entries=8, show_spinner="Running the pruned model…")
 def cached_keeps(path: str, ids: tuple[int, ...]):
     return pruning.keep_matrices(load(path).model, list(ids))
 
@@ -46,7 +49,7 @@ st.caption("Adaptively sparse attention: every layer learns to drop earlier toke
            "j is dropped by the first later query n whose interaction score x_{n,j} is not positive.")
 loaded, text, toks = model_text_tokens(default=first_pruned(), accept=only_pruned)
 cfg = loaded.config
-view, start = window_picker(toks, cfg.context, "prune_window")
+view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
 # spaCy tags the window's own text, so offsets are taken relative to it
 a, b = view.offsets[0][0], view.offsets[-1][1]
 local = tuple((x - a, y - a) for x, y in view.offsets)

@@ -107,10 +107,12 @@ class Attention(Mixer):
 
     def attend(self, q, k, v, bias, record, keep=None, causal=True):
         """softmax(q k^T * scale + bias) v through the kernel dispatch, then W_O; fills `record` when asked."""
-        o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=record is not None,
-                                     causal=causal, **self.head_maps())
+        want = record is not None and not record.get("skip_attn")
+        o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=want, causal=causal,
+                                     **self.head_maps())
         if record is not None:
-            record["attn"] = probs
+            if want:
+                record["attn"] = probs
             if keep is not None:
                 record["keep"] = keep
         return self.output(o)
