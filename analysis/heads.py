@@ -34,11 +34,15 @@ def head_vectors(model) -> dict[str, np.ndarray]:
 
 def pca(x: np.ndarray, k: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Rows of x projected on their top-k principal axes, and the share of variance each explains."""
-    centred = x - x.mean(0, keepdims=True)
-    u, s, _ = np.linalg.svd(centred, full_matrices=False)
-    k = min(k, len(s))
-    var = s**2 / max((s**2).sum(), 1e-30)
-    return u[:, :k] * s[:k], var[:k]
+    centred = (x - x.mean(0, keepdims=True)).astype(np.float64)
+    # through the n x n Gram matrix: n rows (layers x heads, a few hundred) are far fewer than their width
+    # (a flattened W_Q head of SmolLM2 is 36,864 wide), so this is ~30x faster than an SVD of x itself
+    evals, evecs = np.linalg.eigh(centred @ centred.T)
+    order = np.argsort(evals)[::-1]
+    evals, evecs = np.clip(evals[order], 0, None), evecs[:, order]
+    k = min(k, len(evals))
+    var = evals / max(evals.sum(), 1e-30)
+    return evecs[:, :k] * np.sqrt(evals[:k]), var[:k]
 
 
 def cosine(x: np.ndarray) -> np.ndarray:

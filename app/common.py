@@ -3,14 +3,20 @@ UI only: the numbers and figures come from analysis/ and models/."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import streamlit as st
+import torch
 
 from analysis import export
 from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, models_root
 from models.checkpoint import CheckpointError, load_for_app
+
+# Threads for the models, set once for the server: all cores by default (MIXSCOPE_THREADS to share the machine).
+# Sessions share them: two sessions computing at once split the cores rather than each taking them all.
+torch.set_num_threads(max(1, int(os.environ.get("MIXSCOPE_THREADS", os.cpu_count() or 1))))
 
 SAMPLE_TEXT = ("The committee met again on Tuesday. After a long debate about the harbour, the roads and the "
                "price of bread, the members agreed that the new bridge would be built in the spring, and that "
@@ -125,13 +131,15 @@ def window_picker(toks, context: int, key: str, size: int | None = None):
 
 def export_buttons(fig, table, name: str, model_dir=None, text: str | None = None, settings: dict | None = None,
                    key: str | None = None) -> None:
-    """PNG / SVG / PDF rendered only when clicked, plus CSV of the data and the JSON sidecar."""
+    """PNG / SVG / PDF rendered only when clicked, plus CSV of the data and the JSON sidecar. table may be a
+    callable: a large one (every layer x head x cell of the maps) is then built only when CSV is clicked."""
     key = key or name
     cols = st.columns(5)
     for col, fmt in zip(cols, export.FORMATS):
         col.download_button(fmt.upper(), data=lambda fmt=fmt: export.figure_bytes(fig, fmt), file_name=f"{name}.{fmt}",
                             mime=export.FORMATS[fmt], on_click="ignore", key=f"dl_{key}_{fmt}")
-    cols[3].download_button("CSV", data=export.csv_bytes(table), file_name=f"{name}.csv", mime="text/csv",
+    cols[3].download_button("CSV", data=lambda: export.csv_bytes(table() if callable(table) else table),
+                            file_name=f"{name}.csv", mime="text/csv",
                             on_click="ignore", key=f"dl_{key}_csv")
     meta = export.sidecar(model_dir, text, settings or {}, name)
     cols[4].download_button("JSON", data=json.dumps(meta, indent=2), file_name=f"{name}.json", mime="application/json",

@@ -59,3 +59,15 @@ def test_mhe_caches_a_single_key_value_head():
         assert m.cache_spec() == {"k": (1, m.d_head), "v": (1, m.d_head)}
     assert mixer("mha").cache_spec()["k"] == (CFG["n_heads"], CFG["d_model"] // CFG["n_heads"])
     assert set(mixer("skv").cache_spec()) == {"k"}
+
+
+def test_pca_through_the_gram_matrix_equals_the_svd():
+    import numpy as np
+    from analysis.heads import pca
+    x = np.random.default_rng(0).normal(size=(27, 400)) * np.linspace(3, 0.1, 400)
+    coords, var = pca(x, 3)
+    c = x - x.mean(0)
+    u, s, _ = np.linalg.svd(c, full_matrices=False)
+    want = u[:, :3] * s[:3]
+    assert np.allclose(np.abs(coords), np.abs(want), atol=1e-8)   # each axis up to its sign
+    assert np.allclose(var, (s**2 / (s**2).sum())[:3])

@@ -37,7 +37,7 @@ if kind == "extractor":
 st.subheader("Overview")
 fig = maps.overview_figure(m, kind)
 st.plotly_chart(fig, width="stretch")
-export_buttons(fig, maps.maps_table(m, view.labels), "maps_overview", loaded.path, text,
+export_buttons(fig, lambda: maps.maps_table(m, view.labels), "maps_overview", loaded.path, text,
                {"window_start": start, "tokens": len(view.ids)})
 
 st.subheader("Zoom")

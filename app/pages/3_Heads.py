@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import streamlit as st  # noqa: E402
 
 from analysis import heads  # noqa: E402
-from app.common import export_buttons, pick_model, setup  # noqa: E402
+from app.common import export_buttons, load, pick_model, setup  # noqa: E402
 
 KIND_HELP = {
     "e_Q": "query head embeddings e_i^Q", "e_K": "key head embeddings e_i^K", "e_V": "value head embeddings e_i^V",
@@ -17,18 +17,29 @@ KIND_HELP = {
 }
 
 
+@st.cache_resource(max_entries=4, show_spinner="Collecting per-head vectors…")
+def cached_vectors(path: str):
+    """Every layer's per-head vectors, flattened (30 layers x 9 heads x 36,864 for SmolLM2's W_Q): once per model."""
+    return heads.head_vectors(load(path).model)
+
+
+@st.cache_data(max_entries=16, show_spinner="PCA…")
+def cached_geometry(path: str, kind: str, dims: int):
+    return heads.geometry_table(cached_vectors(path)[kind], dims)
+
+
 def no_heads(loaded):
-    if not heads.head_vectors(loaded.model):
+    if not cached_vectors(str(loaded.path)):
         return "no per-head parameters to compare (an Extractor, or a single head)."
     return None
 
 
 def show(loaded, col, key: str):
-    vec = heads.head_vectors(loaded.model)
+    vec = cached_vectors(str(loaded.path))
     cfg = loaded.config
     kind = col.selectbox("Vectors", list(vec), key=f"{key}_kind", format_func=lambda k: f"{k}: {KIND_HELP[k]}")
     dims = col.radio("PCA", [2, 3], horizontal=True, key=f"{key}_dims", format_func=lambda d: f"{d}-D")
-    geo, var = heads.geometry_table(vec[kind], dims)
+    geo, var = cached_geometry(str(loaded.path), kind, dims)
     fig = heads.pca_figure(geo, var, f"{cfg.mixer}: {kind}, all layers")
     col.plotly_chart(fig, width="stretch", key=f"{key}_pca")
     with col:

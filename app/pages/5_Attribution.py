@@ -10,6 +10,9 @@ from analysis import attribution  # noqa: E402
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
 
 
+MAX_VIEW = 256  # tokens per attributed window: each gradient costs a forward and backward over all of them
+
+
 def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | None, method: str, steps: int, progress):
     """Kept per session (the last 8): st.cache_data would replay the progress bar's calls into a page that is gone."""
     memo = st.session_state.setdefault("attr_memo", {})
@@ -24,14 +27,20 @@ def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | No
 setup("Attribution")
 loaded, text, toks = model_text_tokens(default="mha")
 cfg, tok = loaded.config, loaded.tokenizer
-view, start = window_picker(toks, cfg.context, "attr_window")
+view, start = window_picker(toks, cfg.context, "attr_window", MAX_VIEW)
 n = len(view.ids)
 c1, c2, c3 = st.columns(3)
 position = c1.slider("Prediction made after token #", 0, n - 1, n - 1, key="attr_pos") if n > 1 else 0
 c1.caption(f"after {view.labels[position]!r}")
-method = c2.selectbox("Method", attribution.METHODS, key="attr_method")
+n_params = sum(p.numel() for p in loaded.model.parameters())
+big = n_params > 50_000_000  # one gradient takes seconds on a CPU: start with the one-pass method
+method = c2.selectbox("Method", attribution.METHODS, key="attr_method",
+                      index=attribution.METHODS.index("gradient x input") if big else 0)
 steps = c3.slider("Integrated-gradients steps", 4, attribution.MAX_STEPS, 16, key="attr_steps",
                   disabled=method != "integrated gradients")
+if big and method == "integrated gradients":
+    c3.caption(f"{int(steps)} gradients over the window of this {n_params / 1e6:.0f} M-parameter model: "
+               "progress is shown below")
 choices = ["the model's top choice"] + (["the actual next token"] if position < n - 1 else [])
 which = st.radio("Explain", choices, horizontal=True, key="attr_target")
 target = view.ids[position + 1] if which == "the actual next token" else None

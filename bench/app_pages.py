@@ -1,0 +1,96 @@
+"""Every app page on a real model and a long text: seconds to ready after the model is loaded, and the
+process's peak memory (the app runs in-process under streamlit's AppTest, as the server would run it).
+
+    python -m bench.app_pages [--model assets/models/smollm2-135m] [--tokens 1000] [--threads 2] [--json FILE]
+
+The text is the first documents of the test split (data/smollm2 or --data) cut to --tokens tokens of the
+model's tokenizer. The model is loaded once first (timed apart); each page then runs in a fresh session with
+st.cache_data cleared, so its own computations are timed, not a cache hit. Do not run it beside training or
+tests: on 2 cores anything else running changes the times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+APP = Path(__file__).resolve().parent.parent / "app"
+PAGES = ["Models.py", "pages/1_Generate.py", "pages/2_Attention.py", "pages/3_Heads.py", "pages/4_Extractors.py",
+         "pages/5_Attribution.py", "pages/6_Compare.py", "pages/7_Pruning.py"]
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def sample_text(tokenizer, data: Path, n_tokens: int) -> str:
+    from models.data import load_documents
+    text = ""
+    for doc in load_documents(data, "test"):
+        text += doc + "\n\n"
+        enc = tokenizer.encode(text)
+        if len(enc.ids) >= n_tokens:
+            return text[:enc.offsets[n_tokens - 1][1]]
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.app_pages", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="assets/models/smollm2-135m")
+    ap.add_argument("--extra", action="append", default=[], help="more model directories beside it (a pruned one)")
+    ap.add_argument("--data", default="data/smollm2")
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    os.environ["MIXSCOPE_THREADS"] = str(args.threads)
+    zoo = Path(tempfile.mkdtemp(prefix="app-bench-"))
+    for d in [args.model, *args.extra]:
+        (zoo / Path(d).name).symlink_to(Path(d).resolve())
+    os.environ["MIXSCOPE_MODELS"] = str(zoo)
+
+    import streamlit as st
+    import torch
+    from streamlit.testing.v1 import AppTest
+
+    from app.common import load
+    name = Path(args.model).name
+    t0 = time.perf_counter()
+    loaded = load(str(zoo / name))
+    load_s = time.perf_counter() - t0
+    text = sample_text(loaded.tokenizer, Path(args.data), args.tokens)
+    n = len(loaded.tokenizer.encode(text).ids)
+    print(f"{name}: loaded in {load_s:.1f} s (peak {peak_mb():.0f} MB so far); text of {n} tokens", file=sys.stderr)
+    rows = []
+    for page in PAGES:
+        st.cache_data.clear()
+        at = AppTest.from_file(str(APP / page), default_timeout=600)
+        at.session_state["shared_text"] = text
+        at.session_state["model"] = name
+        if page.endswith("Pruning.py") and args.extra:
+            at.session_state["model"] = Path(args.extra[0]).name
+        t0 = time.perf_counter()
+        at.run()
+        secs = time.perf_counter() - t0
+        problems = [str(e.value)[:200] for e in at.exception] + [str(e.value)[:200] for e in at.error]
+        infos = [str(i.value)[:120] for i in at.info]
+        rows.append({"page": page, "seconds": secs, "peak_mb": peak_mb(), "errors": problems, "infos": infos})
+        print(f"{page:<24} {secs:6.2f} s  peak {peak_mb():6.0f} MB  {'; '.join(problems)[:160]}", file=sys.stderr)
+    result = {"benchmark": "app_pages", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "model": args.model, "extra": args.extra, "tokens": n, "threads": args.threads,
+              "torch": torch.__version__, "load_s": load_s, "pages": rows, "peak_mb": peak_mb(),
+              "note": "seconds: one fresh session per page, st.cache_data cleared, the model already loaded"}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
