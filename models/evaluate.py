@@ -98,7 +98,7 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
     with evaluating(model):
         for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
             seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
-            out = model(seq[None, :-1], diagnostics=True)
+            out = model(seq[None, :-1], diagnostics="keep")  # masks only: no attention maps
             logp = out.logits[0].float().log_softmax(-1).gather(-1, seq[1:, None]).squeeze(-1).double().cpu()
             keeps = [d.get("keep") for d in out.diagnostics]
             k = torch.arange(window)
