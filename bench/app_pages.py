@@ -4,7 +4,7 @@ process's peak memory (the app runs in-process under streamlit's AppTest, as the
     python -m bench.app_pages [--model assets/models/smollm2-135m] [--tokens 1000] [--threads 2] [--json FILE]
 
 The text is the first documents of the test split (data/smollm2 or --data) cut to --tokens tokens of the
-model's tokenizer. The model is loaded once first (timed apart); each page then runs in a fresh session with
+model's tokenizer. The model (and each --extra) is loaded once first (timed apart); each page then runs in a fresh session with
 st.cache_data cleared, so its own computations are timed, not a cache hit. Do not run it beside training or
 tests: on 2 cores anything else running changes the times.
 """
@@ -64,6 +64,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     loaded = load(str(zoo / name))
     load_s = time.perf_counter() - t0
+    extra_load_s = {}
+    for d in args.extra:  # loaded before the pages too: they time their own work, not a load
+        t1 = time.perf_counter()
+        load(str(zoo / Path(d).name))
+        extra_load_s[Path(d).name] = time.perf_counter() - t1
     text = sample_text(loaded.tokenizer, Path(args.data), args.tokens)
     n = len(loaded.tokenizer.encode(text).ids)
     print(f"{name}: loaded in {load_s:.1f} s (peak {peak_mb():.0f} MB so far); text of {n} tokens", file=sys.stderr)
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
         print(f"{page:<24} {secs:6.2f} s  peak {peak_mb():6.0f} MB  {'; '.join(problems)[:160]}", file=sys.stderr)
     result = {"benchmark": "app_pages", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "model": args.model, "extra": args.extra, "tokens": n, "threads": args.threads,
-              "torch": torch.__version__, "load_s": load_s, "pages": rows, "peak_mb": peak_mb(),
+              "torch": torch.__version__, "load_s": load_s, "extra_load_s": extra_load_s, "pages": rows, "peak_mb": peak_mb(),
               "note": "seconds: one fresh session per page, st.cache_data cleared, the model already loaded"}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

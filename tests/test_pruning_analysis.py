@@ -138,3 +138,17 @@ def test_keep_only_diagnostics_skip_the_attention_probabilities():
     assert all("attn" in f for f in full) and not any("attn" in k for k in keep)
     assert all(torch.equal(f["keep"], k["keep"]) for f, k in zip(full, keep))
     assert pruning.keep_matrices(model, idx[0].tolist()).dtype.name == "uint8"
+
+
+def test_keeps_and_logprobs_from_one_forward_equal_the_two_forwards():
+    import numpy as np
+    import torch
+    from analysis import tokens
+    from models.transformer import DecoderLM
+    from tests.helpers import randomize, tiny_config
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=4)).eval()
+    randomize(model, std=0.3)
+    ids = torch.randint(0, 61, (20,)).tolist()
+    keeps, lp = pruning.keeps_and_logprobs(model, ids)
+    assert np.array_equal(keeps, pruning.keep_matrices(model, ids))
+    assert np.allclose(lp, tokens.token_logprobs(model, ids), atol=1e-5)

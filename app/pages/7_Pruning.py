@@ -9,7 +9,7 @@ import streamlit as st  # noqa: E402
 from analysis import pruning, tokens  # noqa: E402
 from app.common import export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json  # noqa: E402
-from models.delta import unfetched_base  # noqa: E402
+from models.delta import base_dir_for, unfetched_base  # noqa: E402
 
 
 def only_pruned(loaded):
@@ -33,13 +33,13 @@ def first_pruned() -> str | None:
     return best[1] if best else None
 
 
-
 MAX_VIEW = 1024  # tokens per analysed window: keep masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
 
 
 @st.cache_data(max_entries=8, show_spinner="Running the pruned model…")
 def cached_keeps(path: str, ids: tuple[int, ...]):
-    return pruning.keep_matrices(load(path).model, list(ids))
+    """(keep masks, log-probabilities): one forward gives both."""
+    return pruning.keeps_and_logprobs(load(path).model, list(ids))
 
 
 @st.cache_data(max_entries=32, show_spinner="Tagging parts of speech (spaCy)…")
@@ -61,7 +61,7 @@ view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
 # spaCy tags the window's own text, so offsets are taken relative to it
 a, b = view.offsets[0][0], view.offsets[-1][1]
 local = tuple((x - a, y - a) for x, y in view.offsets)
-keeps = cached_keeps(str(loaded.path), tuple(view.ids))
+keeps, lp = cached_keeps(str(loaded.path), tuple(view.ids))
 tags = cached_tags(text[a:b], local)
 table = pruning.token_table(keeps, view.labels, tags)
 settings = {"window_start": start, "tokens": len(view.ids)}
@@ -74,16 +74,21 @@ m = st.columns(4)
 m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
 m[1].metric("cache after the text", f"{pruned_bytes / 1024:.1f} KiB", f"{pruned_bytes / dense_bytes - 1:+.0%} vs dense",
             delta_color="inverse")
-lp = cached_logprobs(str(loaded.path), tuple(view.ids))
 m[2].metric("perplexity (pruned)", f"{tokens.perplexity(lp):.2f}")
 base_dir = loaded.card.get("train", {}).get("init_from")
-if base_dir:
+if (loaded.path / "base.json").is_file():  # a delta: its dense base is the base it is stored over
+    base_dir = str(base_dir_for(read_json(loaded.path / "base.json")["source"], loaded.path))
+n_params = sum(p.numel() for p in loaded.model.parameters())
+# a large dense base is a second large model in memory: loaded only when asked for
+ask = base_dir and n_params > 50_000_000 and not m[3].toggle(f"compare with the dense base ({Path(base_dir).name})",
+                                                              key="prune_base")
+if base_dir and not ask:
     try:
         base_lp = cached_logprobs(str(Path(base_dir)), tuple(view.ids))
         m[3].metric("perplexity (dense base)", f"{tokens.perplexity(base_lp):.2f}")
     except (CheckpointError, ValueError) as e:
         m[3].caption(f"dense base {base_dir}: {e}")
-else:
+elif not base_dir:
     m[3].caption("no dense base recorded on this model's card")
 
 layer = st.selectbox("Layer", range(cfg.n_layers), key="prune_layer")
