@@ -56,7 +56,7 @@ def describe(path: Path, loaded=None) -> dict:
         "test ppl": card.get("test_perplexity"), "KV-cache bytes/token": model.cache_bytes_per_token(),
         "train steps": card.get("steps"), "train tokens": card.get("tokens_seen"),
         "train tokens/s": card.get("train_tokens_per_s"), "status": card.get("status", "untrained"),
-        "note": getattr(info, "base_missing", None) or "", "error": None,
+        "data": card.get("data", {}).get("dir"), "note": getattr(info, "base_missing", None) or "", "error": None,
     }
 
 
@@ -65,11 +65,23 @@ def with_paper_metrics(table: pd.DataFrame, root: Path | None = None) -> pd.Data
     where those exist. root: the zoo (default: models_root())."""
     if table.empty or "mixer" not in table:
         return table.assign(PRR=None, PEoP=None)
-    ref = zoo_references(models_root() if root is None else root)
+    root = models_root() if root is None else root
+    ref = zoo_references(root)
+    ref_data = _card_data(Path(root) / "mha")
+    # perplexities compare only on the same test set in the same tokenizer: PRR / PEoP for those models alone
+    same = [ref_data is None or r.get("data") in (None, ref_data) for _, r in table.iterrows()]
     metrics = [paper_metrics(r["test ppl"], r["attention params"], ref.get("mha"), ref.get("sha"))
-               if r["error"] is None and pd.notna(r.get("test ppl")) else {"prr": None, "peop": None}
-               for _, r in table.iterrows()]
+               if r["error"] is None and pd.notna(r.get("test ppl")) and ok else {"prr": None, "peop": None}
+               for ok, (_, r) in zip(same, table.iterrows())]
     return table.assign(PRR=[m["prr"] for m in metrics], PEoP=[m["peop"] for m in metrics])
+
+
+def _card_data(model_dir: Path) -> str | None:
+    try:
+        import json
+        return json.loads((model_dir / "card.json").read_text()).get("data", {}).get("dir")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def zoo_table(paths: list[Path], loader=None, root: Path | None = None) -> pd.DataFrame:
@@ -93,6 +105,8 @@ def efficiency_figure(table: pd.DataFrame) -> go.Figure:
     ok = table[table["test ppl"].notna()] if "test ppl" in table else table.iloc[0:0]
     if "error" in ok:
         ok = ok[ok["error"].isna()]
+    if "data" in ok and ok["data"].notna().any():  # one test set only: the most common one (the zoo's)
+        ok = ok[ok["data"] == ok["data"].mode().iloc[0]]
     fig = px.scatter(ok, x="attention params", y="test ppl", text="model", color="mixer", log_x=True,
                      title="test perplexity vs attention parameters (lower left is better)",
                      hover_data=["total params", "KV-cache bytes/token"])

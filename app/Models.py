@@ -34,7 +34,8 @@ if len(good):
     st.dataframe(good, hide_index=True, width="stretch")
     st.caption("attention params: the token mixer without its output projection. PRR vs the MHA model, PEoP vs the SHA "
                "model (papers.md). KV-cache bytes/token: decode state each new token adds, all layers, float32. "
-               "Listed from configs, cards and weight headers: weight values (NaN, a base's checksum) are checked "
+               "PRR, PEoP and the figure cover the models scored on the zoo's test set (column data): a model scored in another "
+               "tokenizer (SmolLM2's) has its own perplexity scale. Listed from configs, cards and weight headers: weight values (NaN, a base's checksum) are checked "
                "when a page opens the model.")
     if good["test ppl"].notna().any():
         fig = efficiency_figure(good)
