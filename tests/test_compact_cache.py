@@ -50,6 +50,25 @@ def run_compact(model, seqs, prompt_lens, diagnostics=False):
     return got, cache
 
 
+def compact_on_triton_and_full(model, monkeypatch, n=14, prompt_lens=(5, 9, 3)):
+    """Ragged prompts decoded over the compacted cache with the Triton kernels forced, and the reference full
+    forward of each row: ([(got [n, V], full [n, V]) per row], cache). The CPU interpreter and the GPU tests share it."""
+    import kernels
+    dev = model.wte.weight.device
+    seqs = torch.randint(0, 61, (len(prompt_lens), n)).tolist()
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    with kernels.record_paths() as paths:
+        got, cache = run_compact(model, seqs, list(prompt_lens))
+    assert paths["compact_decode"] == "triton"
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    pairs = []
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            full = model(torch.tensor([seq], device=dev)).logits[0]
+        pairs.append((torch.stack([got[r][p] for p in range(n)]), full))
+    return pairs, cache
+
+
 def assert_ragged_equals_full(model, n=16, prompt_lens=(5, 9, 3)):
     """Ragged prompts decoded together over the compacted cache give, row by row, the full forward's logits."""
     seqs = torch.randint(0, 61, (len(prompt_lens), n)).tolist()

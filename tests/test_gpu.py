@@ -21,7 +21,7 @@ from kernels import reference, triton_attention, triton_lag  # noqa: E402
 from models.adapters import set_trainable_params, trainable_params  # noqa: E402
 from models.pruning import pair_count, sparsity_loss  # noqa: E402
 from models.transformer import DecoderLM  # noqa: E402
-from tests.helpers import ALL_MIXERS, ATTENTION, EXTRACTORS, cached_logits, randomize, tiny_config  # noqa: E402
+from tests.helpers import ALL_MIXERS, EXTRACTORS, cached_logits, randomize, tiny_config  # noqa: E402
 
 DEV = "cuda"
 HALF = [torch.float16, torch.bfloat16]
@@ -241,21 +241,10 @@ def test_bf16_autocast_training_step_on_cuda(mixer, variant):
 
 @pytest.mark.parametrize("mixer", ["mha", "gqa", "mhe-mul"])
 def test_pruned_compacted_generation_on_cuda_equals_the_full_forward(mixer, monkeypatch):
-    from tests.test_compact_cache import model_for, run_compact
-    if mixer not in ATTENTION:
-        pytest.skip(f"{mixer} is not a softmax mixer here")
-    model = model_for(mixer, beta=0.02).float().to(DEV)
-    seqs = torch.randint(0, 61, (3, 14)).tolist()
-    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
-    with kernels.record_paths() as paths:
-        got, cache = run_compact(model, seqs, [5, 9, 3])
-    assert paths["compact_decode"] == "triton"
-    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
-    for r, seq in enumerate(seqs):
-        with torch.no_grad():
-            full = model(torch.tensor([seq], device=DEV)).logits[0]
-        got_r = torch.stack([got[r][p] for p in range(14)]).to(full.device)
-        assert rel_err(got_r, full) < 1e-4
+    from tests.test_compact_cache import compact_on_triton_and_full, model_for
+    pairs, _ = compact_on_triton_and_full(model_for(mixer, beta=0.02).float().to(DEV), monkeypatch)
+    for got, full in pairs:
+        assert rel_err(got, full) < 1e-4
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.02, 1.5, 8.0])

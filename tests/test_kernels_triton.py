@@ -257,18 +257,10 @@ def test_models_on_triton_equal_the_reference_path(mixer, monkeypatch):
 
 @pytest.mark.parametrize("mixer", ["mha", "mhe-mul"])
 def test_pruned_compacted_generation_on_triton_equals_the_full_forward(mixer, monkeypatch):
-    from tests.test_compact_cache import model_for, run_compact
-    model = model_for(mixer, beta=0.02).float()
-    seqs = torch.randint(0, 61, (3, 14)).tolist()
-    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
-    with kernels.record_paths() as paths:
-        got, cache = run_compact(model, seqs, [5, 9, 3])
-    assert paths["compact_decode"] == "triton"
-    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
-    for r, seq in enumerate(seqs):
-        with torch.no_grad():
-            full = model(torch.tensor([seq])).logits[0]
-        close(torch.stack([got[r][p] for p in range(14)]), full, tol=1e-4)
+    from tests.test_compact_cache import compact_on_triton_and_full, model_for
+    pairs, cache = compact_on_triton_and_full(model_for(mixer, beta=0.02).float(), monkeypatch)
+    for got, full in pairs:
+        close(got, full, tol=1e-4)
     assert len(cache.layers[0].drop_table()) > 0
 
 
