@@ -144,3 +144,12 @@ def export_buttons(fig, table, name: str, model_dir=None, text: str | None = Non
     meta = export.sidecar(model_dir, text, settings or {}, name)
     cols[4].download_button("JSON", data=json.dumps(meta, indent=2), file_name=f"{name}.json", mime="application/json",
                             on_click="ignore", key=f"dl_{key}_json")
+
+
+def dense_base_path(loaded) -> str | None:
+    """The dense model a pruned (or adapted) one was tuned from: a delta's base, else the card's init_from."""
+    from models.checkpoint import read_json
+    from models.delta import base_dir_for
+    if (loaded.path / "base.json").is_file():  # a delta: its dense base is the base it is stored over
+        return str(base_dir_for(read_json(loaded.path / "base.json")["source"], loaded.path))
+    return loaded.card.get("train", {}).get("init_from")

@@ -49,9 +49,12 @@ def _attention(q, k, v, scale, bias, need_weights, causal):
     g, s = k.shape[1], k.shape[2]
     if h % g:
         raise ValueError(f"{h} query heads cannot share {g} key/value groups")
+    if not need_weights and (t == 1 or not causal):  # one query sees every key; or the bias says it all
+        mask = None if bias is None else bias.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g != h), None
     allowed = causal_mask(t, s, q.device) if causal else torch.ones(t, s, dtype=torch.bool, device=q.device)
     if not need_weights:
-        mask = None if t == 1 else allowed
+        mask = allowed
         if bias is not None:
             mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g != h), None
@@ -71,18 +74,21 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     """One query per sequence q [B,H|1,1,D] over a cache k/v [B,G,S,D] (the decode kernel's twin).
 
     lengths [B]: sequence b sees slots [0, lengths[b]). prune (the compacted pruning cache): q_int [B,r],
-    k_int [B,S,r], beta, live [B,S], pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B]. A live slot
-    stays live by models.pruning.survives on x = q_int . k_int / sqrt(r) + beta; a padding row (valid False)
-    drops nothing and attends to every used slot. Returns out,
+    k_int [B,S,r], beta, live [B,S], pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] (None: every
+    row real). A live slot stays live by models.pruning.survives on x = q_int . k_int / sqrt(r) + beta; a
+    padding row (valid False) drops nothing and attends to every used slot. Returns out,
     or (out, keep [B,S]: the live mask after this query) with prune.
     """
+    if prune is not None and prune["valid"] is None and bias is None and lengths is None:
+        return _decode_all_real(q, k, v, scale, prune, maps)
     b, s = q.shape[0], k.shape[2]
     allowed = torch.ones(b, s, dtype=torch.bool, device=q.device)
     if lengths is not None:
         allowed &= torch.arange(s, device=q.device)[None] < lengths[:, None]
     keep = None
     if prune is not None:
-        pos, q_pos, valid = prune["pos"], prune["q_pos"][:, None], prune["valid"][:, None]
+        valid = torch.ones_like(prune["q_pos"], dtype=torch.bool) if prune["valid"] is None else prune["valid"]
+        pos, q_pos, valid = prune["pos"], prune["q_pos"][:, None], valid[:, None]
         x = prune["q_int"][:, None, :] @ prune["k_int"].transpose(1, 2) / prune["q_int"].shape[-1] ** 0.5
         x = x[:, 0] + prune["beta"]
         keep = prune["live"] & survives(x, pos, q_pos, valid)
@@ -92,6 +98,24 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
         mask = mask + bias.reshape(b, 1, 1, s)
     out, _ = attention(q, k, v, scale=scale, bias=mask, causal=False, **maps)
     return out if prune is None else (out, keep)
+
+
+def _decode_all_real(q, k, v, scale, prune, maps):
+    """decode() when every row is real, in as few operations as the rule allows (the CPU decode step is
+    bound by their count): every live slot's position precedes the query's, so the slots attended are
+    exactly the ones kept."""
+    q_int = prune["q_int"][:, None, :]
+    beta = torch.full((), prune["beta"], dtype=q_int.dtype, device=q_int.device) if isinstance(prune["beta"], float) else prune["beta"]
+    x = torch.baddbmm(beta, q_int, prune["k_int"].transpose(1, 2), alpha=q_int.shape[-1] ** -0.5)[:, 0]  # q.k / sqrt(r) + beta
+    keep = prune["live"] & survives(x, prune["pos"], prune["q_pos"][:, None])
+    if maps:
+        mask = torch.where(keep, 0.0, float("-inf")).to(q.dtype)[:, None, None]  # [B,1,1,S]
+        return attention(q, k, v, scale=scale, bias=mask, causal=False, **maps)[0], keep
+    g, h = k.shape[1], q.shape[1]
+    if q.dtype != k.dtype:
+        q = q.to(k.dtype)
+    # a boolean mask (True: attend) saves building the additive one
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None], scale=scale, enable_gqa=g != h), keep
 
 
 def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0, method: str = "auto") -> torch.Tensor:

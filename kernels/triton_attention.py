@@ -311,7 +311,8 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         live = prune["live"].to(torch.int8).contiguous()
         pos = prune["pos"].to(torch.int32).contiguous()
         qpos = prune["q_pos"].to(torch.int32).contiguous()
-        valid = prune["valid"].to(torch.int8).contiguous()
+        valid = (torch.ones(q.shape[0], dtype=torch.int8, device=q.device) if prune["valid"] is None  # all real
+                 else prune["valid"].to(torch.int8).contiguous())
         live_out = torch.empty_like(live)
         ri = qi.shape[-1]
         pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), ri, ri ** -0.5, float(prune["beta"]))

@@ -37,6 +37,11 @@ class LayerCache:
         """Bytes holding live positions (what the state costs now, not what was reserved)."""
         return sum(buf[..., :self.length, :].numel() * buf.element_size() for buf in self.buffers.values())
 
+    def allocated_bytes(self) -> int:
+        """Bytes reserved for the state (every buffer at its capacity, and the step mask of a pruned model)."""
+        held = sum(buf.numel() * buf.element_size() for buf in self.buffers.values())
+        return held + (self.alive.numel() if self.alive is not None else 0)
+
 
 class DecodeCache:
     """The whole model's decode state: one LayerCache per block."""
@@ -54,3 +59,6 @@ class DecodeCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def allocated_bytes(self) -> int:
+        return sum(layer.allocated_bytes() for layer in self.layers)

@@ -10,7 +10,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -25,7 +25,13 @@ class TokenEvent:
     index: int          # position among the new tokens, from 0
     token_id: int
     logprob: float      # log p(token) under the model itself (temperature 1, no filtering)
-    latency_s: float    # wall time to produce this token (the first one includes the prefill)
+    latency_s: float    # model time for this token: its forward (the prefill, for the first) and sampling,
+                        # synchronised on a GPU; the caller's own work (drawing a page) is not in it
+    held_bytes: int = 0     # decode state of the tokens the cache still holds after that forward
+    alloc_bytes: int = 0    # decode state allocated then (the compacted cache's buffers at their capacity)
+    dense_bytes: int = 0    # what a dense cache of the same model would hold: every token seen, K and V
+    live: tuple[int, ...] = ()   # per layer: tokens held after that forward
+    drops: tuple[tuple[int, int, int], ...] = ()  # (layer, position, position of the token that dropped it)
 
 
 @dataclass
@@ -38,6 +44,8 @@ class GenerationResult:
     prefill_s: float = 0.0
     cache_bytes: int = 0
     kernel_paths: dict[str, str] = field(default_factory=dict)  # op -> "triton" | "reference", this call only
+    cache_kind: str = "static"   # "static" (preallocated, gpt-fast style) | "compacted" (context pruning)
+    n_layers: int = 0
 
     @property
     def ids(self) -> list[int]:
@@ -55,6 +63,11 @@ class GenerationResult:
         if not self.events:
             return float("nan")
         return math.exp(-sum(e.logprob for e in self.events) / len(self.events))
+
+    @property
+    def drops(self) -> list[tuple[int, int, int]]:
+        """Every drop while generating, in order: (layer, position, position of the token that dropped it)."""
+        return [d for e in self.events for d in e.drops]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -95,15 +108,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
-             seed: int | None = None, stop_ids: Sequence[int] = (),
-             callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
-    """Generate up to max_new_tokens after prompt_ids (one sequence).
+def layer_bytes_per_token(model) -> tuple[list[int], list[int]]:
+    """Per layer: decode-state bytes one token costs in this model, and in its dense twin (no K_int)."""
+    size = model.wte.weight.element_size()
+    own, dense = [], []
+    for b in model.blocks:
+        spec = b.mixer.cache_spec()
+        numel = {n: math.prod(s) for n, s in spec.items()}
+        own.append(sum(numel.values()) * size)
+        dense.append(sum(v for n, v in numel.items() if n != "k_int") * size)
+    return own, dense
 
-    max_new_tokens is clamped so that prompt + new tokens fit the context window; the result's
-    notes say so. A callback returning False stops generation after that token.
+
+def pick_cache(model, cache: str) -> str:
+    """"auto": the compacted cache for a context-pruned attention model (what it drops is freed), else static."""
+    if cache not in ("auto", "static", "compacted"):
+        raise ValueError(f"cache must be auto, static or compacted, got {cache!r}")
+    compactable = hasattr(model.blocks[0].mixer, "compact_step")
+    if cache == "compacted" and not compactable:
+        raise ValueError(f"the compacted cache serves attention mixers, not {model.config.mixer}")
+    if cache == "auto":
+        return "compacted" if compactable and model.config.prune else "static"
+    return cache
+
+
+@torch.inference_mode()
+def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int | None = None,
+           stop_ids: Sequence[int] = (), cache: str = "auto", info: dict | None = None) -> Iterator[TokenEvent]:
+    """Yield one TokenEvent per new token (one sequence), as soon as it is sampled.
+
+    cache: "static" (preallocated, every token kept), "compacted" (context pruning's cache: dropped tokens
+    are freed; events carry the drops), or "auto" (compacted for a pruned attention model). Each event's
+    latency is the model's own time, so a caller may draw between events without changing it; two streams
+    may be interleaved. `info`, when given, is filled with notes, the prefill time, kernel paths, the cache
+    kind and the stop reason as they become known.
     """
     context = model.config.context
     prompt = [int(t) for t in prompt_ids]
@@ -114,42 +153,98 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
                          f"shorten it to at most {context - 1} tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    kind = pick_cache(model, cache)
     device = model.wte.weight.device
     sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    notes = []
+    info = {} if info is None else info
+    info.update(notes=[], kernel_paths={}, cache_kind=kind, stop_reason="max_new_tokens", prefill_s=0.0)
     room = context - len(prompt)
     if max_new_tokens > room:
-        notes.append(f"max_new_tokens {max_new_tokens} clamped to {room}: prompt ({len(prompt)} tokens) "
-                     f"+ new tokens must fit the context window of {context}")
-        log.warning(notes[-1])
+        info["notes"].append(f"max_new_tokens {max_new_tokens} clamped to {room}: prompt ({len(prompt)} tokens) "
+                             f"+ new tokens must fit the context window of {context}")
+        log.warning(info["notes"][-1])
         max_new_tokens = room
     stops = set(int(s) for s in stop_ids)
+    own, dense = layer_bytes_per_token(model)
+    n_layers = len(own)
+    dropped = [0] * n_layers          # per layer, tokens dropped so far (compacted: counted from its records)
+    seen_records = [0] * n_layers
 
-    with evaluating(model), kernels.record_paths() as paths:
-        cache = model.new_cache(batch=1, capacity=len(prompt) + max_new_tokens)
+    with evaluating(model):
+        if kind == "compacted":
+            state = model.new_compact_cache(batch=1, capacity=len(prompt) + 16)  # grows by doubling, shrinks as it drops
+        else:
+            state = model.new_cache(batch=1, capacity=len(prompt) + max_new_tokens)
+
+        def forward(ids: list[int], start: int) -> torch.Tensor:
+            x = torch.tensor([ids], device=device)
+            with kernels.record_paths() as paths:  # per call: interleaved streams must not share a recorder
+                if kind == "compacted":
+                    pos = torch.arange(start, start + len(ids), device=device)[None]
+                    out = model(x, cache=state, positions=pos, last_only=True)
+                else:
+                    out = model(x, cache=state, last_only=True)
+            info["kernel_paths"].update(paths)
+            return out.logits[0, -1]
+
+        def cache_event(i: int, token: int, logprob: float, latency: float, n_seen: int) -> TokenEvent:
+            new_drops = []
+            if kind == "compacted":
+                for li, layer in enumerate(state.layers):
+                    layer.flush()  # the drop notes to the host (after the latency was taken: this is reporting)
+                    for rec in layer.drops[seen_records[li]:]:
+                        new_drops += [(li, int(p), int(t)) for _, p, t in rec.tolist()]
+                        dropped[li] += rec.shape[0]
+                    seen_records[li] = len(layer.drops)
+                live = tuple(n_seen - d for d in dropped)
+            elif model.config.prune:  # the static cache with the step mask: nothing is freed
+                live = tuple(int(layer.alive[:, :n_seen].sum()) for layer in state.layers)
+            else:
+                live = (n_seen,) * n_layers
+            return TokenEvent(i, token, logprob, latency, held_bytes=sum(n * b for n, b in zip(live, own)),
+                              alloc_bytes=state.allocated_bytes(), dense_bytes=n_seen * sum(dense), live=live,
+                              drops=tuple(new_drops))
+
         t0 = time.perf_counter()
-        logits = model(torch.tensor([prompt], device=device), cache=cache).logits[0, -1]
+        logits = forward(prompt, 0)
         _sync(device)
-        prefill_s = time.perf_counter() - t0
-        new_ids, events, stop_reason = [], [], "max_new_tokens"
+        info["prefill_s"] = time.perf_counter() - t0
         for i in range(max_new_tokens):
             logprobs = logits.float().log_softmax(-1)
             token = int(sample(logits))
-            event = TokenEvent(i, token, float(logprobs[token]), time.perf_counter() - t0)
-            new_ids.append(token)
-            events.append(event)
-            if callback is not None and callback(event) is False:
-                stop_reason = "callback"
-                break
+            latency = time.perf_counter() - t0
+            yield cache_event(i, token, float(logprobs[token]), latency, len(prompt) + i)
             if token in stops:
-                stop_reason = "stop_token"
-                break
+                info["stop_reason"] = "stop_token"
+                return
             if i + 1 == max_new_tokens:
-                break
+                return
             t0 = time.perf_counter()
-            logits = model(torch.tensor([[token]], device=device), cache=cache).logits[0, -1]
+            logits = forward([token], len(prompt) + i)
             _sync(device)
-        return GenerationResult(prompt, new_ids, events, stop_reason, notes, prefill_s, cache.nbytes(), dict(paths))
+
+
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
+             seed: int | None = None, stop_ids: Sequence[int] = (), cache: str = "auto",
+             callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
+    """Generate up to max_new_tokens after prompt_ids (one sequence); see stream() for the cache choice.
+
+    max_new_tokens is clamped so that prompt + new tokens fit the context window; the result's
+    notes say so. A callback returning False stops generation after that token.
+    """
+    info: dict = {}
+    events, stop_reason = [], None
+    for event in stream(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        greedy=greedy, seed=seed, stop_ids=stop_ids, cache=cache, info=info):
+        events.append(event)
+        if callback is not None and callback(event) is False:
+            stop_reason = "callback"
+            break
+    last = events[-1]
+    return GenerationResult([int(t) for t in prompt_ids], [e.token_id for e in events], events,
+                            stop_reason or info["stop_reason"], info["notes"], info["prefill_s"], last.alloc_bytes,
+                            info["kernel_paths"], info["cache_kind"], len(model.blocks))
 
 
 @dataclass
@@ -228,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
+    from models import trace
     from models.checkpoint import CheckpointError, load_model_dir
     from models.device import add_arguments as add_device_arguments, describe
 
@@ -241,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout, logs to stderr")
+    ap.add_argument("--cache", choices=("auto", "static", "compacted"), default="auto",
+                    help="auto: the compacted cache for a context-pruned model (dropped tokens are freed), else static")
+    ap.add_argument("--trace", metavar="FILE", help="write the trace: FILE.csv (steps), FILE.drops.csv, FILE.json")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing trace")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
@@ -249,9 +349,19 @@ def main(argv: list[str] | None = None) -> int:
         if not args.prompt.strip():
             raise ValueError("empty prompt: generation needs at least one prompt token (the prompt is blank)")
         prompt = loaded.tokenizer.encode(args.prompt).ids
+        if args.trace and not args.force:
+            clash = [p for p in trace.paths_for(args.trace) if p.exists()]
+            if clash:  # refuse before generating, not after
+                raise FileExistsError(f"{', '.join(map(str, clash))} already exist(s): choose another --trace name, "
+                                      "or pass --force")
         res = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, greedy=args.greedy, seed=args.seed)
-    except (CheckpointError, ValueError) as e:
+                       top_p=args.top_p, greedy=args.greedy, seed=args.seed, cache=args.cache)
+        if args.trace:
+            settings = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "greedy", "seed", "cache")}
+            written = trace.write(trace.build(res, loaded.tokenizer, model_dir=str(loaded.path), prompt=args.prompt,
+                                              settings=settings), args.trace, force=args.force)
+            log.info("wrote %s", ", ".join(map(str, written)))
+    except (CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = loaded.tokenizer.decode(res.new_ids)
@@ -260,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": str(loaded.path), "prompt": args.prompt, "text": text, "new_tokens": len(res.new_ids),
         "stop_reason": res.stop_reason, "notes": res.notes, "prefill_ms": res.prefill_s * 1000,
         "ms_per_token": ms, "mean_ms_per_token": sum(ms) / len(ms), "tokens_per_s": res.decode_tokens_per_s,
-        "perplexity": res.perplexity, "cache_bytes": res.cache_bytes,
+        "perplexity": res.perplexity, "cache_bytes": res.cache_bytes, "cache": res.cache_kind,
+        "held_bytes": res.events[-1].held_bytes, "dense_bytes": res.events[-1].dense_bytes, "drops": len(res.drops),
         "device": describe(loaded.model.wte.weight.device), "dtype": str(loaded.model.wte.weight.dtype),
         "kernel_paths": res.kernel_paths,
     }
@@ -269,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(args.prompt + text)
         print(f"[{len(res.new_ids)} tokens, {summary['mean_ms_per_token']:.1f} ms/token, "
-              f"{summary['tokens_per_s']:.1f} tokens/s, cache {res.cache_bytes} bytes]", file=sys.stderr)
+              f"{summary['tokens_per_s']:.1f} tokens/s, {res.cache_kind} cache {res.cache_bytes} bytes allocated, "
+              f"{summary['held_bytes']} held (dense {summary['dense_bytes']}), {len(res.drops)} drops]", file=sys.stderr)
     return 0
 
 

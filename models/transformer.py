@@ -143,15 +143,15 @@ class DecoderLM(nn.Module):
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
         there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
         and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and valid [B,T] marks
-        real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything).
+        real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything; None: all real).
         last_only: logits [B,1,V] for the last position alone (generation, attributions)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
             if positions is None:
                 raise ValueError("the compacted cache needs positions [B,T] for the new tokens")
-            valid = torch.ones_like(idx, dtype=torch.bool) if valid is None else valid
-            if int(positions[valid].max()) >= self.config.context:
-                raise ValueError(f"position {int(positions[valid].max())} is outside the context window of {self.config.context}")
+            top = int(positions.max() if valid is None else positions[valid].max())
+            if top >= self.config.context:
+                raise ValueError(f"position {top} is outside the context window of {self.config.context}")
             for layer in cache.layers:
                 layer.q_pos, layer.valid = positions, valid
             positions = positions.clamp(0, self.config.context - 1)

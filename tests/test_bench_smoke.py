@@ -40,3 +40,17 @@ def test_train_step_profile_runs(tmp_path):
     res = json.loads(out.read_text())
     assert [r["alpha"] for r in res["rows"]] == [1.0, 1.02, 4.0] and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"])
     assert res["trainable_params"] == 2 * (2 * 16 * 4 + 1)   # the base is frozen: pruning alone
+
+
+def test_decode_vs_hf_counts_weight_bytes_and_refuses_without_the_model(tmp_path, capsys):
+    from bench import decode_vs_hf
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    tied = DecoderLM(tiny_config("mha", vocab_size=300))
+    n = sum(p.numel() for p in tied.parameters()) * 4
+    assert decode_vs_hf.weight_bytes_per_token(tied) == n
+    untied = DecoderLM(tiny_config("mha", vocab_size=300, tie_embeddings=False))
+    d = untied.config.d_model
+    assert decode_vs_hf.weight_bytes_per_token(untied) == sum(p.numel() for p in untied.parameters()) * 4 - 299 * d * 4
+    assert decode_vs_hf.main(["--model", str(tmp_path / "none")]) == 2
+    assert "make smollm2" in capsys.readouterr().err

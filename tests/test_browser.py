@@ -164,3 +164,33 @@ def test_four_sessions_at_once_each_see_their_own_numbers(server, browser):
     pages["Attention"].wait_for_selector("text=mhe-mul: layer 3, head 0", timeout=60_000)
     for page in pages.values():
         page.close()
+
+
+def test_generate_shows_pruning_live_beside_the_dense_twin(server, browser, tmp_path):
+    """The shipped pruned model generates long enough to be caught mid-way: the live strip and both columns are
+    on screen then; afterwards the replay, the twin summary and the trace download."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1200}, accept_downloads=True)
+    page.goto(f"{server}/Generate?model=mha-1024-pruned")
+    wait_idle(page)
+    box = page.get_by_label("New tokens")
+    box.fill("700")
+    box.press("Enter")
+    wait_idle(page)
+    page.get_by_role("button", name="Generate").click(timeout=60_000)
+    page.wait_for_selector("text=held (blue) and dropped (red), per layer", timeout=120_000)
+    page.wait_for_selector("text=dense twin", timeout=60_000)
+    page.screenshot(path=str(SHOTS / "Generate_live_mid.png"), full_page=True)
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.wait_for_selector("text=Replay: the cache at step s", timeout=300_000)
+    wait_idle(page)
+    page.wait_for_selector("text=cache memory saved", timeout=60_000)
+    page.screenshot(path=str(SHOTS / "Generate_live_after.png"), full_page=True)
+    with page.expect_download(timeout=120_000) as dl:
+        page.get_by_role("button", name="trace.json", exact=True).click()
+    path = tmp_path / dl.value.suggested_filename
+    dl.value.save_as(path)
+    import json
+    got = json.loads(path.read_text())
+    assert got["cache"] == "compacted" and len(got["steps"]) == 700 and got["drops"]
+    page.close()

@@ -145,6 +145,24 @@ def test_compact_decode_matches_reference(b, h, g, s, r, kind):
         assert (state["live"] & ~want_keep).any(), "this setting must drop something"
 
 
+@pytest.mark.parametrize("b,h,g,s,kind", with_maps([(3, 4, 1, 40), (2, 6, 3, 70), (1, 5, 5, 1)], "mul"))
+def test_compact_decode_with_every_row_real_equals_the_general_rule(b, h, g, s, kind):
+    """valid None (the decode step's fast path: no padding rows) keeps and attends exactly as valid = all True,
+    in the reference's short path and in the kernel."""
+    d, maps = 16, head_maps(kind, h, 16)
+    q = torch.randn(b, 1 if maps else h, 1, d)
+    k, v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    state = prune_state(b, s, 8, beta=0.1)
+    want, want_keep = reference.decode(q, k, v, scale=0.25, prune=state, **maps)
+    fast = dict(state, valid=None)
+    got, keep = reference.decode(q, k, v, scale=0.25, prune=fast, **maps)
+    assert torch.equal(keep, want_keep)
+    close(got, want)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=fast, n_split=2, **maps)
+    assert torch.equal(keep, want_keep)
+    close(got, want)
+
+
 def test_compact_decode_all_dropped_but_self():
     b, h, s, r, d = 2, 4, 33, 8, 16
     q, k, v = torch.randn(b, h, 1, d), torch.randn(b, 1, s, d), torch.randn(b, 1, s, d)

@@ -1,22 +1,47 @@
-"""Generate: stream tokens with live latency, tokens/s, running perplexity and cache memory."""
+"""Generate: stream tokens with the model's own latency, tokens/s, running perplexity and the real cache size.
+A context-pruned model generates through the compacted cache: the page shows, live, which earlier tokens each
+layer has dropped, beside its dense twin; afterwards a step slider replays the cache."""
 import math
 import sys
+import time
+from itertools import zip_longest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import streamlit as st  # noqa: E402
 
+from analysis import live  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
-from app.common import export_buttons, pick_model, setup  # noqa: E402
-from models.generate import generate  # noqa: E402
+from app.common import dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
+from models import trace as traces  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
+from models.delta import unfetched_base  # noqa: E402
 from models.device import describe as device_name  # noqa: E402
+from models.generate import GenerationResult, stream  # noqa: E402
+
+TEXT_EVERY_S, FIGURES_EVERY_S = 0.25, 1.5  # live redraws are throttled so that drawing never dominates
+
+
+def twin_for(loaded):
+    """The dense base of a pruned model, loaded; (None, why) when there is none or it is not here."""
+    path = dense_base_path(loaded)
+    if not path:
+        return None, "no dense base is recorded on this model's card"
+    if not Path(path).is_dir() or unfetched_base(loaded.path):
+        return None, f"its dense base {path} is not on this machine (`make run` fetches registry bases)"
+    try:
+        return load(str(Path(path))), None
+    except CheckpointError as e:
+        return None, f"its dense base {path} does not load: {e}"
+
 
 setup("Generate")
 loaded = pick_model(default="mha")
 if loaded is None:
     st.stop()
 cfg = loaded.config
+pruned = bool(cfg.prune) and hasattr(loaded.model.blocks[0].mixer, "compact_step")
 
 prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt")
 c1, c2, c3, c4, c5 = st.columns(5)
@@ -25,7 +50,28 @@ greedy = c2.checkbox("Greedy", value=False, key="gen_greedy")
 temperature = c3.slider("Temperature", 0.1, 2.0, 0.8, 0.05, key="gen_temp", disabled=greedy)
 top_k = c4.number_input("Top-k (0 = off)", 0, cfg.vocab_size, 40, key="gen_topk", disabled=greedy)
 top_p = c5.slider("Top-p", 0.05, 1.0, 0.95, 0.05, key="gen_topp", disabled=greedy)
-seed = st.number_input("Seed", 0, 2**31 - 1, 0, key="gen_seed")
+s1, s2 = st.columns([1, 3])
+seed = s1.number_input("Seed", 0, 2**31 - 1, 0, key="gen_seed")
+with_twin = pruned and s2.checkbox("Beside its dense twin (same prompt and seed, generated in turn)", value=True,
+                                   key="gen_twin")
+if pruned:
+    st.caption("Context-pruned model: it generates through the compacted cache, so what a layer drops is freed; "
+               "the strip shows, per layer, which earlier tokens are still held.")
+
+
+def draw_live(boxes, names, runs):
+    for box, name, run in zip(boxes, names, runs):
+        events = run["events"]
+        if not events:
+            continue
+        e = events[-1]
+        lp = [x.logprob for x in events]
+        rate = (len(events) - 1) / sum(x.latency_s for x in events[1:]) if len(events) > 1 else float("nan")
+        box["text"].markdown(colored_tokens_html(run["texts"], [math.exp(v) for v in lp]), unsafe_allow_html=True)
+        box["stats"].caption(f"**{name}** · token {e.index + 1}: model {e.latency_s * 1000:.1f} ms · {rate:.1f} tokens/s · "
+                             f"perplexity {math.exp(-sum(lp) / len(lp)):.2f} · cache held {e.held_bytes / 1024:.0f} KiB "
+                             f"(dense {e.dense_bytes / 1024:.0f} KiB, allocated {e.alloc_bytes / 1024:.0f} KiB)")
+
 
 if st.button("Generate", type="primary", key="gen_go"):
     ids = loaded.tokenizer.encode(prompt).ids
@@ -35,44 +81,131 @@ if st.button("Generate", type="primary", key="gen_go"):
     if len(ids) >= cfg.context:
         st.error(f"The prompt has {len(ids)} tokens; this model's context is {cfg.context}. Shorten it.")
         st.stop()
-    text_box, stats, bar = st.empty(), st.empty(), st.progress(0.0, text="generating…")
-    shown, probs, logps, secs = [], [], [], []
+    twin, why = twin_for(loaded) if with_twin else (None, None)
+    if why:
+        st.info(f"No dense twin: {why}.")
+    models = [("pruned" if pruned else cfg.mixer, loaded)] + ([("dense twin", twin)] if twin is not None else [])
+    names = [f"{n} · {m.path.name}" for n, m in models]
+    cols = st.columns(len(models))
+    boxes = [{"text": c.empty(), "stats": c.empty()} for c in cols]
+    strip_box, curve_box = (st.empty(), st.empty()) if pruned else (None, None)
+    bar, drawing = st.progress(0.0, text="generating…"), st.empty()
     total = min(int(max_new), cfg.context - len(ids))
-
-    def on_token(event):
-        shown.append(loaded.tokenizer.decode([event.token_id]))
-        logps.append(event.logprob)
-        probs.append(math.exp(event.logprob))
-        secs.append(event.latency_s)
-        text_box.markdown(colored_tokens_html(shown, probs), unsafe_allow_html=True)
-        rate = (len(secs) - 1) / sum(secs[1:]) if len(secs) > 1 else float("nan")
-        cache_kib = (len(ids) + event.index + 1) * loaded.model.cache_bytes_per_token() / 1024
-        stats.caption(f"token {event.index + 1}: {event.latency_s * 1000:.1f} ms · {rate:.1f} tokens/s · "
-                      f"running perplexity {math.exp(-sum(logps) / len(logps)):.2f} · cache {cache_kib:.1f} KiB")
-        bar.progress((event.index + 1) / total, text=f"{event.index + 1}/{total} tokens")
-
-    res = generate(loaded.model, ids, int(max_new), temperature=float(temperature), top_k=int(top_k) or None,
-                   top_p=float(top_p), greedy=greedy, seed=int(seed), callback=on_token)
+    settings = dict(temperature=float(temperature), top_k=int(top_k) or None, top_p=float(top_p), greedy=greedy,
+                    seed=int(seed))
+    runs = [{"events": [], "texts": [], "info": {}} for _ in models]
+    gens = [stream(m.model, ids, int(max_new), info=run["info"], **settings) for (_, m), run in zip(models, runs)]
+    draw_s, last_text, last_fig, t_start = 0.0, 0.0, 0.0, time.perf_counter()
+    for step_events in zip_longest(*gens):  # the models take turns: each event's latency is its model's own
+        for run, (_, m), e in zip(runs, models, step_events):
+            if e is not None:
+                run["events"].append(e)
+                run["texts"].append(m.tokenizer.decode([e.token_id]))
+        now = time.perf_counter()
+        done = len(runs[0]["events"])
+        if now - last_text >= TEXT_EVERY_S:
+            t0 = time.perf_counter()
+            draw_live(boxes, names, runs)
+            bar.progress(done / total, text=f"{done}/{total} tokens")
+            if pruned and now - last_fig >= FIGURES_EVERY_S:
+                events = runs[0]["events"]
+                partial = GenerationResult(ids, [e.token_id for e in events], events, "running",
+                                           cache_kind="compacted", n_layers=cfg.n_layers)
+                tr = traces.build(partial, loaded.tokenizer)
+                labels = live.labels_of(tr, loaded.tokenizer)
+                strip_box.plotly_chart(live.strip_figure(tr, done - 1, labels, "held (blue) and dropped (red), per layer"),
+                                       width="stretch", key=f"gen_strip_live_{done}")
+                last_fig = time.perf_counter()
+            last_text = time.perf_counter()
+            draw_s += last_text - t0
+            wall = last_text - t_start
+            drawing.caption(f"page drawing so far: {draw_s:.2f} s of {wall:.2f} s wall time "
+                            f"({draw_s / wall:.0%}); model latencies above exclude it")
+    draw_live(boxes, names, runs)
     bar.empty()
-    st.session_state["gen_result"] = (res, prompt)
+    out = []
+    for run, (_, m) in zip(runs, models):
+        events, info = run["events"], run["info"]
+        res = GenerationResult(ids, [e.token_id for e in events], events, info["stop_reason"], info["notes"],
+                               info["prefill_s"], events[-1].alloc_bytes, info["kernel_paths"], info["cache_kind"],
+                               m.config.n_layers)
+        out.append((m.path, res, traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=prompt, settings=settings)))
+    st.session_state["gen_result"] = {"runs": out, "prompt": prompt, "draw_s": draw_s,
+                                      "wall_s": time.perf_counter() - t_start, "model": str(loaded.path)}
+    st.rerun()  # the results below replace the live view
 
-if "gen_result" in st.session_state:
-    res, used_prompt = st.session_state["gen_result"]
+saved = st.session_state.get("gen_result")
+if saved and saved["model"] == str(loaded.path):
+    (path, res, tr), *rest = saved["runs"]
+    used_prompt = saved["prompt"]
     for note in res.notes:
         st.info(note)
     table = generation_table(res.events, loaded.tokenizer)
-    st.markdown(colored_tokens_html([used_prompt] + list(table["token"]), [1.0] + list(table["prob"])), unsafe_allow_html=True)
-    st.caption("Background: probability of each generated token under the model (red low, green high).")
     m = st.columns(5)
     m[0].metric("tokens/s (decode)", f"{res.decode_tokens_per_s:.1f}")
     m[1].metric("first token (ms)", f"{res.events[0].latency_s * 1000:.1f}")
     m[2].metric("median ms/token", f"{table['latency_ms'].iloc[1:].median() if len(table) > 1 else table['latency_ms'].iloc[0]:.2f}")
     m[3].metric("perplexity of output", f"{res.perplexity:.2f}")
-    m[4].metric("cache memory", f"{res.cache_bytes / 1024:.1f} KiB")
+    last = res.events[-1]
+    m[4].metric("cache memory", f"{last.held_bytes / 1024:.1f} KiB",
+                f"{last.held_bytes / last.dense_bytes - 1:+.0%} vs dense" if res.cache_kind == "compacted" else None,
+                delta_color="inverse")
     paths = res.kernel_paths
-    st.caption(f"Device: {device_name(loaded.model.wte.weight.device)} ({str(loaded.model.wte.weight.dtype)[6:]}) · kernel path: "
-               + ", ".join(f"{op}={p}" for op, p in sorted(paths.items())) + f" · stop: {res.stop_reason}")
-    fig = latency_figure(table, f"{cfg.mixer}: per-token latency")
-    st.plotly_chart(fig, width="stretch")
-    export_buttons(fig, table, "generation_latency", loaded.path, used_prompt, {"max_new_tokens": len(res.new_ids)})
+    st.caption(f"Device: {device_name(loaded.model.wte.weight.device)} ({str(loaded.model.wte.weight.dtype)[6:]}) · "
+               f"{res.cache_kind} cache ({last.alloc_bytes / 1024:.1f} KiB allocated) · kernel path: "
+               + ", ".join(f"{op}={p}" for op, p in sorted(paths.items())) + f" · stop: {res.stop_reason} · "
+               f"page drawing {saved['draw_s']:.2f} s of {saved['wall_s']:.2f} s wall time (not in the latencies)")
+    if rest:
+        _, twin_res, twin_tr = rest[0]
+        s = live.twin_summary(tr, twin_tr)
+        st.subheader("Pruned vs dense twin")
+        t = st.columns(4)
+        t[0].metric("cache memory saved", f"{s['memory_saved']:.0%}")
+        t[1].metric("latency pruned / dense", f"{s['latency_ratio']:.2f}x")
+        t[2].metric("perplexity of own output", f"{s['perplexity_pruned']:.2f}",
+                    f"{s['perplexity_change']:+.1%} vs dense ({s['perplexity_dense']:.2f})", delta_color="inverse")
+        t[3].metric("same tokens as dense", f"{s['same_tokens']}/{s['tokens']}")
+        cols = st.columns(2)
+        for col, (p, r, _) in zip(cols, saved["runs"]):
+            col.markdown(f"**{p.name}**")
+            col.markdown(colored_tokens_html([loaded.tokenizer.decode([e.token_id]) for e in r.events],
+                                             [math.exp(e.logprob) for e in r.events]), unsafe_allow_html=True)
+    if res.cache_kind == "compacted":
+        st.subheader("Replay: the cache at step s")
+        labels = live.labels_of(tr, loaded.tokenizer)
+        r1, r2 = st.columns([3, 1])
+        step = r1.slider("Step", 0, len(res.events) - 1, len(res.events) - 1, key="gen_step") if len(res.events) > 1 else 0
+        which = r2.selectbox("Fade for", ["all layers", *range(cfg.n_layers)], key="gen_fade_layer")
+        held = traces.held_at(tr, step)
+        shade = live.held_fraction(tr, step) if which == "all layers" else held[int(which)]
+        st.markdown(live.faded_text_html(labels[:len(shade)], len(res.prompt_ids), shade), unsafe_allow_html=True)
+        st.caption("Faded: dropped " + ("by more layers" if which == "all layers" else f"by layer {which}")
+                   + " by this step; generated tokens are underlined.")
+        strip = live.strip_figure(tr, step, labels, f"{path.name}: what each layer holds after step {step}")
+        st.plotly_chart(strip, width="stretch")
+        settings = {"step": step, **tr["settings"]}
+        export_buttons(strip, lambda: live.steps_frame(tr), "generation_strip", path, used_prompt, settings, key="gen_strip")
+        drops = live.drops_frame(tr, labels)
+        st.dataframe(drops[drops["step"] == step], hide_index=True, width="stretch")
+        st.caption(f"The drops made at step {step} ({int((drops['step'] == step).sum())}); "
+                   f"{len(drops)} over the whole generation.")
+        all_traces = {p.name: t for p, _, t in saved["runs"]}
+        curve = live.cache_curve_figure(all_traces, "cache held per step")
+        st.plotly_chart(curve, width="stretch")
+        export_buttons(curve, lambda: live.steps_frame(tr), "generation_cache", path, used_prompt, tr["settings"], key="gen_curve")
+        lat = live.latency_curve_figure(all_traces, "model latency per token")
+        st.plotly_chart(lat, width="stretch")
+        export_buttons(lat, lambda: live.steps_frame(tr), "generation_latency", path, used_prompt, tr["settings"], key="gen_lat")
+        files = traces.files(tr)
+        d = st.columns(3)
+        for col, (suffix, body) in zip(d, files.items()):
+            col.download_button(f"trace{suffix}", body, file_name=f"trace{suffix}", on_click="ignore", key=f"dl_trace{suffix}",
+                                mime="application/json" if suffix == ".json" else "text/csv")
+    else:
+        st.markdown(colored_tokens_html([used_prompt] + list(table["token"]), [1.0] + list(table["prob"])),
+                    unsafe_allow_html=True)
+        st.caption("Background: probability of each generated token under the model (red low, green high).")
+        fig = latency_figure(table, f"{cfg.mixer}: per-token latency")
+        st.plotly_chart(fig, width="stretch")
+        export_buttons(fig, table, "generation_latency", loaded.path, used_prompt, {"max_new_tokens": len(res.new_ids)})
     st.dataframe(table, hide_index=True, width="stretch")

@@ -7,9 +7,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
-from app.common import export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
+from app.common import dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json  # noqa: E402
-from models.delta import base_dir_for, unfetched_base  # noqa: E402
+from models.delta import unfetched_base  # noqa: E402
 
 
 def only_pruned(loaded):
@@ -75,9 +75,7 @@ m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
 m[1].metric("cache after the text", f"{pruned_bytes / 1024:.1f} KiB", f"{pruned_bytes / dense_bytes - 1:+.0%} vs dense",
             delta_color="inverse")
 m[2].metric("perplexity (pruned)", f"{tokens.perplexity(lp):.2f}")
-base_dir = loaded.card.get("train", {}).get("init_from")
-if (loaded.path / "base.json").is_file():  # a delta: its dense base is the base it is stored over
-    base_dir = str(base_dir_for(read_json(loaded.path / "base.json")["source"], loaded.path))
+base_dir = dense_base_path(loaded)
 n_params = sum(p.numel() for p in loaded.model.parameters())
 # a large dense base is a second large model in memory: loaded only when asked for
 ask = base_dir and n_params > 50_000_000 and not m[3].toggle(f"compare with the dense base ({Path(base_dir).name})",

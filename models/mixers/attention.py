@@ -16,6 +16,7 @@ import kernels
 from models.config import ConfigError
 from models.mixers.base import Mixer, register
 from models.pruning import CompactCache, ContextPruning, pattern_allows, pattern_mask
+from models.pruning.compact_cache import ALIGN
 
 
 def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -31,15 +32,27 @@ def split_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     return y.unflatten(-1, w.shape[1:]).transpose(1, 2)
 
 
+def rotary_tables(positions: torch.Tensor, d: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] (or [B, 1, T, D] for positions [B,T]) of the rotary angles. Every layer of one forward
+    rotates by the same positions, so the tables are computed once and kept on the positions tensor itself
+    (it lives as long as that forward; a tensor changed in place gets new tables)."""
+    memo = positions.__dict__.setdefault("_rotary", {})
+    key = (d, theta, dtype, positions._version if not positions.is_inference() else 0)  # (no version counter there)
+    if key not in memo:
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))
+        ang = positions.to(torch.float32)[..., None] * inv                  # [T, D/2] or [B, T, D/2]
+        ang = torch.cat([ang, ang], dim=-1)
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]
+        memo[key] = (cos, sin)
+    return memo[key]
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding, the half-split convention of Llama: x [B,H,T,D]; positions [T] or [B,T]."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.to(torch.float32)[..., None] * inv                      # [T, D/2] or [B, T, D/2]
-    ang = torch.cat([ang, ang], dim=-1)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    if positions.dim() == 2:
-        cos, sin = cos[:, None], sin[:, None]
+    cos, sin = rotary_tables(positions, d, theta, x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -164,14 +177,17 @@ class Attention(Mixer):
         step function, applied to their own attention too), attend over the live slots, compact."""
         if self.training:
             raise RuntimeError("the compacted cache is for inference (model.eval())")
-        q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]
+        q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]; valid None: all real
+        if q.shape[2] == 1 and valid is None and record is None:
+            return self.compact_decode(x, q, k, v, cache)
+        valid = torch.ones_like(q_pos, dtype=torch.bool) if valid is None else valid
         cache.insert(self.cache_entries(x, k, v), q_pos, valid)
         past = cache.view()
         slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
         kk = past["k"]
         vv = kk if self.kv_shared else past["v"]
-        if self.pruning is not None and q.shape[2] == 1 and record is None:  # a decode step: one fused pass
-            prune = {"q_int": x[:, 0] @ self.pruning.W_Qint, "k_int": past["k_int"], "beta": float(self.pruning.beta),
+        if self.pruning is not None and q.shape[2] == 1 and record is None:  # a decode step with padding rows
+            prune = {"q_int": x[:, 0] @ self.pruning.W_Qint, "k_int": past["k_int"], "beta": self.pruning.beta_value(),
                      "live": live, "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0]}
             o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
             cache.update_live(keep, q_pos[:, :1].expand_as(keep))
@@ -192,6 +208,30 @@ class Attention(Mixer):
         if record is not None:
             record["slot_pos"] = slot_pos
         return out
+
+    def compact_decode(self, x, q, k, v, cache: CompactCache):
+        """One new token per row, every row real: the fast path (no host synchronisation, no sort). The token
+        joins slot `end`; with pruning, one fused pass scores it against the live slots, attends over what
+        survives and says what survives; the compaction question is asked every few steps."""
+        q_pos = cache.q_pos
+        new = {"k": k} if self.kv_shared else {"k": k, "v": v}
+        if self.pruning is not None:
+            q_int, new["k_int"] = self.pruning.decode_projections(x)
+        cache.append(new, q_pos)
+        past = cache.view()
+        kk = past["k"]
+        vv = kk if self.kv_shared else past["v"]
+        live = cache.live[:, :cache.end]
+        if self.pruning is None:  # a dense or fixed-pattern model on the compacted cache
+            allowed = live
+            if self.pattern != "dense":
+                allowed = allowed & pattern_allows(q_pos, cache.pos[:, :cache.end], self.pattern, self.pattern_k)
+            return self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False)
+        prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": self.pruning.beta_value(),
+                 "live": live, "pos": cache.pos[:, :cache.end], "q_pos": q_pos[:, 0], "valid": None}
+        o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
+        cache.update_kept(keep, q_pos, every=ALIGN)
+        return self.output(o)
 
 
 @register("mha")

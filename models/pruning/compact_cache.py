@@ -5,6 +5,11 @@ each slot's position. A new token goes into a free slot of its own row; a droppe
 live bit; when the fullest row's live count falls under 0.9 of the padded length in use, the rows are
 compacted (a stable gather of the live slots) and the buffers shrink; when a row is full, capacity
 doubles. Rows advance independently, so prompts of different lengths share one batch.
+
+A decode step (one new token per row, every row real) takes a fast path with no host synchronisation: the
+token goes into slot `end` of every row, each dropped slot notes the position of the query that dropped it in
+`trig` (on the device), and whether to compact is asked only every ALIGN steps. The notes are collected into
+`drops` (one host transfer) when asked for, and before slots are reused or compacted away.
 """
 from __future__ import annotations
 
@@ -30,9 +35,11 @@ class CompactCache:
         self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device) for n, s in spec.items()}
         self.live = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)
         self.pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)  # -1: empty slot
+        self.trig = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)  # dropper's position
         self.end = 0  # padded length in use: slots [0, end) are looked at
         self.compactions = 0
-        self.drops: list[torch.Tensor] = []  # rows [batch, position, trigger position]
+        self.drops: list[torch.Tensor] = []  # rows [batch, position, trigger position], collected by flush()
+        self.steps_since_check = 0
         # set by the model before each call: positions [B,T] and validity [B,T] of the new tokens
         self.q_pos: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -49,12 +56,39 @@ class CompactCache:
             self.buffers[n] = new
         live = torch.zeros(self.batch, capacity, dtype=torch.bool, device=self.device)
         pos = torch.full((self.batch, capacity), -1, dtype=torch.long, device=self.device)
-        live[:, :keep], pos[:, :keep] = self.live[:, :keep], self.pos[:, :keep]
-        self.live, self.pos, self.capacity = live, pos, capacity
+        trig = torch.full((self.batch, capacity), -1, dtype=torch.long, device=self.device)
+        live[:, :keep], pos[:, :keep], trig[:, :keep] = self.live[:, :keep], self.pos[:, :keep], self.trig[:, :keep]
+        self.live, self.pos, self.trig, self.capacity = live, pos, trig, capacity
 
-    def insert(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor, valid: torch.Tensor) -> None:
-        """Write each valid new token ([B, *lead, T, w] per name) into a free slot of its own row."""
+    def flush(self) -> None:
+        """Move the drop notes (slot -> position of the query that dropped it) to `drops`, on the host."""
+        noted = self.trig[:, :self.end] >= 0
+        if noted.any():
+            b, s = noted.nonzero(as_tuple=True)
+            self.drops.append(torch.stack([b, self.pos[b, s], self.trig[b, s]], 1).cpu())
+            self.trig[:, :self.end].masked_fill_(noted, -2)  # collected
+
+    def append(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor) -> None:
+        """A decode step with every row real: the new token ([B, *lead, 1, w] per name) goes into slot `end`
+        of each row. Nothing here waits for the device."""
+        if self.end == self.capacity:
+            self._resize(self.capacity * 2)
+        e = self.end
+        for n, value in new.items():
+            self.buffers[n][..., e:e + 1, :] = value
+        self.live[:, e:e + 1] = True
+        self.pos[:, e:e + 1] = q_pos
+        self.end = e + 1
+
+    def insert(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Write each valid new token ([B, *lead, T, w] per name) into a free slot of its own row (valid None:
+        every row is real)."""
         t = q_pos.shape[1]
+        if valid is None:
+            if t == 1:
+                return self.append(new, q_pos)
+            valid = torch.ones_like(q_pos, dtype=torch.bool)
+        self.flush()  # free slots may hold drop notes not collected yet
         free = ~self.live  # never used, or dropped: a dropped token's slot is reused
         need = int(valid.sum(1).max())
         while int(free.sum(1).min()) < need:  # a row without room: double
@@ -78,23 +112,36 @@ class CompactCache:
     def view(self) -> dict[str, torch.Tensor]:
         return {n: buf[..., :self.end, :] for n, buf in self.buffers.items()}
 
-    def update_live(self, keep_last: torch.Tensor, trigger: torch.Tensor) -> None:
+    def update_live(self, keep_last: torch.Tensor, trigger: torch.Tensor, every: int = 1) -> None:
         """keep_last [B, end]: what each row keeps after its newest token; trigger [B, end]: the position
-        of the query that dropped each slot (or -1). Records the drops, then compacts if worth it."""
+        of the query that dropped each slot. Notes the drops on the device, then compacts if worth it, asking
+        only every `every` calls (the question waits for the device)."""
         was = self.live[:, :self.end]
         gone = was & ~keep_last
-        if gone.any():
-            b, s = gone.nonzero(as_tuple=True)
-            self.drops.append(torch.stack([b, self.pos[b, s], trigger[b, s]], 1).cpu())
+        self.trig[:, :self.end] = torch.where(gone, trigger, self.trig[:, :self.end])
         self.live[:, :self.end] = was & keep_last
-        self.maybe_compact()
+        self.steps_since_check += 1
+        if self.steps_since_check >= every:
+            self.maybe_compact()
+
+    def update_kept(self, keep: torch.Tensor, q_pos: torch.Tensor, every: int = 1) -> None:
+        """update_live for a decode step whose keep [B, end] is already within the live slots and whose
+        queries q_pos [B, 1] dropped whatever went (two fewer operations per layer and step)."""
+        trig = self.trig[:, :self.end]
+        trig.copy_(torch.where(self.live[:, :self.end] ^ keep, q_pos, trig))
+        self.live[:, :self.end] = keep
+        self.steps_since_check += 1
+        if self.steps_since_check >= every:
+            self.maybe_compact()
 
     def maybe_compact(self) -> None:
+        self.steps_since_check = 0
         if self.end == 0:
             return
         most = int(self.live[:, :self.end].sum(1).max())
         if most >= COMPACT_BELOW * self.end:
             return
+        self.flush()  # dropped slots are about to go
         # stable gather of each row's live slots to the front, into new tensors, never in place: the step
         # that triggered this still attends over views of the old buffers
         order = _first(self.live[:, :self.end])[:, :most]                          # [B, most]
@@ -104,6 +151,7 @@ class CompactCache:
             self.buffers[n] = torch.gather(moved, 1, idx).movedim(1, -2)
         self.live = torch.gather(self.live[:, :self.end], 1, order)
         self.pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~self.live, -1)
+        self.trig = torch.full_like(self.pos, -1)
         self.end = self.capacity = most
         self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
         self.compactions += 1
@@ -111,10 +159,11 @@ class CompactCache:
     def nbytes(self) -> int:
         """Bytes allocated for the state now (buffers at their capacity, live mask, positions)."""
         return (sum(b.numel() * b.element_size() for b in self.buffers.values())
-                + self.live.numel() + self.pos.numel() * self.pos.element_size())
+                + self.live.numel() + (self.pos.numel() + self.trig.numel()) * self.pos.element_size())
 
     def drop_table(self) -> torch.Tensor:
         """[n, 3] rows (batch row, position dropped, position of the query that dropped it)."""
+        self.flush()
         return torch.cat(self.drops) if self.drops else torch.zeros(0, 3, dtype=torch.long)
 
 
@@ -128,6 +177,9 @@ class CompactDecodeCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def allocated_bytes(self) -> int:  # the compacted buffers are what is allocated
+        return self.nbytes()
 
     def live_tokens(self) -> int:
         return sum(int(layer.live.sum()) for layer in self.layers)
