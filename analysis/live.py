@@ -114,6 +114,7 @@ def twin_summary(pruned: dict, dense: dict) -> dict:
         "latency_ratio": decode_ms(pruned) / decode_ms(dense),
         "perplexity_pruned": pruned["perplexity"], "perplexity_dense": dense["perplexity"],
         "perplexity_change": pruned["perplexity"] / dense["perplexity"] - 1,
-        "same_tokens": sum(a == b for a, b in zip(pruned["new_ids"], dense["new_ids"])),
+        "same_prefix": next((i for i, (a, b) in enumerate(zip(pruned["new_ids"], dense["new_ids"])) if a != b),
+                            min(len(pruned["new_ids"]), len(dense["new_ids"]))),  # tokens before the texts part
         "tokens": min(len(pruned["new_ids"]), len(dense["new_ids"])),
     }

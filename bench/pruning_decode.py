@@ -79,7 +79,7 @@ def largest_batch(bytes_per_sequence: float, budget: int, cap: int) -> int:
     return max(1, min(cap, int(budget // max(bytes_per_sequence, 1))))
 
 
-def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: int) -> list[dict]:
+def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: int, batch1_only: bool = False) -> list[dict]:
     rows = []
     for c in contexts:
         d1 = decode_run(dense, 1, c, steps, compact=False)
@@ -87,6 +87,11 @@ def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: 
         row = {"context": c, "dense_b1": d1, "pruned_b1": p1,
                "latency_ratio_pruned_to_dense": p1["median_step_ms"] / d1["median_step_ms"],
                "cache_ratio_pruned_to_dense": p1["cache_bytes"] / d1["cache_bytes"]}
+        if batch1_only:
+            rows.append(row)
+            print(f"context {c}: dense {d1['median_step_ms']:.2f} ms, pruned {p1['median_step_ms']:.2f} ms "
+                  f"(kept {p1['kept_fraction']:.0%})", file=sys.stderr)
+            continue
         bd = largest_batch(d1["cache_bytes"], budget, max_batch)
         bp = largest_batch(p1["cache_bytes"], budget, max_batch)
         row["dense_budget"] = decode_run(dense, bd, c, steps, compact=False)
@@ -109,10 +114,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--budget-mb", type=float, default=64.0, help="cache memory budget for the large-batch runs")
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (set, not inherited: 2 cores thrash easily)")
+    ap.add_argument("--batch1-only", action="store_true", help="skip the runs at the cache budget (large models)")
     ap.add_argument("--json")
     add_device_arguments(ap, dtype="float32")
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
+    torch.set_num_threads(args.threads)
     if args.synthetic:
         dense, pruned = synthetic_pair(max(contexts), args.beta)
         dev = resolve(args.device)
@@ -122,9 +130,17 @@ def main(argv=None) -> int:
         dense, pruned = (load_model_dir(p, device=args.device, dtype=args.dtype).model.eval()
                          for p in (args.dense, args.pruned))
         source = {"kind": "trained", "dense": args.dense, "pruned": args.pruned}
+        for m in (dense, pruned):
+            if max(contexts) > m.config.context:
+                if m.config.positions != "rope":
+                    ap.error(f"context {max(contexts)} exceeds {m.config.context}, the learned position table's size")
+                # rotary positions have no table: a fine-tune's shorter context is a training choice, and the
+                # pruning rule is applied past it as it is (the row says so)
+                source["context_raised_from"] = m.config.context
+                m.config.context = max(contexts)
     else:
         ap.error("give --dense and --pruned model directories, or --synthetic")
-    rows = run(dense, pruned, contexts, args.steps, int(args.budget_mb * 2**20), args.max_batch)
+    rows = run(dense, pruned, contexts, args.steps, int(args.budget_mb * 2**20), args.max_batch, args.batch1_only)
     result = {"benchmark": "pruning_decode", "device": device_name(dense.wte.weight.device),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "versions": {"python": platform.python_version(), "torch": torch.__version__},

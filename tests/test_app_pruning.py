@@ -43,3 +43,15 @@ def test_pruning_page(pruned_zoo):
     first = at.markdown[0].value
     at.selectbox(key="prune_layer").select(1).run()
     assert at.markdown[0].value != first or "<s " not in first
+
+
+def test_pruning_page_opens_on_the_largest_model_that_drops_most(pruned_zoo):
+    tok = load_model_dir(pruned_zoo / "pruned").tokenizer
+    cfg = dict(mixer="mha", vocab_size=8192, context=64, d_model=32, n_layers=2, n_heads=4, prune=True, prune_r=8)
+    for name, sparsity in (("a-drops-little", 0.1), ("b-drops-most", 0.6)):
+        save_model_dir(pruned_zoo / name, DecoderLM(ModelConfig(**cfg)), tok, {"final_valid_sparsity": sparsity})
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    assert at.sidebar.selectbox(key="model").value == "b-drops-most"
+    save_model_dir(pruned_zoo / "c-larger", DecoderLM(ModelConfig(**dict(cfg, n_layers=3))), tok)
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    assert at.sidebar.selectbox(key="model").value == "c-larger"   # size first

@@ -130,3 +130,19 @@ def test_cli_writes_the_trace_and_never_overwrites_it(tmp_path):
     again = run(*args)
     assert again.returncode == 2 and "already exist" in again.stderr
     assert (tmp_path / "out" / "trace.json").read_bytes() == before
+
+
+def test_twin_summary_compares_the_last_step_and_the_decode_latency():
+    from analysis import live
+    pruned = model_for("mha", context=64, seed=6).float()
+    dense = model_for("mha", prune=False, context=64, seed=6).float()
+    a = trace.build(generate(pruned, [3, 1, 4], 20, greedy=True), Tok())
+    b = trace.build(generate(dense, [3, 1, 4], 20, greedy=True), Tok())
+    s = live.twin_summary(a, b)
+    assert s["memory_saved"] == pytest.approx(1 - a["steps"][-1]["held_bytes"] / b["steps"][-1]["held_bytes"])
+    import statistics
+    ms = lambda tr: statistics.median(x["model_ms"] for x in tr["steps"][1:])  # noqa: E731  (the first has the prefill)
+    assert s["latency_ratio"] == pytest.approx(ms(a) / ms(b))
+    first_diff = next((i for i, (x, y) in enumerate(zip(a["new_ids"], b["new_ids"])) if x != y), 20)
+    assert s["same_prefix"] == first_diff and s["tokens"] == 20
+    assert s["perplexity_change"] == pytest.approx(a["perplexity"] / b["perplexity"] - 1)

@@ -164,7 +164,7 @@ if saved and saved["model"] == str(loaded.path):
         t[1].metric("latency pruned / dense", f"{s['latency_ratio']:.2f}x")
         t[2].metric("perplexity of own output", f"{s['perplexity_pruned']:.2f}",
                     f"{s['perplexity_change']:+.1%} vs dense ({s['perplexity_dense']:.2f})", delta_color="inverse")
-        t[3].metric("same tokens as dense", f"{s['same_tokens']}/{s['tokens']}")
+        t[3].metric("tokens before the texts part", f"{s['same_prefix']}/{s['tokens']}")
         cols = st.columns(2)
         for col, (p, r, _) in zip(cols, saved["runs"]):
             col.markdown(f"**{p.name}**")
@@ -179,8 +179,8 @@ if saved and saved["model"] == str(loaded.path):
         held = traces.held_at(tr, step)
         shade = live.held_fraction(tr, step) if which == "all layers" else held[int(which)]
         st.markdown(live.faded_text_html(labels[:len(shade)], len(res.prompt_ids), shade), unsafe_allow_html=True)
-        st.caption("Faded: dropped " + ("by more layers" if which == "all layers" else f"by layer {which}")
-                   + " by this step; generated tokens are underlined.")
+        st.caption(("The more layers have dropped a token by this step, the fainter it is" if which == "all layers"
+                    else f"Faded: dropped by layer {which} by this step") + "; generated tokens are underlined.")
         strip = live.strip_figure(tr, step, labels, f"{path.name}: what each layer holds after step {step}")
         st.plotly_chart(strip, width="stretch")
         settings = {"step": step, **tr["settings"]}

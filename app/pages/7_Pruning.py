@@ -25,7 +25,9 @@ def first_pruned() -> str | None:
             cfg = read_json(path / "config.json")
             if not cfg.get("prune") or unfetched_base(path):
                 continue
-            size = cfg.get("n_layers", 0) * cfg.get("d_model", 0)
+            card = read_json(path / "card.json") if (path / "card.json").is_file() else {}
+            # the largest model; among equals, the one that drops most (its card's validation sparsity)
+            size = (cfg.get("n_layers", 0) * cfg.get("d_model", 0), card.get("final_valid_sparsity") or 0.0)
             if best is None or size > best[0]:
                 best = (size, path.name)
         except (OSError, CheckpointError):
