@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     from streamlit.testing.v1 import AppTest
 
     from app.common import load
+    from bench import cpu_model
     name = Path(args.model).name
     t0 = time.perf_counter()
     loaded = load(str(zoo / name))
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         print(f"{page:<24} {secs:6.2f} s  peak {peak_mb():6.0f} MB  {'; '.join(problems)[:160]}", file=sys.stderr)
     result = {"benchmark": "app_pages", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "model": args.model, "extra": args.extra, "tokens": n, "threads": args.threads,
-              "torch": torch.__version__, "load_s": load_s, "extra_load_s": extra_load_s, "pages": rows, "peak_mb": peak_mb(),
+              "torch": torch.__version__, "cpu": cpu_model(), "load_s": load_s, "extra_load_s": extra_load_s, "pages": rows, "peak_mb": peak_mb(),
               "note": "seconds: one fresh session per page, st.cache_data cleared, the model already loaded"}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

