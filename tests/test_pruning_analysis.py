@@ -118,7 +118,7 @@ def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
     assert real.main([str(tmp_path / "run"), "--base", str(tmp_path / "base"), "--data", str(tmp_path / "data"),
                       "--window", "128", "--pos-docs", "2", "--out", str(out), "--figure", str(tmp_path / "f.png")]) == 0
     text = out.read_text()
-    assert "| run | 3 | 42 | 0.3 | 128 |" in text and "| base | 100-256 |" in text and "+0.00%" in text
+    assert "| run | 3 | 42 | 0.3 | 128 | - |" in text and "| base | 100-256 |" in text and "+0.00%" in text
     assert "## Sparsity per layer" in text and "| run | " in text and "trigger POS" in text
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     assert json.dumps(text)  # plain text
