@@ -135,14 +135,16 @@ def pick_cache(model, cache: str) -> str:
 @torch.inference_mode()
 def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int | None = None,
-           stop_ids: Sequence[int] = (), cache: str = "auto", info: dict | None = None) -> Iterator[TokenEvent]:
+           stop_ids: Sequence[int] = (), cache: str = "auto", info: dict | None = None,
+           policy=None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per new token (one sequence), as soon as it is sampled.
 
     cache: "static" (preallocated, every token kept), "compacted" (context pruning's cache: dropped tokens
     are freed; events carry the drops), or "auto" (compacted for a pruned attention model). Each event's
     latency is the model's own time, so a caller may draw between events without changing it; two streams
     may be interleaved. `info`, when given, is filled with notes, the prefill time, kernel paths, the cache
-    kind and the stop reason as they become known.
+    kind and the stop reason as they become known. policy: a heuristic eviction policy
+    (models.pruning.policies) for a dense softmax model, over the compacted cache.
     """
     context = model.config.context
     prompt = [int(t) for t in prompt_ids]
@@ -153,7 +155,7 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
                          f"shorten it to at most {context - 1} tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    kind = pick_cache(model, cache)
+    kind = "compacted" if policy is not None else pick_cache(model, cache)  # a policy evicts from compacted slots
     device = model.wte.weight.device
     sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     info = {} if info is None else info
@@ -172,7 +174,8 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
 
     with evaluating(model):
         if kind == "compacted":
-            state = model.new_compact_cache(batch=1, capacity=len(prompt) + 16)  # grows by doubling, shrinks as it drops
+            state = model.new_compact_cache(batch=1, capacity=len(prompt) + 16,  # grows by doubling, shrinks as it drops
+                                            policy=policy)
         else:
             state = model.new_cache(batch=1, capacity=len(prompt) + max_new_tokens)
 
@@ -206,7 +209,11 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
                               drops=tuple(new_drops))
 
         t0 = time.perf_counter()
-        logits = forward(prompt, 0)
+        if policy is not None and not policy.at_prompt_end:  # it evicts as each token arrives, the prompt's too
+            for i, token in enumerate(prompt):
+                logits = forward([token], i)
+        else:
+            logits = forward(prompt, 0)
         _sync(device)
         info["prefill_s"] = time.perf_counter() - t0
         for i in range(max_new_tokens):
@@ -226,7 +233,7 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
-             seed: int | None = None, stop_ids: Sequence[int] = (), cache: str = "auto",
+             seed: int | None = None, stop_ids: Sequence[int] = (), cache: str = "auto", policy=None,
              callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids (one sequence); see stream() for the cache choice.
 
@@ -236,7 +243,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
     info: dict = {}
     events, stop_reason = [], None
     for event in stream(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        greedy=greedy, seed=seed, stop_ids=stop_ids, cache=cache, info=info):
+                        greedy=greedy, seed=seed, stop_ids=stop_ids, cache=cache, info=info, policy=policy):
         events.append(event)
         if callback is not None and callback(event) is False:
             stop_reason = "callback"

@@ -127,14 +127,19 @@ class DecoderLM(nn.Module):
         p = self.wte.weight
         return DecodeCache([b.mixer.new_cache(batch, capacity, p.dtype, p.device) for b in self.blocks])
 
-    def new_compact_cache(self, batch: int = 1, capacity: int = 16) -> CompactDecodeCache:
+    def new_compact_cache(self, batch: int = 1, capacity: int = 16, policy=None) -> CompactDecodeCache:
         """The compacted cache (context pruning's data structure; rows may have different lengths). Attention
-        mixers only: an Extractor's state is a window of past inputs indexed by lag, which slots cannot hold."""
+        mixers only: an Extractor's state is a window of past inputs indexed by lag, which slots cannot hold.
+        policy: a heuristic eviction policy (models.pruning.policies) for a model without learned pruning."""
         if not hasattr(self.blocks[0].mixer, "compact_step"):
             raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: an "
                              "Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
+        if policy is not None and (self.config.prune or self.config.pattern != "dense"):
+            raise ValueError(f"an eviction policy ({policy.name}) runs on a dense softmax model; this one already "
+                             "decides what to drop (context pruning or a fixed pattern)")
         p = self.wte.weight
-        return CompactDecodeCache([CompactCache(b.mixer.cache_spec(), batch, capacity, p.dtype, p.device) for b in self.blocks])
+        return CompactDecodeCache([CompactCache(b.mixer.cache_spec(), batch, capacity, p.dtype, p.device, policy)
+                                   for b in self.blocks])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
                 diagnostics: bool | str = False, positions: torch.Tensor | None = None,

@@ -114,3 +114,76 @@ def test_bad_budgets_and_names_are_refused():
         policies.make("snapkv", 16, window=16)
     with pytest.raises(ValueError, match="unknown eviction policy 'lru'.*h2o"):
         policies.make("lru", 8)
+
+
+# --- inside the model: the decode step evicts by the rule, from the model's own attention ---------------------
+
+def spy(policy):
+    """Record, per call (layer after layer, step after step), the attention each step's rule was given."""
+    calls, step = [], policy.step
+
+    def recording(live, pos, q_pos, probs=None, state=None):
+        keep = step(live, pos, q_pos, probs, state)
+        if probs is not None:  # the query attended over exactly what the cache held
+            assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+            assert (probs.masked_fill(live[:, None], 0.0) == 0).all() and (probs[live[:, None].expand_as(probs)] > 0).all()
+        calls.append((pos.clone(), None if probs is None else probs.clone(), keep.clone()))
+        return keep
+    policy.step = recording
+    return calls
+
+
+@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o", 8)])
+def test_in_the_model_every_layer_evicts_by_the_rule(name, budget):
+    from models import trace
+    from models.generate import generate
+    from tests.test_compact_cache import model_for
+    model = model_for("mha", prune=False, context=64, seed=3).float()
+    pol = policies.make(name, budget)
+    calls = spy(pol)
+    prompt = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2, 9]
+    res = generate(model, prompt, 20, greedy=True, policy=pol)
+    n_layers = model.config.n_layers
+    assert res.cache_kind == "compacted" and len(calls) == n_layers * (len(prompt) + 19)
+    tr = trace.build(res, type("T", (), {"decode": lambda self, ids: "x"})())
+    for e in res.events:
+        assert all(n <= budget for n in e.live)                 # never over the budget, in any layer
+        held = trace.held_at(tr, e.index)
+        assert all(row[-1] for row in held)                     # the newest token is always held
+    total = len(prompt) + 19
+    for layer in range(n_layers):   # replay the layer's rule by brute force on the attention it was given
+        att = torch.zeros(total, H if name == "streamingllm" else model.config.n_heads, total) + 1.0
+        for t in range(total):
+            pos, probs, _ = calls[t * n_layers + layer]
+            if probs is not None:
+                for slot in range(pos.shape[1]):
+                    if pos[0, slot] >= 0:
+                        att[t, :, int(pos[0, slot])] = probs[0, :, slot] + 1e-30
+        want = brute_heads(name, budget, att, total)
+        got = [{p for p in range(len(row)) if row[p]} for row in (trace.held_at(tr, s)[layer] for s in range(len(res.events)))]
+        # held_at(s) is the cache after step s: the prompt's last token was fed at step 0
+        assert got == [want[len(prompt) - 1 + s] for s in range(len(res.events))]
+    assert res.events[-1].live == (budget,) * n_layers               # it did evict: the cache sits at the budget
+
+
+def brute_heads(name, budget, att, total):
+    global T, H
+    saved = T, H
+    T, H = total, att.shape[1]
+    try:
+        return brute(name, budget, att)
+    finally:
+        T, H = saved
+
+
+def test_snapkv_in_the_model_keeps_its_selection_and_everything_after():
+    from models.generate import generate
+    from tests.test_compact_cache import model_for
+    model = model_for("mha", prune=False, context=64, seed=3).float()
+    prompt = list(range(3, 33))                                   # 30 tokens
+    res = generate(model, prompt, 10, greedy=True, policy=policies.make("snapkv", 16, window=4))
+    first, last = res.events[0].live, res.events[-1].live
+    assert all(n == 16 for n in first)                            # 12 chosen + the 4-token window
+    assert all(n == 16 + 9 for n in last)                          # then every generated token is kept
+    with pytest.raises(ValueError, match="dense softmax model"):
+        model_for("mha", context=64).float().new_compact_cache(policy=policies.make("tova", 8))

@@ -180,6 +180,9 @@ class Attention(Mixer):
         q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]; valid None: all real
         if q.shape[2] == 1 and valid is None and record is None:
             return self.compact_decode(x, q, k, v, cache)
+        if cache.policy is not None and not cache.policy.at_prompt_end:
+            raise ValueError(f"{cache.policy.name} evicts as each token arrives: feed the prompt one token per call "
+                             "(models.generate.stream does)")
         valid = torch.ones_like(q_pos, dtype=torch.bool) if valid is None else valid
         cache.insert(self.cache_entries(x, k, v), q_pos, valid)
         past = cache.view()
@@ -205,9 +208,40 @@ class Attention(Mixer):
             cache.update_live(kept[rows, last], trigger)
         allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
         out = self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, causal=False)
+        if cache.policy is not None and cache.policy.at_prompt_end and q.shape[2] > 1:
+            if cache.valid is not None:
+                raise ValueError("SnapKV selects after a prompt of real tokens only (no padding rows)")
+            self.snapkv_select(q, kk, vv, cache, q_pos)
         if record is not None:
             record["slot_pos"] = slot_pos
         return out
+
+    def policy_decode(self, q, kk, vv, cache: CompactCache, q_pos):
+        """A decode step under a heuristic eviction policy: StreamingLLM evicts by position before the query
+        attends; TOVA and H2O read the query's attention over what is held, then evict; SnapKV decided at
+        the end of the prompt and keeps every later token."""
+        pol, live, pos = cache.policy, cache.live[:, :cache.end], cache.pos[:, :cache.end]
+        if pol.at_prompt_end or not pol.uses_attention:
+            keep = live if pol.at_prompt_end else pol.step(live, pos, q_pos[:, 0])
+            out = self.attend(q, kk, vv, additive(keep, q.dtype)[:, None, None], None, causal=False)
+        else:
+            o, probs = kernels.attention(q, kk, vv, scale=self.scale, bias=additive(live, q.dtype)[:, None, None],
+                                         need_weights=True, causal=False, **self.head_maps())
+            keep = pol.step(live, pos, q_pos[:, 0], probs[:, :, 0].float(), cache.slot_state)
+            out = self.output(o)
+        cache.update_kept(keep, q_pos, every=ALIGN)
+        return out
+
+    def snapkv_select(self, q, kk, vv, cache: CompactCache, q_pos):
+        """After a prompt (all rows real): the last `window` queries' attention picks what the cache keeps."""
+        pol = cache.policy
+        w = min(pol.window, q.shape[2])
+        slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]
+        allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, -w:, None])            # [B,w,S]
+        _, probs = kernels.attention(q[:, :, -w:], kk, vv, scale=self.scale, bias=additive(allowed, q.dtype)[:, None],
+                                     need_weights=True, causal=False, **self.head_maps())
+        keep = pol.select(live, slot_pos, q_pos[:, -1] + 1, probs.float())
+        cache.update_live(keep, q_pos[:, -1:].expand_as(keep))
 
     def compact_decode(self, x, q, k, v, cache: CompactCache):
         """One new token per row, every row real: the fast path (no host synchronisation, no sort). The token
@@ -222,6 +256,8 @@ class Attention(Mixer):
         kk = past["k"]
         vv = kk if self.kv_shared else past["v"]
         live = cache.live[:, :cache.end]
+        if cache.policy is not None:
+            return self.policy_decode(q, kk, vv, cache, q_pos)
         if self.pruning is None:  # a dense or fixed-pattern model on the compacted cache
             allowed = live
             if self.pattern != "dense":

@@ -29,7 +29,7 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
 
 
 class CompactCache:
-    def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device):
+    def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device, policy=None):
         self.batch, self.device = batch, device
         self.capacity = _round_up(capacity)
         self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device) for n, s in spec.items()}
@@ -40,6 +40,9 @@ class CompactCache:
         self.compactions = 0
         self.drops: list[torch.Tensor] = []  # rows [batch, position, trigger position], collected by flush()
         self.steps_since_check = 0
+        # a heuristic eviction policy (models.pruning.policies) and its per-slot state, kept with the slots
+        self.policy = policy
+        self.slot_state = policy.state(batch, self.capacity, device) if policy is not None else {}
         # set by the model before each call: positions [B,T] and validity [B,T] of the new tokens
         self.q_pos: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -59,6 +62,10 @@ class CompactCache:
         trig = torch.full((self.batch, capacity), -1, dtype=torch.long, device=self.device)
         live[:, :keep], pos[:, :keep], trig[:, :keep] = self.live[:, :keep], self.pos[:, :keep], self.trig[:, :keep]
         self.live, self.pos, self.trig, self.capacity = live, pos, trig, capacity
+        for n, t in self.slot_state.items():
+            grown = torch.zeros(self.batch, capacity, dtype=t.dtype, device=t.device)
+            grown[:, :keep] = t[:, :keep]
+            self.slot_state[n] = grown
 
     def flush(self) -> None:
         """Move the drop notes (slot -> position of the query that dropped it) to `drops`, on the host."""
@@ -107,6 +114,8 @@ class CompactCache:
             moved[rows, cols] = value.movedim(-2, 1)[valid]
         self.live[rows, cols] = True
         self.pos[rows, cols] = q_pos[valid]
+        for t in self.slot_state.values():  # a reused slot starts afresh
+            t[rows, cols] = 0
         self.end = max(self.end, int(cols.max()) + 1 if len(cols) else 0)
 
     def view(self) -> dict[str, torch.Tensor]:
@@ -152,6 +161,8 @@ class CompactCache:
         self.live = torch.gather(self.live[:, :self.end], 1, order)
         self.pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~self.live, -1)
         self.trig = torch.full_like(self.pos, -1)
+        for n, t in self.slot_state.items():
+            self.slot_state[n] = torch.gather(t[:, :self.end], 1, order)
         self.end = self.capacity = most
         self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
         self.compactions += 1
@@ -159,7 +170,8 @@ class CompactCache:
     def nbytes(self) -> int:
         """Bytes allocated for the state now (buffers at their capacity, live mask, positions)."""
         return (sum(b.numel() * b.element_size() for b in self.buffers.values())
-                + self.live.numel() + (self.pos.numel() + self.trig.numel()) * self.pos.element_size())
+                + self.live.numel() + (self.pos.numel() + self.trig.numel()) * self.pos.element_size()
+                + sum(t.numel() * t.element_size() for t in self.slot_state.values()))
 
     def drop_table(self) -> torch.Tensor:
         """[n, 3] rows (batch row, position dropped, position of the query that dropped it)."""
