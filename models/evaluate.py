@@ -115,6 +115,27 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
              "sparsity": s / t if t else float("nan")} for (lo, hi), (nll, t, s) in acc.items()]
 
 
+@torch.inference_mode()
+def score_token_by_token(model, ids: list[int], policy=None) -> dict:
+    """Teacher-forced decoding over the compacted cache, one token per step, so each query sees what the
+    learned rule (a pruned model) or a heuristic eviction policy (a dense one) has left it: the summed NLL of
+    ids[1:], the token count, and the sparsity (per query, the share of its earlier tokens it could not see;
+    averaged over queries and layers, as models.pruning.sparsity and the pruning tables do)."""
+    dev = model.wte.weight.device
+    with evaluating(model):
+        cache = model.new_compact_cache(batch=1, policy=policy)
+        for layer in cache.layers:
+            layer.seen = torch.zeros(1, device=dev)
+        nll = torch.zeros((), device=dev)
+        x = torch.tensor(ids, device=dev)
+        for i in range(len(ids) - 1):
+            logits = model(x[None, i:i + 1], cache=cache, positions=torch.tensor([[i]], device=dev), last_only=True).logits
+            nll -= logits[0, -1].float().log_softmax(-1)[x[i + 1]]
+        seen = float(sum(layer.seen.sum() for layer in cache.layers))
+    queries = len(cache.layers) * (len(ids) - 1)
+    return {"nll": float(nll), "tokens": len(ids) - 1, "sparsity": 1 - seen / queries if queries else 0.0}
+
+
 def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
     eos = tokenizer.token_to_id(EOS)
     if eos is None:

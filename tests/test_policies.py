@@ -187,3 +187,28 @@ def test_snapkv_in_the_model_keeps_its_selection_and_everything_after():
     assert all(n == 16 + 9 for n in last)                          # then every generated token is kept
     with pytest.raises(ValueError, match="dense softmax model"):
         model_for("mha", context=64).float().new_compact_cache(policy=policies.make("tova", 8))
+
+
+def test_token_by_token_scores_equal_the_full_forward_and_count_what_queries_saw():
+    from models.evaluate import score_token_by_token
+    from models.pruning import sparsity
+    from tests.test_compact_cache import model_for
+    ids = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2, 9, 11, 12, 3, 3, 7, 1, 40, 2, 5, 6, 7, 8, 9]
+    n = len(ids) - 1
+    dense = model_for("mha", prune=False, context=64, seed=3).float()
+    with torch.no_grad():
+        full = dense(torch.tensor([ids[:-1]]), targets=torch.tensor([ids[1:]])).loss.item() * n
+    got = score_token_by_token(dense, ids)
+    assert got["nll"] == pytest.approx(full, rel=1e-5) and got["sparsity"] == 0.0 and got["tokens"] == n
+    for name, budget, sees in (("streamingllm", 6, 5), ("tova", 6, 6), ("h2o", 6, 6)):
+        # StreamingLLM evicts before the query attends (it sees budget - 1 earlier tokens); TOVA and H2O after
+        got = score_token_by_token(dense, ids, policies.make(name, budget, **({"sinks": 2} if name == "streamingllm" else {})))
+        assert got["sparsity"] == pytest.approx(sum(1 - min(i, sees) / i for i in range(1, n)) / n)
+        assert got["nll"] != pytest.approx(full, rel=1e-6)
+    pruned = model_for("mha", context=64, seed=3).float()      # the learned rule: the full forward's keep masks
+    with torch.no_grad():
+        out = pruned(torch.tensor([ids[:-1]]), targets=torch.tensor([ids[1:]]), diagnostics="keep")
+    want = float(torch.stack([sparsity(r["keep"]) for r in out.diagnostics]).mean())
+    got = score_token_by_token(pruned, ids)
+    assert got["sparsity"] == pytest.approx(want, abs=1e-6) and 0 < want < 1
+    assert got["nll"] == pytest.approx(out.loss.item() * n, rel=1e-4)

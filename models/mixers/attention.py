@@ -223,8 +223,10 @@ class Attention(Mixer):
         pol, live, pos = cache.policy, cache.live[:, :cache.end], cache.pos[:, :cache.end]
         if pol.at_prompt_end or not pol.uses_attention:
             keep = live if pol.at_prompt_end else pol.step(live, pos, q_pos[:, 0])
+            cache.count_seen(keep)
             out = self.attend(q, kk, vv, additive(keep, q.dtype)[:, None, None], None, causal=False)
         else:
+            cache.count_seen(live)
             o, probs = kernels.attention(q, kk, vv, scale=self.scale, bias=additive(live, q.dtype)[:, None, None],
                                          need_weights=True, causal=False, **self.head_maps())
             keep = pol.step(live, pos, q_pos[:, 0], probs[:, :, 0].float(), cache.slot_state)
@@ -262,10 +264,12 @@ class Attention(Mixer):
             allowed = live
             if self.pattern != "dense":
                 allowed = allowed & pattern_allows(q_pos, cache.pos[:, :cache.end], self.pattern, self.pattern_k)
+            cache.count_seen(allowed)
             return self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False)
         prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": self.pruning.beta_value(),
                  "live": live, "pos": cache.pos[:, :cache.end], "q_pos": q_pos[:, 0], "valid": None}
         o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
+        cache.count_seen(keep)
         cache.update_kept(keep, q_pos, every=ALIGN)
         return self.output(o)
 

@@ -43,6 +43,7 @@ class CompactCache:
         # a heuristic eviction policy (models.pruning.policies) and its per-slot state, kept with the slots
         self.policy = policy
         self.slot_state = policy.state(batch, self.capacity, device) if policy is not None else {}
+        self.seen: torch.Tensor | None = None  # set to zeros [B] to count the earlier tokens each decode query saw
         # set by the model before each call: positions [B,T] and validity [B,T] of the new tokens
         self.q_pos: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -132,6 +133,13 @@ class CompactCache:
         self.steps_since_check += 1
         if self.steps_since_check >= every:
             self.maybe_compact()
+
+    def count_seen(self, attended: torch.Tensor) -> None:
+        """attended [B, end]: the slots this decode query attended over, itself included (evaluation only).
+        Adds the share of its earlier tokens it saw (1 for the first token, which has none)."""
+        if self.seen is not None:
+            q = self.q_pos[:, 0]
+            self.seen += torch.where(q > 0, (attended.sum(1) - 1) / q.clamp_min(1), 1.0)
 
     def update_kept(self, keep: torch.Tensor, q_pos: torch.Tensor, every: int = 1) -> None:
         """update_live for a decode step whose keep [B, end] is already within the live slots and whose
