@@ -212,3 +212,25 @@ def test_token_by_token_scores_equal_the_full_forward_and_count_what_queries_saw
     got = score_token_by_token(pruned, ids)
     assert got["sparsity"] == pytest.approx(want, abs=1e-6) and 0 < want < 1
     assert got["nll"] == pytest.approx(out.loss.item() * n, rel=1e-4)
+
+
+def test_eviction_report_matches_budgets_to_the_learned_sparsity(tmp_path):
+    import numpy as np
+
+    from analysis.reports import eviction
+    assert eviction.budget_sparsity("tova", 48, 48) == 0.0
+    for name in ("streamingllm", "tova"):
+        b = eviction.budget_for(name, 0.5, 200)
+        assert abs(eviction.budget_sparsity(name, b, 200) - 0.5) <= abs(eviction.budget_sparsity(name, b + 1, 200) - 0.5)
+    np.save(tmp_path / "test.npy", np.random.default_rng(0).integers(0, 8192, 200).astype(np.uint16))
+    out = tmp_path / "e.md"
+    assert eviction.main(["--dense", "assets/models/mha-1024", "--pruned", "assets/models/mha-1024-pruned",
+                          "--data", str(tmp_path), "--window", "40", "--windows", "2", "--targets", "0.5",
+                          "--out", str(out), "--figure", str(tmp_path / "e.png")]) == 0
+    text = out.read_text()
+    assert "| dense | mha-1024 | - | 0.0% |" in text and "| learned pruning | mha-1024-pruned | - |" in text
+    for name in ("streamingllm", "tova", "h2o"):
+        assert f"| {name} | mha-1024 |" in text
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        eviction.main(["--dense", "x", "--pruned", "y", "--policies", "snapkv"])

@@ -7,8 +7,9 @@ token per row sits at position `q_pos` [B]. Rules that look at attention take th
 over the slots, `probs` [B,H,S] (per head; each rule reduces over heads as its paper does). Positions are kept
 as they were (no re-numbering inside the cache, which StreamingLLM does for RoPE models).
 
-Status: the rules and their brute-force checks (tests/test_policies.py). Running them inside the model's decode
-step, the Pruning page and docs/eviction.md are the eviction-policies issue's next steps.
+A cache built with a policy (DecoderLM.new_compact_cache(policy=...), models.generate.stream(policy=...)) runs
+it inside the decode step; models.evaluate.score_token_by_token scores a text under it, and
+analysis.reports.eviction writes docs/eviction.md. Not yet in the app (Pruning page, live view).
 """
 from __future__ import annotations
 
