@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     table = pd.DataFrame(rows)
     command = (f"python -m analysis.reports.eviction --dense {args.dense} --pruned {args.pruned} --data {args.data} "
-               f"--window {args.window} --windows {args.windows} --policies {args.policies} --targets {args.targets}")
+               f"--window {args.window} --windows {args.windows} --policies {args.policies} --targets {shlex.quote(args.targets)}")
     fig_name = None
     if args.figure:
         from analysis.export import figure_bytes
