@@ -64,6 +64,14 @@ class GenerationResult:
             return float("nan")
         return math.exp(-sum(e.logprob for e in self.events) / len(self.events))
 
+    @classmethod
+    def collect(cls, prompt_ids: Sequence[int], events: list[TokenEvent], info: dict, n_layers: int,
+                stop_reason: str | None = None) -> "GenerationResult":
+        """The result of a stream() run from its events and the `info` it filled."""
+        return cls([int(t) for t in prompt_ids], [e.token_id for e in events], events,
+                   stop_reason or info["stop_reason"], info["notes"], info["prefill_s"],
+                   events[-1].alloc_bytes if events else 0, info["kernel_paths"], info["cache_kind"], n_layers)
+
     @property
     def drops(self) -> list[tuple[int, int, int]]:
         """Every drop while generating, in order: (layer, position, position of the token that dropped it)."""
@@ -248,10 +256,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
         if callback is not None and callback(event) is False:
             stop_reason = "callback"
             break
-    last = events[-1]
-    return GenerationResult([int(t) for t in prompt_ids], [e.token_id for e in events], events,
-                            stop_reason or info["stop_reason"], info["notes"], info["prefill_s"], last.alloc_bytes,
-                            info["kernel_paths"], info["cache_kind"], len(model.blocks))
+    return GenerationResult.collect(prompt_ids, events, info, len(model.blocks), stop_reason)
 
 
 @dataclass

@@ -108,9 +108,7 @@ if st.button("Generate", type="primary", key="gen_go"):
             draw_live(boxes, names, runs)
             bar.progress(done / total, text=f"{done}/{total} tokens")
             if pruned and now - last_fig >= FIGURES_EVERY_S:
-                events = runs[0]["events"]
-                partial = GenerationResult(ids, [e.token_id for e in events], events, "running",
-                                           cache_kind="compacted", n_layers=cfg.n_layers)
+                partial = GenerationResult.collect(ids, runs[0]["events"], runs[0]["info"], cfg.n_layers, "running")
                 tr = traces.build(partial, loaded.tokenizer)
                 labels = live.labels_of(tr, loaded.tokenizer)
                 strip_box.plotly_chart(live.strip_figure(tr, done - 1, labels, "held (blue) and dropped (red), per layer"),
@@ -125,10 +123,7 @@ if st.button("Generate", type="primary", key="gen_go"):
     bar.empty()
     out = []
     for run, (_, m) in zip(runs, models):
-        events, info = run["events"], run["info"]
-        res = GenerationResult(ids, [e.token_id for e in events], events, info["stop_reason"], info["notes"],
-                               info["prefill_s"], events[-1].alloc_bytes, info["kernel_paths"], info["cache_kind"],
-                               m.config.n_layers)
+        res = GenerationResult.collect(ids, run["events"], run["info"], m.config.n_layers)
         out.append((m.path, res, traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=prompt, settings=settings)))
     st.session_state["gen_result"] = {"runs": out, "prompt": prompt, "draw_s": draw_s,
                                       "wall_s": time.perf_counter() - t_start, "model": str(loaded.path)}

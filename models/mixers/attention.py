@@ -109,13 +109,14 @@ class Attention(Mixer):
         y = o.transpose(1, 2).flatten(2) @ self.W_O
         return y if self.b_O is None else y + self.b_O
 
-    def cache_entries(self, x, k, v) -> dict[str, torch.Tensor]:
-        """What the new positions add to a decode cache: K (and V unless K is V), and K_int with pruning."""
+    def cache_entries(self, x, k, v, k_int=None) -> dict[str, torch.Tensor]:
+        """What the new positions add to a decode cache: K (and V unless K is V), and K_int with pruning
+        (computed here unless the caller already has it)."""
         new = {"k": k} if self.kv_shared else {"k": k, "v": v}
         if self.pruning is not None:
             if self.training:
                 raise RuntimeError("decoding with context pruning runs at inference only (model.eval())")
-            new["k_int"] = self.pruning.keys(x)
+            new["k_int"] = self.pruning.keys(x) if k_int is None else k_int
         return new
 
     def attend(self, q, k, v, bias, record, keep=None, causal=True):
@@ -250,10 +251,8 @@ class Attention(Mixer):
         joins slot `end`; with pruning, one fused pass scores it against the live slots, attends over what
         survives and says what survives; the compaction question is asked every few steps."""
         q_pos = cache.q_pos
-        new = {"k": k} if self.kv_shared else {"k": k, "v": v}
-        if self.pruning is not None:
-            q_int, new["k_int"] = self.pruning.decode_projections(x)
-        cache.append(new, q_pos)
+        q_int, k_int = self.pruning.decode_projections(x) if self.pruning is not None else (None, None)
+        cache.append(self.cache_entries(x, k, v, k_int), q_pos)
         past = cache.view()
         kk = past["k"]
         vv = kk if self.kv_shared else past["v"]

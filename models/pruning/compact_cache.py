@@ -130,6 +130,9 @@ class CompactCache:
         gone = was & ~keep_last
         self.trig[:, :self.end] = torch.where(gone, trigger, self.trig[:, :self.end])
         self.live[:, :self.end] = was & keep_last
+        self._check_every(every)
+
+    def _check_every(self, every: int) -> None:
         self.steps_since_check += 1
         if self.steps_since_check >= every:
             self.maybe_compact()
@@ -147,9 +150,7 @@ class CompactCache:
         trig = self.trig[:, :self.end]
         trig.copy_(torch.where(self.live[:, :self.end] ^ keep, q_pos, trig))
         self.live[:, :self.end] = keep
-        self.steps_since_check += 1
-        if self.steps_since_check >= every:
-            self.maybe_compact()
+        self._check_every(every)
 
     def maybe_compact(self) -> None:
         self.steps_since_check = 0
