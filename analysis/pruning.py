@@ -65,17 +65,122 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return keeps, lp
 
 
-def token_table(keeps: np.ndarray, labels: list[str], tags: list[str]) -> pd.DataFrame:
-    """One row per (layer, token): dropped or kept to the end, at which step, by which token (trigger)."""
+def token_table(keeps: np.ndarray, labels: list[str], tags: list[str], dropped_at: np.ndarray | None = None) -> pd.DataFrame:
+    """One row per (layer, token): dropped or kept to the end, at which step, by which token (trigger).
+    dropped_at [L,T] (-1: never), when given, says the step (an eviction policy's, see rule_run); otherwise it
+    is read off the keep masks (the learned rule: the first query that no longer sees the token)."""
     rows = []
     for layer, keep in enumerate(keeps):
-        step, dropped = drop_records(torch.from_numpy(keep)[None])
+        if dropped_at is None:
+            step = drop_records(torch.from_numpy(keep)[None])[0][0].numpy()
+        else:
+            step = dropped_at[layer]
         for j in range(keep.shape[0]):
-            s = int(step[0, j])
-            rows.append({"layer": layer, "position": j, "token": labels[j], "pos": tags[j], "dropped": bool(dropped[0, j]),
+            s = int(step[j])
+            rows.append({"layer": layer, "position": j, "token": labels[j], "pos": tags[j], "dropped": s >= 0,
                          "dropped_at": s, "trigger_token": labels[s] if s >= 0 else None,
                          "trigger_pos": tags[s] if s >= 0 else None, "lifetime": (s - j) if s >= 0 else None})
     return pd.DataFrame(rows)
+
+
+LEARNED, NOTHING = "learned", "none"  # the model's own rule; nothing evicted (the same weights, rule off)
+
+
+def rule_run(model, ids: list[int], rule: str, budget: int | None = None, prompt: int | None = None):
+    """What one rule does to a text: (visible [L,T,T] uint8, dropped_at [L,T] or None, log-probabilities [T-1]).
+    rule: LEARNED (a pruned model's own rule, one forward; dropped_at None: read off the masks), NOTHING, or an
+    eviction policy's name run at `budget` tokens (models.pruning.replay: one forward, the model's learned rule
+    off, the decisions decoding token by token makes). SnapKV needs the prompt's length."""
+    from models.pruning import policies
+    from models.pruning.replay import replay
+    if rule == LEARNED:
+        keeps, lp = keeps_and_logprobs(model, ids)
+        return keeps, None, lp
+    run = replay(model, ids, None if rule == NOTHING else policies.make(rule, budget), prompt=prompt)
+    return run.visible.to(torch.uint8).cpu().numpy(), run.dropped_at.cpu().numpy(), run.logprobs.cpu().numpy()
+
+
+def matched_budget(rule: str, target: float, n: int, prompt: int | None = None) -> int:
+    """The policy budget whose sparsity on an n-token text is nearest `target`, a sparsity as sparsity_per_layer
+    gives it (averaged over queries 1..n-1: query 0 has nothing earlier); policies.budget_for counts query 0 as 0."""
+    from models.pruning import policies
+    return policies.budget_for(rule, target * (n - 1) / n, n, prompt)
+
+
+def disagreement(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """Two token tables of one text (rules a and b) -> per (layer, position): who dropped the token by the end
+    ("both", "a only", "b only", "neither")."""
+    m = a[["layer", "position", "token", "pos", "dropped"]].merge(b[["layer", "position", "dropped"]],
+                                                                   on=["layer", "position"], suffixes=("_a", "_b"))
+    m["who"] = np.select([m["dropped_a"] & m["dropped_b"], m["dropped_a"], m["dropped_b"]], ["both", "a only", "b only"],
+                         "neither")
+    return m
+
+
+def disagreement_by_layer(d: pd.DataFrame) -> pd.DataFrame:
+    """Per layer: tokens dropped by both, by one only, and the overlap of the two dropped sets (Jaccard)."""
+    g = d.groupby("layer")["who"].value_counts().unstack(fill_value=0)
+    for c in ("both", "a only", "b only", "neither"):
+        if c not in g:
+            g[c] = 0
+    g = g[["both", "a only", "b only", "neither"]].reset_index()
+    union = g["both"] + g["a only"] + g["b only"]
+    g["overlap"] = np.where(union > 0, g["both"] / union.where(union > 0, 1), 1.0)
+    return g
+
+
+def disputed_tokens(d: pd.DataFrame, n: int = 30) -> pd.DataFrame:
+    """The tokens the two rules disagree on in most layers: position, token, POS and in how many layers
+    only a, only b dropped it."""
+    g = d.groupby(["position", "token", "pos"])["who"].agg(a_only=lambda w: int((w == "a only").sum()),
+                                                           b_only=lambda w: int((w == "b only").sum())).reset_index()
+    g["layers"] = g["a_only"] + g["b_only"]
+    return g[g["layers"] > 0].sort_values(["layers", "position"], ascending=[False, True]).head(n)
+
+
+WHO_COLOURS = {"neither": "#e8f1fb", "both": "#7f8c8d", "a only": "#c0392b", "b only": "#2471a3"}
+
+
+def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> go.Figure:
+    """Tokens x layers coloured by who dropped the token by the end of the text."""
+    codes = {w: i for i, w in enumerate(WHO_COLOURS)}
+    pivot = d.assign(code=d["who"].map(codes)).pivot(index="layer", columns="position", values="code")
+    labels = d[d["layer"] == d["layer"].min()].sort_values("position")["token"].tolist()
+    n = len(WHO_COLOURS)
+    scale = []
+    for i, colour in enumerate(WHO_COLOURS.values()):  # a discrete scale: one flat band per category
+        scale += [[i / n, colour], [(i + 1) / n, colour]]
+    names_by_code = np.array([{"a only": f"{names[0]} only", "b only": f"{names[1]} only"}.get(w, w) for w in WHO_COLOURS])
+    fig = go.Figure(go.Heatmap(z=pivot.values, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
+                               customdata=np.dstack([np.array([labels] * len(pivot)), names_by_code[pivot.values]]),
+                               colorbar=dict(tickvals=list(range(n)), ticktext=list(names_by_code), title="dropped by"),
+                               hovertemplate="%{customdata[0]} (pos %{x}), layer %{y}: %{customdata[1]}<extra></extra>"))
+    step = max(1, len(labels) // 60)
+    fig.update_xaxes(tickvals=list(range(0, len(labels), step)), ticktext=labels[::step], tickangle=-60)
+    fig.update_yaxes(title="layer", autorange="reversed")
+    fig.update_layout(title=title, height=140 + 40 * len(pivot))
+    return fig
+
+
+def pos_profile(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per rule and POS tag: the share of tokens dropped by the end, over all layers (the last token left out)."""
+    rows = []
+    for rule, t in tables.items():
+        t = t[t["position"] < t["position"].max()]
+        g = t.groupby("pos")["dropped"].agg(["size", "mean"]).reset_index()
+        rows.append(g.assign(rule=rule).rename(columns={"size": "token_layers", "mean": "drop_rate"}))
+    return pd.concat(rows, ignore_index=True)[["rule", "pos", "token_layers", "drop_rate"]]
+
+
+def pos_profile_figure(profile: pd.DataFrame, title: str, min_count: int = 1) -> go.Figure:
+    """Grouped bars: each rule's drop rate per POS tag (tags seen at least min_count times per rule)."""
+    p = profile[profile["token_layers"] >= min_count]
+    order = p.groupby("pos")["token_layers"].max().sort_values(ascending=False).index.tolist()
+    fig = px.bar(p, x="pos", y="drop_rate", color="rule", barmode="group", title=title, category_orders={"pos": order},
+                 labels={"pos": "part of speech", "drop_rate": "share dropped (all layers)"}, hover_data=["token_layers"])
+    fig.update_yaxes(range=[0, 1], tickformat=".0%")
+    fig.update_layout(height=400)
+    return fig
 
 
 def pos_drop_rates(table: pd.DataFrame) -> pd.DataFrame:

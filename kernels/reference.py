@@ -28,20 +28,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     q * q_mul[h] + q_add[h] and outputs o * o_mul[h] + o_add[h]; q may then be one shared head [B,1,T,D].
     Returns (out, probs [B,H,T,S] or None). K/V are never expanded to H heads.
     """
-    if q_mul is not None:
-        q = q * q_mul[:, None]
-    if q_add is not None:
-        q = q + q_add[:, None]
-    # Under autocast q and K/V arrive in bf16 while MHE's maps are float32 parameters: the maps promote q, and
-    # SDPA wants one dtype, so the product runs in K/V's dtype (what the Triton kernels do) and the output
-    # comes back in it.
-    q = q.to(k.dtype)
-    out, probs = _attention(q, k, v, scale, bias, need_weights, causal)
+    out, probs = _attention(_head_queries(q, k, q_mul, q_add), k, v, scale, bias, need_weights, causal)
     if o_mul is not None:
         out = (out * o_mul[:, None]).to(v.dtype)
     if o_add is not None:
         out = (out + o_add[:, None]).to(v.dtype)
     return out, probs
+
+
+def _head_queries(q, k, q_mul, q_add):
+    """MHE's per-head query maps applied. Under autocast q and K/V arrive in bf16 while MHE's maps are float32
+    parameters: the maps promote q, and SDPA wants one dtype, so the product runs in K/V's dtype (what the Triton
+    kernels do) and the output comes back in it."""
+    if q_mul is not None:
+        q = q * q_mul[:, None]
+    if q_add is not None:
+        q = q + q_add[:, None]
+    return q.to(k.dtype)
+
+
+def _grouped_scores(q, k, scale):
+    """q [B,H,T,D] against k [B,G,S,D] -> scores [B,G,R,T,S] (R = H/G heads per group), K never expanded."""
+    b, h, t, d = q.shape
+    g = k.shape[1]
+    if h % g:
+        raise ValueError(f"{h} query heads cannot share {g} key/value groups")
+    return (q.reshape(b, g, h // g, t, d) @ k.unsqueeze(2).transpose(-1, -2)) * scale
+
+
+def attention_scores(q, k, *, scale: float, q_mul=None, q_add=None, **_) -> torch.Tensor:
+    """The raw scores q k^T * scale [B,H,T,S] attention() would softmax (MHE query maps applied; no mask, no
+    bias): what a rule that replays attention step by step over a whole text needs (models.pruning.replay)."""
+    s = _grouped_scores(_head_queries(q, k, q_mul, q_add), k, scale)
+    return s.flatten(1, 2)
 
 
 def _attention(q, k, v, scale, bias, need_weights, causal):
@@ -58,9 +77,7 @@ def _attention(q, k, v, scale, bias, need_weights, causal):
         if bias is not None:
             mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g != h), None
-    r = h // g
-    qg = q.reshape(b, g, r, t, d)
-    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale          # [B,G,R,T,S]
+    scores = _grouped_scores(q, k, scale)                               # [B,G,R,T,S]
     if bias is not None:
         scores = scores + bias.unsqueeze(1).to(scores.dtype)
     scores = scores.masked_fill(~allowed, float("-inf"))

@@ -29,20 +29,104 @@ def pruned_zoo(tmp_path, monkeypatch):
     return tmp_path
 
 
+def titles(at):
+    return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+
+
 def test_pruning_page(pruned_zoo):
     at = AppTest.from_file(PAGE, default_timeout=180).run()
     assert at.sidebar.selectbox(key="model").value == "pruned"       # opens on a pruned model, not "base"
-    at.sidebar.selectbox(key="model").select("base").run()
-    assert any("not a pruned model" in i.value for i in at.info)
-    at.sidebar.selectbox(key="model").select("pruned").run()
     assert not at.exception, at.exception
-    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
-    assert "mha: tokens dropped per layer" in titles and any("part of speech" in t for t in titles)
+    assert at.selectbox(key="prune_rule").value == "learned" and len(at.selectbox(key="prune_rule").options) == 5
+    t = titles(at)
+    assert "mha, learned pruning: tokens dropped per layer" in t and any("part of speech" in x for x in t)
     labels = {m.label for m in at.metric}
-    assert {"mean sparsity (all layers)", "perplexity (pruned)", "perplexity (dense base)"} <= labels
+    assert {"mean sparsity (all layers)", "perplexity (pruned)", "perplexity (nothing evicted)",
+            "perplexity (dense base)"} <= labels
     first = at.markdown[0].value
     at.selectbox(key="prune_layer").select(1).run()
     assert at.markdown[0].value != first or "<s " not in first
+
+
+def window_length(zoo) -> int:
+    """Tokens the page shows: the sample text, at most the tiny model's context of 64."""
+    from analysis.text import tokenize
+    from app.common import SAMPLE_TEXT
+    return min(64, len(tokenize(load_model_dir(zoo / "base").tokenizer, SAMPLE_TEXT).ids))
+
+
+def page_sparsity(name, budget, n, prompt=None):
+    """policies.expected_sparsity counts query 0 (nothing earlier) as 0; the page averages over queries 1..n-1."""
+    from models.pruning import policies
+    return policies.expected_sparsity(name, budget, n, prompt) * n / (n - 1)
+
+
+def metric(at, label):
+    return next(m for m in at.metric if m.label == label).value
+
+
+def test_a_dense_model_runs_every_policy_at_its_budget(pruned_zoo):
+    """On the dense base (no learned rule) the page offers the four policies; the sparsity shown is the one the
+    budget implies, and a token budget or SnapKV's prompt are honoured."""
+    from models.pruning import policies
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    at.sidebar.selectbox(key="model").select("base").run()
+    assert not at.exception, at.exception
+    rule = at.selectbox(key="prune_rule")
+    assert [o.split()[0] for o in rule.options] == ["StreamingLLM", "TOVA", "H2O", "SnapKV"]   # no learned rule
+    n = window_length(pruned_zoo)
+    for name in ["streamingllm", "tova", "h2o", "snapkv"]:
+        at.selectbox(key="prune_rule").select(name).run()
+        assert not at.exception, (name, at.exception)
+        budget = max(policies.REGISTRY[name].min_budget, round(0.25 * n))
+        prompt = max(2, 3 * n // 4) if name == "snapkv" else None
+        want = page_sparsity(name, budget, n, prompt)
+        assert metric(at, "mean sparsity (all layers)") == f"{want:.1%}", name
+        assert f"mha, {name} at {budget} tokens: tokens dropped per layer" in titles(at)
+    at.selectbox(key="prune_rule").select("h2o").run()
+    at.radio(key="prune_budget_unit").set_value("tokens").run()
+    at.number_input(key="prune_budget_tok").set_value(10).run()
+    assert metric(at, "mean sparsity (all layers)") == f"{page_sparsity('h2o', 10, n):.1%}"
+    at.selectbox(key="prune_rule").select("snapkv").run()
+    at.number_input(key="prune_budget_prompt").set_value(n - 4).run()
+    assert metric(at, "mean sparsity (all layers)") == f"{page_sparsity('snapkv', 33, n, n - 4):.1%}"
+
+
+def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
+    from models.pruning import policies
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    n = window_length(pruned_zoo)
+    learned = float(metric(at, "mean sparsity (all layers)").rstrip("%")) / 100
+    at.selectbox(key="prune_compare").select("h2o").run()
+    assert not at.exception, at.exception
+    summary = at.dataframe[1].value
+    assert list(summary["rule"])[0] == "learned pruning" and list(summary["rule"])[1].startswith("h2o at ")
+    budget = int(list(summary["rule"])[1].split()[2])
+    assert abs(summary["sparsity"][0] - learned) < 1e-3
+    assert budget == policies.budget_for("h2o", summary["sparsity"][0] * (n - 1) / n, n)
+    assert abs(summary["sparsity"][1] - page_sparsity("h2o", budget, n)) < 1e-6
+    assert all(abs(page_sparsity("h2o", budget, n) - summary["sparsity"][0]) <=
+               abs(page_sparsity("h2o", b, n) - summary["sparsity"][0]) for b in range(1, n + 1))   # the nearest
+    assert "who drops each token by the end of the text" in titles(at)
+    assert "share dropped by part of speech (all layers)" in titles(at)
+    by_layer = at.dataframe[2].value
+    assert len(by_layer) == 2 and (by_layer.filter(like="only").sum(axis=1) + by_layer["both"] + by_layer["neither"] == n).all()
+    at.toggle(key="prune_all").set_value(True).run()
+    assert not at.exception, at.exception
+    every = at.dataframe[-1].value
+    assert list(every["rule"]) == ["learned pruning", "streamingllm", "tova", "h2o", "snapkv"]
+    for _, r in every.iloc[1:].iterrows():   # matched (a budget is a whole number of tokens), or at its smallest budget
+        assert abs(r["sparsity"] - learned) < 0.05 or r["budget"] == policies.REGISTRY[r["rule"]].min_budget, r["rule"]
+    assert "every rule at matched sparsity: share dropped by part of speech" in titles(at)
+
+
+def test_an_extractor_is_turned_away_with_the_reason(pruned_zoo):
+    tok = load_model_dir(pruned_zoo / "base").tokenizer
+    save_model_dir(pruned_zoo / "we", DecoderLM(ModelConfig(mixer="we", vocab_size=8192, context=64, d_model=32,
+                                                            n_layers=2, n_heads=4)), tok)
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    at.sidebar.selectbox(key="model").select("we").run()
+    assert any("Extractor" in i.value for i in at.info) and not at.exception
 
 
 def test_pruning_page_opens_on_the_largest_model_that_drops_most(pruned_zoo):

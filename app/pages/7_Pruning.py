@@ -1,19 +1,39 @@
-"""Pruning: which tokens a context-pruned model drops, per layer and part of speech, and what it saves."""
+"""Pruning: which tokens a rule drops, per layer and part of speech, and what it costs. The rule is a model's own
+learned context pruning or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at a budget, on
+any softmax attention model; two rules can be put side by side on one text at matched sparsity."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
+from analysis.pruning import LEARNED, NOTHING  # noqa: E402
 from app.common import dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
+from models.pruning import policies  # noqa: E402
+
+RULES = {LEARNED: "learned (this model's own rule)", "streamingllm": "StreamingLLM (4 sinks + recent window)",
+         "tova": "TOVA (least attended now)", "h2o": "H2O (heavy hitters + recent)",
+         "snapkv": "SnapKV (prompt compressed once)"}
+POLICIES = [r for r in RULES if r != LEARNED]
 
 
-def only_pruned(loaded):
-    return None if loaded.config.prune else "not a pruned model (no context pruning): pick one trained with prune=true."
+def prunable(loaded):
+    """None when the page can show this model: a pruned one (its rule and the policies) or a dense softmax one
+    (the policies)."""
+    cfg = loaded.config
+    if cfg.prune:
+        return None
+    if not hasattr(loaded.model.blocks[0].mixer, "replay_step"):
+        return ("an Extractor mixes its past inputs by lag and keeps no per-token cache to prune or evict from: pick "
+                "a softmax attention model.")
+    if cfg.pattern != "dense":
+        return f"this model attends through a fixed {cfg.pattern} pattern: pick a dense or a pruned model."
+    return None
 
 
 def first_pruned() -> str | None:
@@ -35,13 +55,18 @@ def first_pruned() -> str | None:
     return best[1] if best else None
 
 
-MAX_VIEW = 1024  # tokens per analysed window: keep masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
+MAX_VIEW = 1024  # tokens per analysed window: masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
 
 
-@st.cache_data(max_entries=8, show_spinner="Running the pruned model…")
-def cached_keeps(path: str, ids: tuple[int, ...]):
-    """(keep masks, log-probabilities): one forward gives both."""
-    return pruning.keeps_and_logprobs(load(path).model, list(ids))
+@st.cache_data(max_entries=8, show_spinner=False)
+def cached_rule(path: str, ids: tuple[int, ...], rule: str, budget: int | None, prompt: int | None):
+    """(visible masks, drop steps, log-probabilities) of one rule on one window: one forward."""
+    return pruning.rule_run(load(path).model, list(ids), rule, budget, prompt)
+
+
+def run_rule(path, ids, rule, budget=None, prompt=None):
+    with st.spinner(f"{RULES.get(rule, 'nothing evicted')}: one forward over {len(ids)} tokens…"):
+        return cached_rule(path, ids, rule, budget, prompt)
 
 
 @st.cache_data(max_entries=32, show_spinner="Tagging parts of speech (spaCy)…")
@@ -54,61 +79,175 @@ def cached_logprobs(path: str, ids: tuple[int, ...]):
     return tokens.token_logprobs(load(path).model, list(ids))
 
 
+def budget_controls(rule: str, n: int, key: str, where) -> tuple[int, int | None]:
+    """(budget in tokens, SnapKV's prompt length or None) from a share of the window or a token count."""
+    low = min(policies.REGISTRY[rule].min_budget, n)
+    a, b, c = where.columns(3)
+    unit = a.radio("Budget as", ["share of the window", "tokens"], horizontal=True, key=f"{key}_unit")
+    if unit == "tokens":
+        budget = int(b.number_input(f"Budget (tokens held per layer, {low}-{n})", low, n, max(low, n // 4), key=f"{key}_tok"))
+    else:
+        share = b.slider("Budget (share of the window held per layer)", 0.01, 1.0, 0.25, 0.01, key=f"{key}_share")
+        budget = max(low, min(n, round(share * n)))
+        b.caption(f"= {budget} tokens")
+    prompt = None
+    if policies.REGISTRY[rule].at_prompt_end:
+        prompt = int(c.number_input("SnapKV: the prompt ends after token", 2, n, max(2, 3 * n // 4), key=f"{key}_prompt",
+                                    help="SnapKV compresses the prompt once, from its last 32 queries; the tokens after "
+                                         "it are read as generated and all kept."))
+    return budget, prompt
+
+
+def table_for(run, labels, tags) -> pd.DataFrame:
+    visible, dropped_at, _ = run
+    return pruning.token_table(visible, labels, tags, dropped_at)
+
+
+def held_after(table: pd.DataFrame) -> int:
+    """Tokens all layers still hold after the text (every token the rule has not dropped)."""
+    return int((~table["dropped"]).sum())
+
+
 setup("Pruning")
-st.caption("Adaptively sparse attention: every layer learns to drop earlier tokens for good. At inference a token "
-           "j is dropped by the first later query n whose interaction score x_{n,j} is not positive.")
-loaded, text, toks = model_text_tokens(default=first_pruned(), accept=only_pruned)
-cfg = loaded.config
+st.caption("Which earlier tokens a model can do without. A context-pruned model drops token j for good at the first "
+           "later query n whose interaction score x_{n,j} is not positive; a KV-cache eviction policy keeps a budget "
+           "of tokens per layer and evicts by position (StreamingLLM) or by attention (TOVA, H2O, SnapKV).")
+loaded, text, toks = model_text_tokens(default=first_pruned(), accept=prunable)
+cfg, path = loaded.config, str(loaded.path)
 view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
+ids, n = tuple(view.ids), len(view.ids)
 # spaCy tags the window's own text, so offsets are taken relative to it
 a, b = view.offsets[0][0], view.offsets[-1][1]
-local = tuple((x - a, y - a) for x, y in view.offsets)
-keeps, lp = cached_keeps(str(loaded.path), tuple(view.ids))
-tags = cached_tags(text[a:b], local)
-table = pruning.token_table(keeps, view.labels, tags)
-settings = {"window_start": start, "tokens": len(view.ids)}
+tags = cached_tags(text[a:b], tuple((x - a, y - a) for x, y in view.offsets))
+
+options = ([LEARNED] if cfg.prune else []) + POLICIES
+rule = st.selectbox("Rule", options, format_func=RULES.get, key="prune_rule")
+budget = prompt = None
+if rule != LEARNED:
+    budget, prompt = budget_controls(rule, n, "prune_budget", st)
+    if cfg.prune:
+        st.caption("The policy runs on this model's own weights with its learned rule switched off.")
+run = run_rule(path, ids, rule, budget, prompt)
+table = table_for(run, view.labels, tags)
+keeps, lp = run[0], run[2]
+nothing_lp = run_rule(path, ids, NOTHING)[2]
+settings = {"window_start": start, "tokens": n, "rule": rule, "budget": budget, "prompt": prompt}
 
 sp = pruning.sparsity_per_layer(keeps)
-live_end = keeps[:, -1].sum(1)  # tokens each layer still holds after the last one
 per_token = loaded.model.cache_bytes_per_token() / cfg.n_layers
-dense_bytes, pruned_bytes = len(view.ids) * per_token * cfg.n_layers, float(live_end.sum() * per_token)
-m = st.columns(4)
+dense_bytes, held_bytes = n * per_token * cfg.n_layers, held_after(table) * per_token
+ppl, ppl0 = tokens.perplexity(lp), tokens.perplexity(nothing_lp)
+m = st.columns(5)
 m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
-m[1].metric("cache after the text", f"{pruned_bytes / 1024:.1f} KiB", f"{pruned_bytes / dense_bytes - 1:+.0%} vs dense",
+m[1].metric("cache after the text", f"{held_bytes / 1024:.1f} KiB", f"{held_bytes / dense_bytes - 1:+.0%} vs dense",
             delta_color="inverse")
-m[2].metric("perplexity (pruned)", f"{tokens.perplexity(lp):.2f}")
-base_dir = dense_base_path(loaded)
+m[2].metric(f"perplexity ({'pruned' if rule == LEARNED else rule})", f"{ppl:.2f}", f"{ppl / ppl0 - 1:+.2%} vs nothing evicted",
+            delta_color="inverse")
+m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a pruned "
+            "model's rule switched off).")
+base_dir = dense_base_path(loaded) if cfg.prune else None
 n_params = sum(p.numel() for p in loaded.model.parameters())
 # a large dense base is a second large model in memory: loaded only when asked for
-ask = base_dir and n_params > 50_000_000 and not m[3].toggle(f"compare with the dense base ({Path(base_dir).name})",
+ask = base_dir and n_params > 50_000_000 and not m[4].toggle(f"compare with the dense base ({Path(base_dir).name})",
                                                               key="prune_base")
 if base_dir and not ask:
     try:
-        base_lp = cached_logprobs(str(Path(base_dir)), tuple(view.ids))
-        m[3].metric("perplexity (dense base)", f"{tokens.perplexity(base_lp):.2f}")
+        base_lp = cached_logprobs(str(Path(base_dir)), ids)
+        m[4].metric("perplexity (dense base)", f"{tokens.perplexity(base_lp):.2f}")
     except (CheckpointError, ValueError) as e:
-        m[3].caption(f"dense base {base_dir}: {e}")
-elif not base_dir:
-    m[3].caption("no dense base recorded on this model's card")
+        m[4].caption(f"dense base {base_dir}: {e}")
+elif cfg.prune and not base_dir:
+    m[4].caption("no dense base recorded on this model's card")
 
+name = "learned pruning" if rule == LEARNED else f"{rule} at {budget} tokens"
 layer = st.selectbox("Layer", range(cfg.n_layers), key="prune_layer")
 st.markdown(pruning.struck_text_html(table, layer), unsafe_allow_html=True)
-st.caption("Struck through: dropped by this layer before the end of the text (hover for when and by which token).")
+st.caption("Struck through: dropped by this layer before the end of the text (hover for when and at which token's "
+           "step; TOVA, H2O and SnapKV evict after that token's query attended, the others before).")
 
-fig = pruning.token_layer_figure(table, f"{cfg.mixer}: tokens dropped per layer")
+fig = pruning.token_layer_figure(table, f"{cfg.mixer}, {name}: tokens dropped per layer")
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, table, "pruning_tokens_by_layer", loaded.path, text, settings, key="tokmap")
 
 rates = pruning.pos_drop_rates(table)
-heat = pruning.pos_heatmap(rates, "share of tokens dropped, by part of speech and layer")
+heat = pruning.pos_heatmap(rates, f"{name}: share of tokens dropped, by part of speech and layer")
 st.plotly_chart(heat, width="stretch")
 export_buttons(heat, rates, "pruning_pos_by_layer", loaded.path, text, settings, key="pos")
 
 counts = pruning.trigger_counts(table)
-if len(counts):
+if not len(counts):
+    st.info("No token is dropped in this text.")
+elif rule == LEARNED:
     trig = pruning.triggers_figure(counts, "which parts of speech trigger drops")
     st.plotly_chart(trig, width="stretch")
     export_buttons(trig, counts, "pruning_triggers", loaded.path, text, settings, key="trig")
 else:
-    st.info("No token is dropped in this text.")
+    st.caption("Triggers are shown for the learned rule: a policy evicts to stay within its budget, whichever token "
+               "arrives.")
 st.dataframe(sp.style.format({"sparsity": "{:.1%}"}), hide_index=True)
+
+# ---- two rules side by side at matched sparsity ---------------------------------------------------------------------
+st.subheader("Side by side at matched sparsity")
+target = float(sp["sparsity"].mean())
+others = [p for p in POLICIES if p != rule]
+c1, c2 = st.columns([2, 3])
+other = c1.selectbox("Compare with", ["-"] + others, format_func=lambda r: RULES.get(r, "nothing (pick a policy)"),
+                     key="prune_compare")
+if other != "-":
+    prompt_b = prompt
+    if policies.REGISTRY[other].at_prompt_end and prompt_b is None:
+        prompt_b = int(c2.number_input("SnapKV: the prompt ends after token", 2, n, max(2, 3 * n // 4), key="prune_prompt_b"))
+    budget_b = pruning.matched_budget(other, target, n, prompt_b)
+    run_b = run_rule(path, ids, other, budget_b, prompt_b)
+    table_b = table_for(run_b, view.labels, tags)
+    sp_b = float(pruning.sparsity_per_layer(run_b[0])["sparsity"].mean())
+    ppl_b = tokens.perplexity(run_b[2])
+    name_b = f"{other} at {budget_b} tokens"
+    summary = pd.DataFrame([{"rule": name, "sparsity": target, "perplexity": ppl, "vs nothing evicted": ppl / ppl0 - 1},
+                            {"rule": name_b, "sparsity": sp_b, "perplexity": ppl_b, "vs nothing evicted": ppl_b / ppl0 - 1}])
+    st.dataframe(summary.style.format({"sparsity": "{:.1%}", "perplexity": "{:.2f}", "vs nothing evicted": "{:+.2%}"}),
+                 hide_index=True)
+    st.caption(f"{other}'s budget is the one whose sparsity on a {n}-token text is nearest {target:.1%} "
+               "(it follows from the length alone).")
+    if abs(sp_b - target) > 0.02:
+        st.warning(f"{other} cannot match {target:.1%} here: its budget runs from {policies.REGISTRY[other].min_budget} "
+                   f"tokens to the whole window, which gives {sp_b:.1%} at the nearest.")
+    d = pruning.disagreement(table, table_b)
+    cmp_fig = pruning.disagreement_figure(d, (name, name_b), "who drops each token by the end of the text")
+    st.plotly_chart(cmp_fig, width="stretch")
+    export_buttons(cmp_fig, d, "pruning_disagreement", loaded.path, text, settings | {"compare": other, "budget_b": budget_b},
+                   key="cmp")
+    by_layer = pruning.disagreement_by_layer(d).rename(columns={"a only": f"{name} only", "b only": f"{name_b} only"})
+    st.dataframe(by_layer.style.format({"overlap": "{:.0%}"}), hide_index=True)
+    st.markdown("**Tokens they disagree on** (layers in which only one of them dropped it)")
+    st.dataframe(pruning.disputed_tokens(d).rename(columns={"a_only": f"{name} only", "b_only": f"{name_b} only"}),
+                 hide_index=True)
+    prof = pruning.pos_profile({name: table, name_b: table_b})
+    prof_fig = pruning.pos_profile_figure(prof, "share dropped by part of speech (all layers)")
+    st.plotly_chart(prof_fig, width="stretch")
+    export_buttons(prof_fig, prof, "pruning_pos_profile", loaded.path, text, settings | {"compare": other}, key="prof")
+
+if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"):
+    prompt_all = prompt or max(2, 3 * n // 4)
+    rows, tables = [{"rule": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
+    bar = st.progress(0.0, text="running the policies…")
+    for i, p in enumerate(others):
+        bp = pruning.matched_budget(p, target, n, prompt_all)
+        r = run_rule(path, ids, p, bp, prompt_all if policies.REGISTRY[p].at_prompt_end else None)
+        tables[f"{p} at {bp}"] = table_for(r, view.labels, tags)
+        rows.append({"rule": p, "budget": bp, "sparsity": float(pruning.sparsity_per_layer(r[0])["sparsity"].mean()),
+                     "perplexity": tokens.perplexity(r[2])})
+        bar.progress((i + 1) / len(others), text=f"{p} done")
+    bar.empty()
+    every = pd.DataFrame(rows).assign(vs_nothing_evicted=lambda f: f["perplexity"] / ppl0 - 1)
+    st.dataframe(every.style.format({"sparsity": "{:.1%}", "perplexity": "{:.2f}", "vs_nothing_evicted": "{:+.2%}"}),
+                 hide_index=True)
+    off = [r["rule"] for r in rows[1:] if abs(r["sparsity"] - target) > 0.02]
+    if off:
+        st.caption(f"Not matched (their smallest or largest budget is as near as they get): {', '.join(off)}.")
+    if any(policies.REGISTRY[p].at_prompt_end for p in others):
+        st.caption(f"SnapKV reads the first {prompt_all} tokens as its prompt.")
+    allprof = pruning.pos_profile(tables)
+    all_fig = pruning.pos_profile_figure(allprof, "every rule at matched sparsity: share dropped by part of speech")
+    st.plotly_chart(all_fig, width="stretch")
+    export_buttons(all_fig, allprof, "pruning_pos_profile_all", loaded.path, text, settings, key="profall")

@@ -17,6 +17,7 @@ from models.config import ConfigError
 from models.mixers.base import Mixer, register
 from models.pruning import CompactCache, ContextPruning, pattern_allows, pattern_mask
 from models.pruning.compact_cache import ALIGN
+from models.pruning.replay import LayerReplay
 
 
 def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -139,7 +140,21 @@ class Attention(Mixer):
             return self.full(x, q, k, v, record)
         if isinstance(cache, CompactCache):
             return self.compact_step(x, q, k, v, cache, record)
+        if isinstance(cache, LayerReplay):
+            return self.replay_step(q, k, v, cache, record)
         return self.cached_step(x, q, k, v, cache, record)
+
+    def replay_step(self, q, k, v, layer: LayerReplay, record):
+        """A whole text under an eviction policy (models.pruning.replay): the policy steps through the positions
+        over this layer's scores, then every query attends once over what it left. Learned pruning is off here."""
+        if q.shape[0] != 1:
+            raise ValueError("an eviction replay reads one text at a time (batch 1)")
+        t = q.shape[2]
+        scores = None
+        if layer.needs_scores:
+            scores = kernels.reference.attention_scores(q, k, scale=self.scale, **self.head_maps())[0]
+        visible = layer.run(t, scores, q.device)
+        return self.attend(q, k, v, additive(visible, q.dtype)[None, None], record, visible.to(q.dtype)[None], causal=False)
 
     def full(self, x, q, k, v, record):
         """A whole sequence (training, scoring): causal softmax attention, plus log I with context pruning

@@ -8,8 +8,9 @@ over the slots, `probs` [B,H,S] (per head; each rule reduces over heads as its p
 as they were (no re-numbering inside the cache, which StreamingLLM does for RoPE models).
 
 A cache built with a policy (DecoderLM.new_compact_cache(policy=...), models.generate.stream(policy=...)) runs
-it inside the decode step; models.evaluate.score_token_by_token scores a text under it, and
-analysis.reports.eviction writes docs/eviction.md. Not yet in the app (Pruning page, live view).
+it inside the decode step; models.pruning.replay runs it over a whole text in one forward (the same decisions;
+what the Pruning page and analysis.reports.eviction use); models.evaluate.score_token_by_token scores a text
+under it token by token.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Policy:
     name = ""
     uses_attention = False   # step() needs the current query's attention
     at_prompt_end = False    # decides once, after the prompt (SnapKV); otherwise at every step
+    before_attending = False  # evicts before the current query attends (it sees budget - 1 earlier tokens)
+    min_budget = 1
 
     def __init__(self, budget: int):
         if budget < 1:
@@ -65,6 +68,8 @@ class StreamingLLM(Policy):
     `sinks` tokens (the attention sinks, 4) and the most recent budget - sinks tokens. Decided by positions alone,
     before the query attends."""
     name = "streamingllm"
+    before_attending = True
+    min_budget = 5  # the 4 sinks and one recent token
 
     def __init__(self, budget: int, sinks: int = 4):
         super().__init__(budget)
@@ -118,6 +123,7 @@ class SnapKV(Policy):
     name = "snapkv"
     uses_attention = True
     at_prompt_end = True
+    min_budget = 33  # the observation window (32) and one selected token
 
     def __init__(self, budget: int, window: int = 32, pool: int = 7):
         super().__init__(budget)
@@ -141,6 +147,29 @@ class SnapKV(Policy):
         k = min(max(0, self.budget - self.window), s)
         chosen = torch.zeros_like(live).scatter_(1, rank[:, :k], True) & earlier
         return live & (chosen | ~earlier)                 # the window and anything later stay
+
+
+def expected_sparsity(name: str, budget: int, n: int, prompt: int | None = None) -> float:
+    """Mean over the queries of an n-token text of the share of earlier tokens a policy at this budget hides
+    (as models.pruning.sparsity averages: query 0, with nothing earlier, counts as 0). It follows from the text
+    length alone: step policies hold `budget` tokens (StreamingLLM's query sees budget - 1 earlier ones, the
+    others' see budget); SnapKV's prompt queries see everything and the query at i >= prompt sees the min(budget,
+    prompt) prompt tokens it kept plus the i - prompt generated before it."""
+    cls = REGISTRY[name]
+    i = torch.arange(1, n, dtype=torch.float64)
+    if cls.at_prompt_end:
+        if prompt is None:
+            raise ValueError(f"{name} decides at the end of a prompt: give its length")
+        sees = torch.where(i < prompt, i, min(budget, prompt) + i - prompt)
+    else:
+        sees = torch.full_like(i, budget - 1 if cls.before_attending else budget)
+    return float((1 - torch.minimum(i, sees) / i).sum()) / n
+
+
+def budget_for(name: str, target: float, n: int, prompt: int | None = None) -> int:
+    """The budget whose expected sparsity over an n-token text is nearest `target` (ties: the larger budget)."""
+    low = min(REGISTRY[name].min_budget, n)
+    return min(range(n, low - 1, -1), key=lambda b: abs(expected_sparsity(name, b, n, prompt) - target))
 
 
 def make(name: str, budget: int, **kwargs) -> Policy:

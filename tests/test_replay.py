@@ -1,0 +1,115 @@
+"""An eviction policy replayed over a whole text in one forward (models.pruning.replay) makes the decisions decoding
+token by token over the compacted cache makes: the same tokens evicted at the same steps in every layer, the same
+log-probabilities, and the sparsity policies.expected_sparsity predicts. On fresh random models of several mixers."""
+import pytest
+import torch
+
+from models.pruning import policies, sparsity
+from models.pruning.replay import MAX_TOKENS, replay
+from tests.test_compact_cache import model_for
+
+IDS = [int(i) for i in torch.randint(0, 61, (40,), generator=torch.Generator().manual_seed(11))]
+KW = {"streamingllm": {"sinks": 2}, "snapkv": {"window": 4}}
+
+
+def decoded(model, ids, policy, prompt=None):
+    """Token by token over the compacted cache (SnapKV: the prompt in one call, as generation feeds it):
+    log-probabilities of ids[1:] and, per layer, the step that evicted each position (-1: never)."""
+    cache = model.new_compact_cache(batch=1, policy=policy)
+    x = torch.tensor([ids])
+    lp, at = [], 0
+    chunks = [prompt] + [1] * (len(ids) - prompt) if prompt else [1] * len(ids)
+    for n in chunks:
+        logits = model(x[:, at:at + n], cache=cache, positions=torch.arange(at, at + n)[None]).logits
+        lp.append(logits[0].float().log_softmax(-1))
+        at += n
+    lp = torch.cat(lp)[:-1].gather(-1, x[0, 1:, None]).squeeze(-1)
+    dropped = torch.full((len(cache.layers), len(ids)), -1)
+    for i, layer in enumerate(cache.layers):
+        for _, p, trig in layer.drop_table().tolist():
+            dropped[i, p] = trig
+    return lp, dropped
+
+
+CASES = [("mha", {}), ("mqa", {}), ("mhe-mul", {}), ("mhe-add", {}), ("gqa", {"n_kv_heads": 2, "positions": "rope"})]
+
+
+@pytest.mark.parametrize("mixer, extra", CASES)
+@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o", 8), ("snapkv", 12)])
+def test_replay_evicts_what_token_by_token_decoding_evicts(mixer, extra, name, budget):
+    model = model_for(mixer, prune=False, context=64, seed=3, **extra)
+    prompt = 24 if name == "snapkv" else None
+    run = replay(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt=prompt)
+    lp, dropped = decoded(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt)
+    assert torch.equal(run.dropped_at, dropped)
+    assert (run.dropped_at >= 0).sum() > 0                             # it did evict
+    assert torch.allclose(run.logprobs.double(), lp.double(), atol=1e-9, rtol=1e-9)
+    # never more visible than the budget (the query itself included), and causal
+    vis = run.visible
+    assert not vis.triu(1).any() and vis.diagonal(dim1=1, dim2=2).all()
+    limit = budget if name != "snapkv" else budget + (len(IDS) - prompt)
+    assert int(vis.sum(-1).max()) <= limit + (0 if policies.REGISTRY[name].before_attending else 1)
+    got = float(sparsity(vis.double()).mean())
+    assert got == pytest.approx(policies.expected_sparsity(name, budget, len(IDS), prompt), abs=1e-6)
+
+
+def test_visibility_follows_the_drop_steps():
+    """The learned rule and StreamingLLM hide a token from the query that drops it; TOVA, H2O and SnapKV evict
+    after that query attended."""
+    model = model_for("mha", prune=False, context=64, seed=3)
+    for name, budget in (("streamingllm", 9), ("tova", 7), ("h2o", 8), ("snapkv", 12)):
+        run = replay(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt=24)
+        after = 0 if policies.REGISTRY[name].before_attending else 1
+        t = len(IDS)
+        for layer in range(model.config.n_layers):
+            for j in range(t):
+                s = int(run.dropped_at[layer, j])
+                end = t if s < 0 else s + after
+                want = torch.zeros(t, dtype=torch.bool)
+                want[j:end] = True
+                assert torch.equal(run.visible[layer, :, j], want), (name, layer, j)
+
+
+def test_no_policy_is_the_dense_forward_and_a_pruned_model_runs_with_its_rule_off():
+    dense = model_for("mha", prune=False, context=64, seed=3)
+    x = torch.tensor([IDS])
+    with torch.no_grad():
+        want = dense(x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1)
+    run = replay(dense, IDS)
+    assert torch.allclose(run.logprobs.double(), want.double(), atol=1e-10)
+    assert (run.dropped_at == -1).all() and torch.equal(run.visible[0], torch.ones(40, 40, dtype=torch.bool).tril())
+    pruned = model_for("mha", prune=True, context=64, seed=3)   # the dense model's weights plus a rule
+    missing = pruned.load_state_dict(dense.state_dict(), strict=False).missing_keys
+    assert missing and all(".pruning." in k for k in missing)
+    with torch.no_grad():
+        assert (pruned(x, diagnostics="keep").diagnostics[0]["keep"] < 0.5).any()   # its rule would drop tokens
+    assert torch.allclose(replay(pruned, IDS).logprobs, run.logprobs, atol=1e-10)
+    tova = replay(pruned, IDS, policies.make("tova", 7))
+    assert torch.equal(tova.dropped_at, replay(dense, IDS, policies.make("tova", 7)).dropped_at)
+
+
+def test_expected_sparsity_and_matched_budgets():
+    assert policies.expected_sparsity("tova", 48, 48) == 0.0
+    assert policies.expected_sparsity("streamingllm", 49, 48) == 0.0
+    assert policies.expected_sparsity("snapkv", 64, 100, prompt=50) == 0.0            # the budget holds the prompt
+    assert policies.expected_sparsity("snapkv", 40, 100, prompt=100) == 0.0           # no query after the prompt
+    for name in ("streamingllm", "tova", "h2o", "snapkv"):
+        b = policies.budget_for(name, 0.3, 200, prompt=150)
+        err = abs(policies.expected_sparsity(name, b, 200, 150) - 0.3)
+        assert all(err <= abs(policies.expected_sparsity(name, c, 200, 150) - 0.3)
+                   for c in range(policies.REGISTRY[name].min_budget, 201))
+    with pytest.raises(ValueError, match="prompt"):
+        policies.expected_sparsity("snapkv", 40, 100)
+
+
+def test_refusals_say_why():
+    model = model_for("mha", prune=False, context=64, seed=3)
+    with pytest.raises(ValueError, match="prompt"):
+        replay(model, IDS, policies.make("snapkv", 12, window=4))
+    with pytest.raises(ValueError, match="softmax attention"):
+        replay(model_for("we", prune=False, context=64), IDS)
+    with pytest.raises(ValueError, match="fixed local pattern"):
+        replay(model_for("mha", prune=False, context=64, pattern="local", pattern_k=4), IDS)
+    with pytest.raises(ValueError, match="take a window"):
+        replay(model, list(range(65)))
+    assert MAX_TOKENS >= 1024   # the Pruning page's window
