@@ -66,11 +66,16 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def token_table(keeps: np.ndarray, labels: list[str], tags: list[str], dropped_at: np.ndarray | None = None) -> pd.DataFrame:
-    """One row per (layer, token): dropped or kept to the end, at which step, by which token (trigger).
+    """One row per (layer, token): dropped or kept to the end, at which step, by which token (trigger), and the
+    share of the later queries of the text that could not see it (hidden_share; NaN for the last token).
     dropped_at [L,T] (-1: never), when given, says the step (an eviction policy's, see rule_run); otherwise it
     is read off the keep masks (the learned rule: the first query that no longer sees the token)."""
     rows = []
     for layer, keep in enumerate(keeps):
+        t = keep.shape[0]
+        later = np.tril(keep, -1).sum(0)                            # how many later queries saw each token
+        hidden = np.full(t, np.nan)
+        hidden[:-1] = 1 - later[:-1] / (t - 1 - np.arange(t - 1))
         if dropped_at is None:
             step = drop_records(torch.from_numpy(keep)[None])[0][0].numpy()
         else:
@@ -79,7 +84,8 @@ def token_table(keeps: np.ndarray, labels: list[str], tags: list[str], dropped_a
             s = int(step[j])
             rows.append({"layer": layer, "position": j, "token": labels[j], "pos": tags[j], "dropped": s >= 0,
                          "dropped_at": s, "trigger_token": labels[s] if s >= 0 else None,
-                         "trigger_pos": tags[s] if s >= 0 else None, "lifetime": (s - j) if s >= 0 else None})
+                         "trigger_pos": tags[s] if s >= 0 else None, "lifetime": (s - j) if s >= 0 else None,
+                         "hidden_share": hidden[j]})
     return pd.DataFrame(rows)
 
 
@@ -163,25 +169,28 @@ def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> 
 
 
 def pos_profile(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per rule and POS tag: the share of tokens dropped by the end, over all layers (the last token left out)."""
+    """Per rule and POS tag, over all layers: the mean share of later queries that cannot see a token
+    (hidden_share: a rule's sparsity, split by what the hidden token is) and the share dropped by the end."""
     rows = []
     for rule, t in tables.items():
-        t = t[t["position"] < t["position"].max()]
-        g = t.groupby("pos")["dropped"].agg(["size", "mean"]).reset_index()
-        rows.append(g.assign(rule=rule).rename(columns={"size": "token_layers", "mean": "drop_rate"}))
-    return pd.concat(rows, ignore_index=True)[["rule", "pos", "token_layers", "drop_rate"]]
+        t = t[t["hidden_share"].notna()]
+        g = t.groupby("pos").agg(token_layers=("dropped", "size"), hidden_share=("hidden_share", "mean"),
+                                 drop_rate=("dropped", "mean")).reset_index()
+        rows.append(g.assign(rule=rule))
+    return pd.concat(rows, ignore_index=True)[["rule", "pos", "token_layers", "hidden_share", "drop_rate"]]
 
 
 def pos_profile_figure(profile: pd.DataFrame, title: str, min_count: int = 1) -> go.Figure:
-    """Grouped bars: each rule's drop rate per POS tag (tags seen at least min_count times per rule)."""
+    """Grouped bars: per POS tag (seen at least min_count times), each rule's mean share of later queries that
+    cannot see such a token."""
     p = profile[profile["token_layers"] >= min_count]
     order = p.groupby("pos")["token_layers"].max().sort_values(ascending=False).index.tolist()
-    fig = px.bar(p, x="pos", y="drop_rate", color="rule", barmode="group", title=title, category_orders={"pos": order},
-                 labels={"pos": "part of speech", "drop_rate": "share dropped (all layers)"}, hover_data=["token_layers"])
+    fig = px.bar(p, x="pos", y="hidden_share", color="rule", barmode="group", title=title, category_orders={"pos": order},
+                 labels={"pos": "part of speech", "hidden_share": "later queries that cannot see it"},
+                 hover_data=["token_layers", "drop_rate"])
     fig.update_yaxes(range=[0, 1], tickformat=".0%")
     fig.update_layout(height=400)
     return fig
-
 
 def pos_drop_rates(table: pd.DataFrame) -> pd.DataFrame:
     """Per layer and POS tag: tokens, share dropped, and keep probability. The last token (nobody after

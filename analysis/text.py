@@ -1,6 +1,7 @@
 """User text in: uploads and pasted text become clean strings, or a clear refusal; then tokens with labels."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import PurePath
 
@@ -56,6 +57,16 @@ def tokenize(tokenizer, text: str) -> Tokens:
     labels = [text[a:b].replace(" ", "·").replace("\n", "⏎") or tokenizer.id_to_token(i)
               for i, (a, b) in zip(enc.ids, enc.offsets)]
     return Tokens(list(enc.ids), labels, [tuple(o) for o in enc.offsets])
+
+
+def from_ids(tokenizer, ids: list[int]) -> tuple[str, Tokens]:
+    """Token ids with no text behind them (a window of a prepared token stream) -> the text they decode to and
+    their Tokens, each token's offsets being where its own decoded piece sits in that text."""
+    pieces = [tokenizer.decode([i]) for i in ids]
+    ends = list(itertools.accumulate(len(p) for p in pieces))
+    offsets = [(e - len(p), e) for p, e in zip(pieces, ends)]
+    labels = [p.replace(" ", "·").replace("\n", "⏎") or tokenizer.id_to_token(i) for p, i in zip(pieces, ids)]
+    return "".join(pieces), Tokens(list(ids), labels, offsets)
 
 
 def window(tokens: Tokens, start: int, size: int) -> Tokens:

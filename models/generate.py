@@ -152,7 +152,8 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
     latency is the model's own time, so a caller may draw between events without changing it; two streams
     may be interleaved. `info`, when given, is filled with notes, the prefill time, kernel paths, the cache
     kind and the stop reason as they become known. policy: a heuristic eviction policy
-    (models.pruning.policies) for a dense softmax model, over the compacted cache.
+    (models.pruning.policies) over the compacted cache, for any softmax model without a fixed pattern (a pruned
+    one with its learned rule off).
     """
     context = model.config.context
     prompt = [int(t) for t in prompt_ids]
@@ -176,6 +177,8 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
         max_new_tokens = room
     stops = set(int(s) for s in stop_ids)
     own, dense = layer_bytes_per_token(model)
+    if policy is not None:  # a learned rule is off under a policy: no K_int is kept
+        own = dense
     n_layers = len(own)
     dropped = [0] * n_layers          # per layer, tokens dropped so far (compacted: counted from its records)
     seen_records = [0] * n_layers

@@ -130,15 +130,17 @@ class DecoderLM(nn.Module):
     def new_compact_cache(self, batch: int = 1, capacity: int = 16, policy=None) -> CompactDecodeCache:
         """The compacted cache (context pruning's data structure; rows may have different lengths). Attention
         mixers only: an Extractor's state is a window of past inputs indexed by lag, which slots cannot hold.
-        policy: a heuristic eviction policy (models.pruning.policies) for a model without learned pruning."""
+        policy: a heuristic eviction policy (models.pruning.policies); on a model with learned pruning the policy
+        decides instead of the rule (its own weights, the rule off, as models.pruning.replay runs it)."""
         if not hasattr(self.blocks[0].mixer, "compact_step"):
             raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: an "
                              "Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
-        if policy is not None and (self.config.prune or self.config.pattern != "dense"):
-            raise ValueError(f"an eviction policy ({policy.name}) runs on a dense softmax model; this one already "
-                             "decides what to drop (context pruning or a fixed pattern)")
+        if policy is not None and self.config.pattern != "dense":
+            raise ValueError(f"an eviction policy ({policy.name}) runs on a softmax model without a fixed pattern; this "
+                             f"one attends through a {self.config.pattern} window")
         p = self.wte.weight
-        return CompactDecodeCache([CompactCache(b.mixer.cache_spec(), batch, capacity, p.dtype, p.device, policy)
+        return CompactDecodeCache([CompactCache(b.mixer.cache_spec(policy is None), batch, capacity, p.dtype, p.device,
+                                                policy)
                                    for b in self.blocks])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,

@@ -96,3 +96,42 @@ def test_dense_model_has_no_pruning_widgets():
     assert not any("held per step" in (t or "") for t in titles(at))
     assert any("static cache" in c.value and "kernel path: attention=reference" in c.value for c in at.caption)
     assert len(at.dataframe[0].value) == 8
+
+
+def test_a_dense_model_under_a_policy_streams_its_evictions_beside_itself_with_nothing_evicted():
+    at = AppTest.from_file(PAGE, default_timeout=300)
+    at.session_state["model"] = "mha"
+    at.run()
+    assert at.selectbox(key="gen_evict").value == "none"
+    at.selectbox(key="gen_evict").select("h2o").run()
+    at.number_input(key="gen_budget").set_value(12)
+    at.number_input(key="gen_n").set_value(20)
+    at.checkbox(key="gen_greedy").set_value(True)
+    at.button(key="gen_go").click().run()
+    assert not at.exception, at.exception
+    (path, res, tr), (_, twin, _) = at.session_state["gen_result"]["runs"]
+    assert at.session_state["gen_result"]["labels"] == ["h2o", "nothing evicted"]
+    assert res.cache_kind == "compacted" and twin.cache_kind == "static"
+    assert max(res.events[-1].live) == 12 and any(e.drops for e in res.events)   # held to the budget, drops recorded
+    labels = {m.label for m in at.metric}
+    assert {"cache memory saved", "latency h2o / nothing evicted"} <= labels
+    import numpy as np
+    strip = heat(at)
+    assert (np.nan_to_num(strip, nan=1) == 0).any()                             # the strip shows evicted tokens
+    assert any(s.value == "h2o vs nothing evicted" for s in at.subheader)
+
+
+def test_a_pruned_model_under_a_policy_runs_beside_its_own_rule():
+    at = AppTest.from_file(PAGE, default_timeout=300)
+    at.session_state["model"] = "mha-1024-pruned"
+    at.run()
+    assert at.selectbox(key="gen_evict").value == "learned"
+    at.selectbox(key="gen_evict").select("streamingllm").run()
+    at.number_input(key="gen_budget").set_value(8)
+    at.number_input(key="gen_n").set_value(16)
+    at.button(key="gen_go").click().run()
+    assert not at.exception, at.exception
+    (_, res, _), (_, own, _) = at.session_state["gen_result"]["runs"]
+    assert at.session_state["gen_result"]["labels"] == ["streamingllm", "learned rule"]
+    assert max(res.events[-1].live) == 8 and own.cache_kind == "compacted"
+    assert any("learned rule is off" in c.value for c in at.caption)

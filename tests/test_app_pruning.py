@@ -87,6 +87,8 @@ def test_a_dense_model_runs_every_policy_at_its_budget(pruned_zoo):
     at.radio(key="prune_budget_unit").set_value("tokens").run()
     at.number_input(key="prune_budget_tok").set_value(10).run()
     assert metric(at, "mean sparsity (all layers)") == f"{page_sparsity('h2o', 10, n):.1%}"
+    cache = next(m for m in at.metric if m.label == "cache after the text")     # H2O holds its budget, no more
+    assert cache.delta == f"{10 / n - 1:+.0%} vs dense"
     at.selectbox(key="prune_rule").select("snapkv").run()
     at.number_input(key="prune_budget_prompt").set_value(n - 4).run()
     assert metric(at, "mean sparsity (all layers)") == f"{page_sparsity('snapkv', 33, n, n - 4):.1%}"
@@ -108,7 +110,7 @@ def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
     assert all(abs(page_sparsity("h2o", budget, n) - summary["sparsity"][0]) <=
                abs(page_sparsity("h2o", b, n) - summary["sparsity"][0]) for b in range(1, n + 1))   # the nearest
     assert "who drops each token by the end of the text" in titles(at)
-    assert "share dropped by part of speech (all layers)" in titles(at)
+    assert "hidden from later queries, by part of speech (all layers)" in titles(at)
     by_layer = at.dataframe[2].value
     assert len(by_layer) == 2 and (by_layer.filter(like="only").sum(axis=1) + by_layer["both"] + by_layer["neither"] == n).all()
     at.toggle(key="prune_all").set_value(True).run()
@@ -117,7 +119,7 @@ def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
     assert list(every["rule"]) == ["learned pruning", "streamingllm", "tova", "h2o", "snapkv"]
     for _, r in every.iloc[1:].iterrows():   # matched (a budget is a whole number of tokens), or at its smallest budget
         assert abs(r["sparsity"] - learned) < 0.05 or r["budget"] == policies.REGISTRY[r["rule"]].min_budget, r["rule"]
-    assert "every rule at matched sparsity: share dropped by part of speech" in titles(at)
+    assert "every rule at matched sparsity: hidden from later queries, by part of speech" in titles(at)
 
 
 def test_an_extractor_is_turned_away_with_the_reason(pruned_zoo):

@@ -194,3 +194,20 @@ def test_generate_shows_pruning_live_beside_the_dense_twin(server, browser, tmp_
     got = json.loads(path.read_text())
     assert got["cache"] == "compacted" and len(got["steps"]) == 700 and got["drops"]
     page.close()
+
+
+def test_pruning_page_puts_the_learned_rule_beside_a_policy(server, browser):
+    """The learned rule of the shipped pruned model beside H2O at matched sparsity, picked in the browser."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    page.goto(f"{server}/Pruning?model=mha-1024-pruned")
+    wait_idle(page)
+    page.get_by_text("nothing (pick a policy)").click(timeout=60_000)
+    page.get_by_role("option", name="H2O (heavy hitters + recent)").click(timeout=60_000)
+    page.wait_for_selector("text=Tokens they disagree on", timeout=180_000)
+    wait_idle(page)
+    assert page.locator("[data-testid='stException']").count() == 0
+    body = page.inner_text("body")
+    assert "learned pruning" in body and "h2o at " in body
+    page.screenshot(path=str(SHOTS / "Pruning_compare.png"), full_page=True)
+    page.close()

@@ -185,8 +185,28 @@ def test_snapkv_in_the_model_keeps_its_selection_and_everything_after():
     first, last = res.events[0].live, res.events[-1].live
     assert all(n == 16 for n in first)                            # 12 chosen + the 4-token window
     assert all(n == 16 + 9 for n in last)                          # then every generated token is kept
-    with pytest.raises(ValueError, match="dense softmax model"):
-        model_for("mha", context=64).float().new_compact_cache(policy=policies.make("tova", 8))
+    with pytest.raises(ValueError, match="fixed pattern"):
+        model_for("mha", prune=False, context=64, pattern="local", pattern_k=4).new_compact_cache(policy=policies.make("tova", 8))
+
+
+@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o", 8), ("snapkv", 12)])
+def test_a_pruned_model_under_a_policy_decodes_with_its_rule_off(name, budget):
+    """Its own weights, the policy deciding: the same tokens, drops and cache as the same weights without a rule,
+    and no K_int kept."""
+    from models.generate import generate
+    from tests.test_compact_cache import model_for
+    dense = model_for("mha", prune=False, context=64, seed=3).float()
+    pruned = model_for("mha", prune=True, context=64, seed=3).float()
+    pruned.load_state_dict(dense.state_dict(), strict=False)
+    prompt = list(range(3, 23))
+    kw = {"window": 4} if name == "snapkv" else {}
+    a = generate(dense, prompt, 15, greedy=True, policy=policies.make(name, budget, **kw))
+    b = generate(pruned, prompt, 15, greedy=True, policy=policies.make(name, budget, **kw))
+    assert b.new_ids == a.new_ids
+    assert [e.drops for e in b.events] == [e.drops for e in a.events] and any(e.drops for e in b.events)
+    assert [(e.held_bytes, e.alloc_bytes, e.live) for e in b.events] == [(e.held_bytes, e.alloc_bytes, e.live) for e in a.events]
+    cache = pruned.new_compact_cache(policy=policies.make(name, budget, **kw))
+    assert all("k_int" not in layer.buffers for layer in cache.layers)
 
 
 def test_token_by_token_scores_equal_the_full_forward_and_count_what_queries_saw():
@@ -214,23 +234,45 @@ def test_token_by_token_scores_equal_the_full_forward_and_count_what_queries_saw
     assert got["nll"] == pytest.approx(out.loss.item() * n, rel=1e-4)
 
 
-def test_eviction_report_matches_budgets_to_the_learned_sparsity(tmp_path):
+def test_eviction_report_pools_what_token_by_token_scoring_gives(tmp_path):
+    """The report's rows (replayed in one forward per window) equal token-by-token scoring of the same windows, and
+    its budgets are the matched ones; SnapKV takes part after a prompt; the POS profile covers every rule."""
+    import math
+    import re
+
     import numpy as np
 
     from analysis.reports import eviction
-    assert eviction.budget_sparsity("tova", 48, 48) == 0.0
-    for name in ("streamingllm", "tova"):
-        b = eviction.budget_for(name, 0.5, 200)
-        assert abs(eviction.budget_sparsity(name, b, 200) - 0.5) <= abs(eviction.budget_sparsity(name, b + 1, 200) - 0.5)
-    np.save(tmp_path / "test.npy", np.random.default_rng(0).integers(0, 8192, 200).astype(np.uint16))
+    from models.checkpoint import load_model_dir
+    from models.evaluate import score_token_by_token
+    stream = np.random.default_rng(0).integers(0, 8192, 200).astype(np.uint16)
+    np.save(tmp_path / "test.npy", stream)
     out = tmp_path / "e.md"
     assert eviction.main(["--dense", "assets/models/mha-1024", "--pruned", "assets/models/mha-1024-pruned",
                           "--data", str(tmp_path), "--window", "40", "--windows", "2", "--targets", "0.5",
-                          "--out", str(out), "--figure", str(tmp_path / "e.png")]) == 0
+                          "--out", str(out), "--figure", str(tmp_path / "e.png"),
+                          "--pos-figure", str(tmp_path / "p.png")]) == 0
     text = out.read_text()
-    assert "| dense | mha-1024 | - | 0.0% |" in text and "| learned pruning | mha-1024-pruned | - |" in text
+    whole, split = text.split("## Prompt, then generation")
+    assert "| dense | mha-1024 | - | 0.0% |" in whole and "| learned pruning | mha-1024-pruned | - |" in whole
     for name in ("streamingllm", "tova", "h2o"):
-        assert f"| {name} | mha-1024 |" in text
-    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"| {name} | mha-1024 |" in whole
+    assert "| snapkv | mha-1024 |" in split and "| snapkv" not in whole
+    windows = [[int(t) for t in stream[i * 40:(i + 1) * 40]] for i in range(2)]
+    dense = load_model_dir("assets/models/mha-1024").model
+    pruned = load_model_dir("assets/models/mha-1024-pruned").model
+    learned = [score_token_by_token(pruned, w) for w in windows]
+    ppl = math.exp(sum(r["nll"] for r in learned) / sum(r["tokens"] for r in learned))
+    sp = sum(r["sparsity"] * r["tokens"] for r in learned) / sum(r["tokens"] for r in learned)
+    row = re.search(r"\| learned pruning \| mha-1024-pruned \| - \| ([\d.]+)% \| ([\d.]+) \|", whole)
+    assert float(row.group(2)) == pytest.approx(ppl, rel=1e-5) and float(row.group(1)) == pytest.approx(100 * sp, abs=0.05)
+    b = policies.budget_for("tova", sp, 39)   # the 39 queries that predict a token
+    tova = [score_token_by_token(dense, w, policies.make("tova", b)) for w in windows]
+    ppl = math.exp(sum(r["nll"] for r in tova) / sum(r["tokens"] for r in tova))
+    row = re.search(rf"\| tova \| mha-1024 \| {b} \| [\d.]+% \| ([\d.]+) \|", whole)
+    assert row and float(row.group(1)) == pytest.approx(ppl, rel=1e-5)
+    pos_table = text.split("## What each rule hides, by part of speech")[1]
+    assert all(name in pos_table for name in ("learned pruning", "streamingllm (", "tova (", "h2o ("))
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit):
-        eviction.main(["--dense", "x", "--pruned", "y", "--policies", "snapkv"])
+        eviction.main(["--dense", "x", "--pruned", "y", "--policies", "lru"])

@@ -152,3 +152,29 @@ def test_keeps_and_logprobs_from_one_forward_equal_the_two_forwards():
     keeps, lp = pruning.keeps_and_logprobs(model, ids)
     assert np.array_equal(keeps, pruning.keep_matrices(model, ids))
     assert np.allclose(lp, tokens.token_logprobs(model, ids), atol=1e-5)
+
+
+def test_hidden_share_disagreement_and_pos_profile_from_hand_made_masks():
+    """Three tokens, one layer: rule a hides token 0 from query 2 on; rule b hides token 1 from query 2 on."""
+    import numpy as np
+
+    from analysis import pruning
+    a = np.tril(np.ones((3, 3), dtype=np.uint8))
+    b = a.copy()
+    a[2, 0] = 0
+    b[2, 1] = 0
+    ta = pruning.token_table(a[None], ["x", "y", "z"], ["NOUN", "VERB", "NOUN"])
+    tb = pruning.token_table(b[None], ["x", "y", "z"], ["NOUN", "VERB", "NOUN"], dropped_at=np.array([[-1, 2, -1]]))
+    assert ta["hidden_share"].tolist()[:2] == [0.5, 0.0] and np.isnan(ta["hidden_share"].iloc[2])
+    assert tb["hidden_share"].tolist()[:2] == [0.0, 1.0]          # query 2 is the only one after token 1
+    assert ta["dropped_at"].tolist() == [2, -1, -1] and tb["dropped"].tolist() == [False, True, False]
+    d = pruning.disagreement(ta, tb)
+    assert d["who"].tolist() == ["a only", "b only", "neither"]
+    by_layer = pruning.disagreement_by_layer(d)
+    assert by_layer[["both", "a only", "b only", "neither"]].values.tolist() == [[0, 1, 1, 1]] and by_layer["overlap"][0] == 0
+    assert pruning.disputed_tokens(d)["token"].tolist() == ["x", "y"]
+    prof = pruning.pos_profile({"a": ta, "b": tb}).set_index(["rule", "pos"])
+    assert prof.loc[("a", "NOUN"), "hidden_share"] == 0.5 and prof.loc[("b", "VERB"), "hidden_share"] == 1.0
+    assert prof.loc[("a", "NOUN"), "token_layers"] == 1                  # the last token is left out
+    fig = pruning.disagreement_figure(d, ("a", "b"), "t")
+    assert fig.data[0].z.tolist() == [[2, 3, 0]]                         # codes: neither 0, both 1, a only 2, b only 3

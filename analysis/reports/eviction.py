@@ -1,14 +1,19 @@
 """Learned context pruning against heuristic KV-cache eviction (papers.md sections 3 and 5): docs/eviction.md.
 
     python -m analysis.reports.eviction --dense DIR --pruned DIR [--data data] [--window 512] [--windows 8]
-        [--policies streamingllm,tova,h2o] [--targets 0.5,0.8] [--out docs/eviction.md] [--figure docs/eviction.png]
+        [--policies streamingllm,tova,h2o,snapkv] [--targets 0.5,0.8] [--prompt-share 0.75]
+        [--out docs/eviction.md] [--figure docs/eviction.png] [--pos-figure docs/eviction_pos.png]
 
-Every model reads the same consecutive windows of the test split token by token (models.evaluate.
-score_token_by_token), so each query sees what the rule left it. The pruned model's own sparsity is one target;
-each policy runs on the dense model at the budget whose sparsity on these windows is nearest each target (the
-sparsity a budget gives follows from the window length alone: StreamingLLM evicts before the query attends, TOVA
-and H2O after). SnapKV decides once after a prompt, which a token-by-token reading of a text does not have: it is
-not in this table.
+Every model reads the same consecutive windows of the test split. Each policy runs on the dense model through
+models.pruning.replay (one forward per window; the decisions token-by-token decoding makes, tests/test_replay.py),
+the pruned model through its own full forward (what its decode makes, tests/test_policies.py). Two readings:
+
+1. The whole window read as it arrives: the step policies (StreamingLLM, TOVA, H2O) at the budgets whose sparsity
+   is nearest the pruned model's own and each --targets value (the sparsity a budget gives follows from the window
+   length alone). A per-POS profile of what each rule drops at the pruned model's sparsity goes in one figure.
+2. Prompt, then generation: the first --prompt-share of each window is a prompt and only the queries after it
+   are scored, so SnapKV (which compresses a prompt once) can take part; every policy's budget is matched to the
+   pruned model's sparsity over those queries.
 """
 from __future__ import annotations
 
@@ -22,32 +27,34 @@ import pandas as pd
 import plotly.graph_objects as go
 from tqdm import tqdm
 
+from analysis import pruning
+from analysis.text import from_ids
 from models.checkpoint import load_model_dir
 from models.data.corpus import load_tokens
 from models.device import add_arguments as add_device_arguments
-from models.evaluate import score_token_by_token
-from models.pruning import policies
-
-BEFORE_ATTENDING = {"streamingllm"}  # evicts before the query attends: it sees budget - 1 earlier tokens
+from models.pruning import policies, sparsity
 
 
-def budget_sparsity(name: str, budget: int, n: int) -> float:
-    """Mean over the n queries of a window of the share of earlier tokens a policy at this budget hides."""
-    sees = budget - 1 if name in BEFORE_ATTENDING else budget
-    return sum(1 - min(i, sees) / i for i in range(1, n)) / n
+class Pool:
+    """Pooled log-likelihood and query sparsity of one rule over windows: the queries that predict a token (all
+    but the last), from query `first` on."""
 
+    def __init__(self):
+        self.nll = self.tokens = self.hidden = self.queries = 0.0
 
-def budget_for(name: str, target: float, n: int) -> int:
-    low = 5 if name == "streamingllm" else 2  # StreamingLLM keeps 4 sinks and at least one recent token
-    return min(range(low, n + 1), key=lambda b: abs(budget_sparsity(name, b, n) - target))
+    def add(self, visible, logprobs, first: int = 0):
+        """visible [L,T,T] (uint8 or bool), logprobs [T-1] (query i predicts token i+1)."""
+        import torch
+        s = sparsity(torch.as_tensor(visible).float())[:, first:-1]        # [L, queries]
+        self.hidden += float(s.mean(0).sum())
+        self.queries += s.shape[1]
+        lp = logprobs[first:]
+        self.nll -= float(lp.sum())
+        self.tokens += len(lp)
 
-
-def score(model, windows: list[list[int]], policy=None, label: str = "") -> dict:
-    nll = tokens = sparsity = 0.0
-    for ids in tqdm(windows, desc=label, leave=False):
-        r = score_token_by_token(model, ids, policy)
-        nll, tokens, sparsity = nll + r["nll"], tokens + r["tokens"], sparsity + r["sparsity"] * r["tokens"]
-    return {"perplexity": math.exp(nll / tokens), "sparsity": sparsity / tokens, "tokens": int(tokens)}
+    def row(self) -> dict:
+        return {"perplexity": math.exp(self.nll / self.tokens), "sparsity": self.hidden / self.queries,
+                "tokens": int(self.tokens)}
 
 
 def figure(table: pd.DataFrame, title: str) -> go.Figure:
@@ -59,18 +66,44 @@ def figure(table: pd.DataFrame, title: str) -> go.Figure:
     return fig
 
 
-def render(command: str, table: pd.DataFrame, window: int, n_windows: int, figure_name: str | None) -> str:
-    dense = float(table.loc[table["rule"] == "dense", "perplexity"].iloc[0])
-    lines = ["# Learned pruning against KV-cache eviction policies", "", f"Generated by `{command}`; do not edit by hand.",
-             "", f"{n_windows} windows of {window} tokens of the test split, read token by token; perplexity pooled over "
-             "tokens, sparsity averaged over queries and layers.", "",
-             "| rule | model | budget | sparsity | perplexity | vs dense |", "|---|---|---:|---:|---:|---:|"]
+def table_md(table: pd.DataFrame, dense: float) -> list[str]:
+    lines = ["| rule | model | budget | sparsity | perplexity | vs dense |", "|---|---|---:|---:|---:|---:|"]
     for _, r in table.iterrows():
         budget = "-" if pd.isna(r["budget"]) else f"{int(r['budget'])}"
+        if budget != "-" and int(r["budget"]) == policies.REGISTRY[r["rule"]].min_budget:
+            budget += " (its smallest)"
         lines.append(f"| {r['rule']} | {r['model']} | {budget} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
                      f"{r['perplexity'] / dense - 1:+.2%} |")
-    if figure_name:
-        lines += ["", f"![perplexity against sparsity]({figure_name})"]
+    return lines
+
+
+def render(command: str, whole: pd.DataFrame, split: pd.DataFrame, profile: pd.DataFrame, window: int, n_windows: int,
+           prompt: int, figures: dict[str, str | None]) -> str:
+    lines = ["# Learned pruning against KV-cache eviction policies", "", f"Generated by `{command}`; do not edit by hand.",
+             "", f"{n_windows} windows of {window} tokens of the test split. Policies run on the dense model, replayed over "
+             "each window in one forward (the decisions token-by-token decoding makes); perplexity pooled over tokens, "
+             "sparsity (share of its earlier tokens a query cannot see) averaged over queries and layers.", "",
+             "## The whole window, read as it arrives", ""]
+    lines += table_md(whole, float(whole.loc[whole["rule"] == "dense", "perplexity"].iloc[0]))
+    if figures.get("curve"):
+        lines += ["", f"![perplexity against sparsity]({figures['curve']})"]
+    lines += ["", "## Prompt, then generation", "",
+              f"The first {prompt} tokens of each window are the prompt; only the {window - prompt - 1} queries after it "
+              "are scored and counted. SnapKV compresses the prompt once (its last 32 queries vote); the other policies "
+              "evict at every step. Budgets matched to the pruned model's sparsity over those queries.", ""]
+    lines += table_md(split, float(split.loc[split["rule"] == "dense", "perplexity"].iloc[0]))
+    lines += ["", "## What each rule hides, by part of speech", "",
+              "At the pruned model's sparsity (each policy's first budget in the first table): for tokens of each part of "
+              "speech (spaCy, coarse tags), the mean share of the later queries in the window that cannot see them, over "
+              "all layers: each rule's sparsity, split by what it hides.", ""]
+    wide = profile.pivot(index="pos", columns="rule", values="hidden_share")
+    counts = profile.groupby("pos")["token_layers"].max()
+    wide = wide.loc[counts.sort_values(ascending=False).index[:12]]
+    lines += ["| POS | " + " | ".join(wide.columns) + " |", "|---|" + "---:|" * len(wide.columns)]
+    for pos, r in wide.iterrows():
+        lines.append(f"| {pos} | " + " | ".join(f"{v:.1%}" if pd.notna(v) else "-" for v in r) + " |")
+    if figures.get("pos"):
+        lines += ["", f"![share dropped by part of speech]({figures['pos']})"]
     return "\n".join(lines) + "\n"
 
 
@@ -81,16 +114,25 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="data")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--policies", default="streamingllm,tova,h2o")
-    ap.add_argument("--targets", default="0.5,0.8", help="sparsities besides the pruned model's own")
+    ap.add_argument("--policies", default="streamingllm,tova,h2o,snapkv")
+    ap.add_argument("--targets", default="0.5,0.8", help="sparsities besides the pruned model's own (whole windows)")
+    ap.add_argument("--prompt-share", type=float, default=0.75, help="the prompt's share of a window (second table)")
     ap.add_argument("--out", default="docs/eviction.md")
     ap.add_argument("--figure", default="docs/eviction.png")
+    ap.add_argument("--pos-figure", default="docs/eviction_pos.png")
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
     names = [n for n in args.policies.split(",") if n]
-    unknown = [n for n in names if n not in policies.REGISTRY or policies.REGISTRY[n].at_prompt_end]
+    unknown = [n for n in names if n not in policies.REGISTRY]
     if unknown:
-        ap.error(f"--policies: {unknown} (choose from the per-step ones: streamingllm, tova, h2o)")
+        ap.error(f"--policies: {unknown} (choose from {', '.join(policies.REGISTRY)})")
+    step_names = [n for n in names if not policies.REGISTRY[n].at_prompt_end]
+    prompt = round(args.prompt_share * args.window)
+    if not 2 <= prompt < args.window - 1:
+        ap.error("--prompt-share leaves no prompt or no query after it")
+    for what, path in (("--out", args.out), ("--figure", args.figure), ("--pos-figure", args.pos_figure)):
+        if path and Path(path).exists() and not Path(path).is_file():
+            ap.error(f"{what} {path} is not a file")
     text = load_tokens(args.data, "test")
     windows = [[int(t) for t in text[i * args.window:(i + 1) * args.window]] for i in range(args.windows)]
     windows = [w for w in windows if len(w) == args.window]
@@ -98,27 +140,79 @@ def main(argv=None) -> int:
         ap.error(f"the test split of {args.data} has fewer than {args.window} tokens")
     dense = load_model_dir(args.dense, device=args.device)
     pruned = load_model_dir(args.pruned, device=args.device)
-    rows = [dict(rule="dense", model=dense.path.name, budget=None, **score(dense.model, windows, label="dense")),
-            dict(rule="learned pruning", model=pruned.path.name, budget=None, **score(pruned.model, windows, label="pruned"))]
-    targets = [rows[1]["sparsity"]] + [float(t) for t in args.targets.split(",") if t]
-    for name in names:
-        for b in sorted({budget_for(name, t, args.window) for t in targets}):
-            rows.append(dict(rule=name, model=dense.path.name, budget=b,
-                             **score(dense.model, windows, policies.make(name, b), label=f"{name} {b}")))
+    n = args.window
+
+    # the pruned model and the dense one, every window (their runs give the targets of both readings)
+    base = {"dense": [], "learned": []}
+    for ids in tqdm(windows, desc="dense and pruned", leave=False):
+        base["dense"].append(pruning.rule_run(dense.model, ids, pruning.NOTHING))
+        base["learned"].append(pruning.rule_run(pruned.model, ids, pruning.LEARNED))
+    pools = {}
+    for key in ("dense", "learned"):
+        whole, gen = Pool(), Pool()
+        for vis, _, lp in base[key]:
+            whole.add(vis, lp)
+            gen.add(vis, lp, first=prompt)
+        pools[key] = (whole.row(), gen.row())
+    learned_whole, learned_gen = pools["learned"][0]["sparsity"], pools["learned"][1]["sparsity"]
+
+    rows = [dict(rule="dense", model=dense.path.name, budget=None, **pools["dense"][0]),
+            dict(rule="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][0])]
+    split = [dict(rule="dense", model=dense.path.name, budget=None, **pools["dense"][1]),
+             dict(rule="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][1])]
+    nlp = pruning.tagger()
+    tagged = []
+    for ids in windows:
+        t, toks = from_ids(dense.tokenizer, ids)
+        tagged.append((toks.labels, pruning.pos_tags(t, toks.offsets, nlp)))
+    tables = {"learned pruning": pd.concat([pruning.token_table(vis, labels, tags).assign(window=i)
+                                            for i, ((vis, _, _), (labels, tags)) in enumerate(zip(base["learned"], tagged))])}
+
+    targets = [learned_whole] + [float(t) for t in args.targets.split(",") if t]
+    for name in step_names:
+        budgets = [policies.budget_for(name, t, n - 1) for t in targets]  # the n - 1 scored queries
+        for b in sorted(set(budgets)):
+            pool, parts = Pool(), []
+            for i, ids in enumerate(tqdm(windows, desc=f"{name} {b}", leave=False)):
+                vis, dropped_at, lp = pruning.rule_run(dense.model, ids, name, b)
+                pool.add(vis, lp)
+                if b == budgets[0]:
+                    parts.append(pruning.token_table(vis, *tagged[i], dropped_at).assign(window=i))
+            rows.append(dict(rule=name, model=dense.path.name, budget=b, **pool.row()))
+            if parts:
+                tables[f"{name} ({b})"] = pd.concat(parts)
             print(f"{name} budget {b}: sparsity {rows[-1]['sparsity']:.1%}, perplexity {rows[-1]['perplexity']:.3f}",
                   file=sys.stderr)
-    table = pd.DataFrame(rows)
+    for name in names:  # prompt, then generation
+        b = policies.budget_for(name, learned_gen, n - 1, prompt, first=prompt)
+        pool = Pool()
+        for ids in tqdm(windows, desc=f"{name} {b} after a prompt", leave=False):
+            vis, _, lp = pruning.rule_run(dense.model, ids, name, b, prompt)
+            pool.add(vis, lp, first=prompt)
+        split.append(dict(rule=name, model=dense.path.name, budget=b, **pool.row()))
+        print(f"{name} budget {b} after a {prompt}-token prompt: sparsity {split[-1]['sparsity']:.1%}, "
+              f"perplexity {split[-1]['perplexity']:.3f}", file=sys.stderr)
+
+    whole, split = pd.DataFrame(rows), pd.DataFrame(split)
+    profile = pruning.pos_profile(tables)
     command = (f"python -m analysis.reports.eviction --dense {args.dense} --pruned {args.pruned} --data {args.data} "
-               f"--window {args.window} --windows {args.windows} --policies {args.policies} --targets {shlex.quote(args.targets)}")
-    fig_name = None
+               f"--window {args.window} --windows {args.windows} --policies {args.policies} --targets {shlex.quote(args.targets)} "
+               f"--prompt-share {args.prompt_share}")
+    figs: dict[str, str | None] = {}
+    from analysis.export import figure_bytes
     if args.figure:
-        from analysis.export import figure_bytes
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-        curves = table[table["rule"] != "dense"].sort_values(["rule", "sparsity"])
+        curves = whole[whole["rule"] != "dense"].sort_values(["rule", "sparsity"])
         Path(args.figure).write_bytes(figure_bytes(figure(curves, f"{dense.path.name}: perplexity against sparsity"), "png"))
-        fig_name = Path(args.figure).name
+        figs["curve"] = Path(args.figure).name
+    if args.pos_figure:
+        Path(args.pos_figure).parent.mkdir(parents=True, exist_ok=True)
+        fig = pruning.pos_profile_figure(profile, f"hidden from later queries, by part of speech, at {learned_whole:.0%} sparsity "
+                                         f"({pruned.path.name}; policies on {dense.path.name})", min_count=50)
+        Path(args.pos_figure).write_bytes(figure_bytes(fig, "png"))
+        figs["pos"] = Path(args.pos_figure).name
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render(command, table, args.window, len(windows), fig_name), encoding="utf-8")
+    Path(args.out).write_text(render(command, whole, split, profile, n, len(windows), prompt, figs), encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

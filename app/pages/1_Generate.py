@@ -1,6 +1,8 @@
 """Generate: stream tokens with the model's own latency, tokens/s, running perplexity and the real cache size.
-A context-pruned model generates through the compacted cache: the page shows, live, which earlier tokens each
-layer has dropped, beside its dense twin; afterwards a step slider replays the cache."""
+A context-pruned model, or any softmax model under a KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV),
+generates through the compacted cache: the page shows, live, which earlier tokens each layer has dropped, beside
+a twin (the dense base, the same model with nothing evicted, or a pruned model's own rule); afterwards a step
+slider replays the cache."""
 import math
 import sys
 import time
@@ -19,6 +21,7 @@ from models.checkpoint import CheckpointError  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
 from models.device import describe as device_name  # noqa: E402
 from models.generate import GenerationResult, stream  # noqa: E402
+from models.pruning import policies  # noqa: E402
 
 TEXT_EVERY_S, FIGURES_EVERY_S = 0.25, 1.5  # live redraws are throttled so that drawing never dominates
 
@@ -41,7 +44,10 @@ loaded = pick_model(default="mha")
 if loaded is None:
     st.stop()
 cfg = loaded.config
-pruned = bool(cfg.prune) and hasattr(loaded.model.blocks[0].mixer, "compact_step")
+compactable = hasattr(loaded.model.blocks[0].mixer, "compact_step")
+RULE_NAMES = {"learned": "learned (this model's rule)", "none": "none (every token kept)",
+              "streamingllm": "StreamingLLM (4 sinks + recent)", "tova": "TOVA (least attended now)",
+              "h2o": "H2O (heavy hitters + recent)", "snapkv": "SnapKV (prompt compressed once)"}
 
 prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt")
 c1, c2, c3, c4, c5 = st.columns(5)
@@ -52,9 +58,26 @@ top_k = c4.number_input("Top-k (0 = off)", 0, cfg.vocab_size, 40, key="gen_topk"
 top_p = c5.slider("Top-p", 0.05, 1.0, 0.95, 0.05, key="gen_topp", disabled=greedy)
 s1, s2 = st.columns([1, 3])
 seed = s1.number_input("Seed", 0, 2**31 - 1, 0, key="gen_seed")
-with_twin = pruned and s2.checkbox("Beside its dense twin (same prompt and seed, generated in turn)", value=True,
+policy = None
+if compactable and cfg.pattern == "dense":
+    e1, e2 = s2.columns(2)
+    rule = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.REGISTRY], format_func=RULE_NAMES.get,
+                        key="gen_evict")
+    if rule in policies.REGISTRY:
+        low = policies.REGISTRY[rule].min_budget
+        budget = int(e2.number_input(f"Budget (tokens held per layer, at least {low})", low, cfg.context, max(low, 32),
+                                     key="gen_budget", help="SnapKV keeps this many prompt tokens and every generated one"))
+        policy = policies.make(rule, budget)
+pruned = compactable and (bool(cfg.prune) or policy is not None)  # generates over the compacted cache, with drops
+# the twin: a pruned model's dense base; under a policy, the same model without it (a pruned model: its own rule)
+twin_label = "dense twin" if policy is None else ("learned rule" if cfg.prune else "nothing evicted")
+with_twin = pruned and st.checkbox(f"Beside its {twin_label} (same prompt and seed, generated in turn)", value=True,
                                    key="gen_twin")
-if pruned:
+if policy is not None:
+    st.caption(f"{RULE_NAMES[policy.name]} at {policy.budget} tokens per layer: it generates through the compacted "
+               "cache and evicts as the rule says" + (" (this model's learned rule is off)." if cfg.prune else ".")
+               + " The strip shows, per layer, which earlier tokens are still held.")
+elif pruned:
     st.caption("Context-pruned model: it generates through the compacted cache, so what a layer drops is freed; "
                "the strip shows, per layer, which earlier tokens are still held.")
 
@@ -81,10 +104,14 @@ if st.button("Generate", type="primary", key="gen_go"):
     if len(ids) >= cfg.context:
         st.error(f"The prompt has {len(ids)} tokens; this model's context is {cfg.context}. Shorten it.")
         st.stop()
-    twin, why = twin_for(loaded) if with_twin else (None, None)
+    if policy is None:
+        twin, why = twin_for(loaded) if with_twin else (None, None)
+    else:
+        twin, why = (loaded, None) if with_twin else (None, None)
     if why:
         st.info(f"No dense twin: {why}.")
-    models = [("pruned" if pruned else cfg.mixer, loaded)] + ([("dense twin", twin)] if twin is not None else [])
+    first = policy.name if policy is not None else "pruned" if pruned else cfg.mixer
+    models = [(first, loaded)] + ([(twin_label, twin)] if twin is not None else [])
     names = [f"{n} · {m.path.name}" for n, m in models]
     cols = st.columns(len(models))
     boxes = [{"text": c.empty(), "stats": c.empty()} for c in cols]
@@ -94,7 +121,8 @@ if st.button("Generate", type="primary", key="gen_go"):
     settings = dict(temperature=float(temperature), top_k=int(top_k) or None, top_p=float(top_p), greedy=greedy,
                     seed=int(seed))
     runs = [{"events": [], "texts": [], "info": {}} for _ in models]
-    gens = [stream(m.model, ids, int(max_new), info=run["info"], **settings) for (_, m), run in zip(models, runs)]
+    gens = [stream(m.model, ids, int(max_new), info=run["info"], policy=policy if i == 0 else None, **settings)
+            for i, ((_, m), run) in enumerate(zip(models, runs))]
     draw_s, last_text, last_fig, t_start = 0.0, 0.0, 0.0, time.perf_counter()
     for step_events in zip_longest(*gens):  # the models take turns: each event's latency is its model's own
         for run, (_, m), e in zip(runs, models, step_events):
@@ -125,7 +153,7 @@ if st.button("Generate", type="primary", key="gen_go"):
     for run, (_, m) in zip(runs, models):
         res = GenerationResult.collect(ids, run["events"], run["info"], m.config.n_layers)
         out.append((m.path, res, traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=prompt, settings=settings)))
-    st.session_state["gen_result"] = {"runs": out, "prompt": prompt, "draw_s": draw_s,
+    st.session_state["gen_result"] = {"runs": out, "prompt": prompt, "draw_s": draw_s, "labels": [n for n, _ in models],
                                       "wall_s": time.perf_counter() - t_start, "model": str(loaded.path)}
     st.rerun()  # the results below replace the live view
 
@@ -153,16 +181,18 @@ if saved and saved["model"] == str(loaded.path):
     if rest:
         _, twin_res, twin_tr = rest[0]
         s = live.twin_summary(tr, twin_tr)
-        st.subheader("Pruned vs dense twin")
+        labels = saved.get("labels", ["pruned", "dense twin"])
+        st.subheader(f"{labels[0]} vs {labels[1]}")
         t = st.columns(4)
         t[0].metric("cache memory saved", f"{s['memory_saved']:.0%}")
-        t[1].metric("latency pruned / dense", f"{s['latency_ratio']:.2f}x")
+        t[1].metric("latency pruned / dense" if labels[0] == "pruned" else f"latency {labels[0]} / {labels[1]}",
+                    f"{s['latency_ratio']:.2f}x")
         t[2].metric("perplexity of own output", f"{s['perplexity_pruned']:.2f}",
-                    f"{s['perplexity_change']:+.1%} vs dense ({s['perplexity_dense']:.2f})", delta_color="inverse")
+                    f"{s['perplexity_change']:+.1%} vs {labels[1]} ({s['perplexity_dense']:.2f})", delta_color="inverse")
         t[3].metric("tokens before the texts part", f"{s['same_prefix']}/{s['tokens']}")
         cols = st.columns(2)
-        for col, (p, r, _) in zip(cols, saved["runs"]):
-            col.markdown(f"**{p.name}**")
+        for col, (p, r, _), label in zip(cols, saved["runs"], labels):
+            col.markdown(f"**{label} · {p.name}**")
             col.markdown(colored_tokens_html([loaded.tokenizer.decode([e.token_id]) for e in r.events],
                                              [math.exp(e.logprob) for e in r.events]), unsafe_allow_html=True)
     if res.cache_kind == "compacted":

@@ -14,6 +14,7 @@ from analysis.pruning import LEARNED, NOTHING  # noqa: E402
 from app.common import dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
+from models.generate import layer_bytes_per_token  # noqa: E402
 from models.pruning import policies  # noqa: E402
 
 RULES = {LEARNED: "learned (this model's own rule)", "streamingllm": "StreamingLLM (4 sinks + recent window)",
@@ -103,9 +104,13 @@ def table_for(run, labels, tags) -> pd.DataFrame:
     return pruning.token_table(visible, labels, tags, dropped_at)
 
 
-def held_after(table: pd.DataFrame) -> int:
-    """Tokens all layers still hold after the text (every token the rule has not dropped)."""
-    return int((~table["dropped"]).sum())
+def cache_bytes(model, table: pd.DataFrame, learned: bool) -> tuple[int, int]:
+    """(bytes held after the text, bytes a dense cache holds): per layer, the tokens the rule has not dropped
+    times a token's K/V (plus K_int for the learned rule, which keeps it)."""
+    own, dense = layer_bytes_per_token(model)
+    held = (~table["dropped"]).groupby(table["layer"]).sum()
+    per = own if learned else dense
+    return int(sum(int(held[i]) * per[i] for i in range(len(per)))), table["position"].nunique() * sum(dense)
 
 
 setup("Pruning")
@@ -134,8 +139,7 @@ nothing_lp = run_rule(path, ids, NOTHING)[2]
 settings = {"window_start": start, "tokens": n, "rule": rule, "budget": budget, "prompt": prompt}
 
 sp = pruning.sparsity_per_layer(keeps)
-per_token = loaded.model.cache_bytes_per_token() / cfg.n_layers
-dense_bytes, held_bytes = n * per_token * cfg.n_layers, held_after(table) * per_token
+held_bytes, dense_bytes = cache_bytes(loaded.model, table, rule == LEARNED)
 ppl, ppl0 = tokens.perplexity(lp), tokens.perplexity(nothing_lp)
 m = st.columns(5)
 m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
@@ -223,7 +227,7 @@ if other != "-":
     st.dataframe(pruning.disputed_tokens(d).rename(columns={"a_only": f"{name} only", "b_only": f"{name_b} only"}),
                  hide_index=True)
     prof = pruning.pos_profile({name: table, name_b: table_b})
-    prof_fig = pruning.pos_profile_figure(prof, "share dropped by part of speech (all layers)")
+    prof_fig = pruning.pos_profile_figure(prof, "hidden from later queries, by part of speech (all layers)")
     st.plotly_chart(prof_fig, width="stretch")
     export_buttons(prof_fig, prof, "pruning_pos_profile", loaded.path, text, settings | {"compare": other}, key="prof")
 
@@ -248,6 +252,6 @@ if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"
     if any(policies.REGISTRY[p].at_prompt_end for p in others):
         st.caption(f"SnapKV reads the first {prompt_all} tokens as its prompt.")
     allprof = pruning.pos_profile(tables)
-    all_fig = pruning.pos_profile_figure(allprof, "every rule at matched sparsity: share dropped by part of speech")
+    all_fig = pruning.pos_profile_figure(allprof, "every rule at matched sparsity: hidden from later queries, by part of speech")
     st.plotly_chart(all_fig, width="stretch")
     export_buttons(all_fig, allprof, "pruning_pos_profile_all", loaded.path, text, settings, key="profall")

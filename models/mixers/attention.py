@@ -98,11 +98,12 @@ class Attention(Mixer):
         """Per-head query/output maps the kernel applies (MHE: from one shared Q); none for the others."""
         return {}
 
-    def cache_spec(self):
+    def cache_spec(self, learned_rule: bool = True):
+        """learned_rule False: a pruned model decoding under an eviction policy, its rule off (no K_int kept)."""
         spec = {"k": (self.n_groups, self.d_head)}
         if not self.kv_shared:
             spec["v"] = (self.n_groups, self.d_head)
-        if self.pruning is not None:
+        if self.pruning is not None and learned_rule:
             spec["k_int"] = (self.pruning.r,)
         return spec
 
@@ -112,9 +113,9 @@ class Attention(Mixer):
 
     def cache_entries(self, x, k, v, k_int=None) -> dict[str, torch.Tensor]:
         """What the new positions add to a decode cache: K (and V unless K is V), and K_int with pruning
-        (computed here unless the caller already has it)."""
+        (computed here unless the caller already has it; k_int=False: the rule is off, none kept)."""
         new = {"k": k} if self.kv_shared else {"k": k, "v": v}
-        if self.pruning is not None:
+        if self.pruning is not None and k_int is not False:
             if self.training:
                 raise RuntimeError("decoding with context pruning runs at inference only (model.eval())")
             new["k_int"] = self.pruning.keys(x) if k_int is None else k_int
@@ -199,13 +200,14 @@ class Attention(Mixer):
         if cache.policy is not None and not cache.policy.at_prompt_end:
             raise ValueError(f"{cache.policy.name} evicts as each token arrives: feed the prompt one token per call "
                              "(models.generate.stream does)")
+        rule = self.pruning if cache.policy is None else None  # under a policy a learned rule is off
         valid = torch.ones_like(q_pos, dtype=torch.bool) if valid is None else valid
-        cache.insert(self.cache_entries(x, k, v), q_pos, valid)
+        cache.insert(self.cache_entries(x, k, v, None if rule is not None else False), q_pos, valid)
         past = cache.view()
         slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
         kk = past["k"]
         vv = kk if self.kv_shared else past["v"]
-        if self.pruning is not None and q.shape[2] == 1 and record is None:  # a decode step with padding rows
+        if rule is not None and q.shape[2] == 1 and record is None:  # a decode step with padding rows
             prune = {"q_int": x[:, 0] @ self.pruning.W_Qint, "k_int": past["k_int"], "beta": self.pruning.beta_value(),
                      "live": live, "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0]}
             o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
@@ -214,8 +216,8 @@ class Attention(Mixer):
         allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])  # [B,T,S]
         if self.pattern != "dense":  # the local / strided baselines, by position (slots are not in order)
             allowed = allowed & pattern_allows(q_pos[:, :, None], slot_pos[:, None, :], self.pattern, self.pattern_k)
-        if self.pruning is not None:
-            kept = self.pruning.survival(x, past["k_int"], slot_pos, q_pos, valid)
+        if rule is not None:
+            kept = rule.survival(x, past["k_int"], slot_pos, q_pos, valid)
             allowed = allowed & kept
             last = (valid.long() * torch.arange(valid.shape[1], device=x.device)).argmax(1)  # last valid row
             rows = torch.arange(x.shape[0], device=x.device)
@@ -266,14 +268,16 @@ class Attention(Mixer):
         joins slot `end`; with pruning, one fused pass scores it against the live slots, attends over what
         survives and says what survives; the compaction question is asked every few steps."""
         q_pos = cache.q_pos
+        if cache.policy is not None:  # an eviction policy decides; a learned rule is off
+            cache.append(self.cache_entries(x, k, v, False), q_pos)
+            past = cache.view()
+            return self.policy_decode(q, past["k"], past["k"] if self.kv_shared else past["v"], cache, q_pos)
         q_int, k_int = self.pruning.decode_projections(x) if self.pruning is not None else (None, None)
         cache.append(self.cache_entries(x, k, v, k_int), q_pos)
         past = cache.view()
         kk = past["k"]
         vv = kk if self.kv_shared else past["v"]
         live = cache.live[:, :cache.end]
-        if cache.policy is not None:
-            return self.policy_decode(q, kk, vv, cache, q_pos)
         if self.pruning is None:  # a dense or fixed-pattern model on the compacted cache
             allowed = live
             if self.pattern != "dense":

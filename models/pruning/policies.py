@@ -149,27 +149,27 @@ class SnapKV(Policy):
         return live & (chosen | ~earlier)                 # the window and anything later stay
 
 
-def expected_sparsity(name: str, budget: int, n: int, prompt: int | None = None) -> float:
-    """Mean over the queries of an n-token text of the share of earlier tokens a policy at this budget hides
-    (as models.pruning.sparsity averages: query 0, with nothing earlier, counts as 0). It follows from the text
-    length alone: step policies hold `budget` tokens (StreamingLLM's query sees budget - 1 earlier ones, the
-    others' see budget); SnapKV's prompt queries see everything and the query at i >= prompt sees the min(budget,
-    prompt) prompt tokens it kept plus the i - prompt generated before it."""
+def expected_sparsity(name: str, budget: int, n: int, prompt: int | None = None, first: int = 0) -> float:
+    """Mean over the queries first..n-1 of an n-token text of the share of earlier tokens a policy at this budget
+    hides (with first = 0, as models.pruning.sparsity averages: query 0, with nothing earlier, counts as 0). It
+    follows from the text length alone: step policies hold `budget` tokens (StreamingLLM's query sees budget - 1
+    earlier ones, the others' see budget); SnapKV's prompt queries see everything and the query at i >= prompt
+    sees the min(budget, prompt) prompt tokens it kept plus the i - prompt generated before it."""
     cls = REGISTRY[name]
-    i = torch.arange(1, n, dtype=torch.float64)
+    i = torch.arange(max(first, 1), n, dtype=torch.float64)
     if cls.at_prompt_end:
         if prompt is None:
             raise ValueError(f"{name} decides at the end of a prompt: give its length")
         sees = torch.where(i < prompt, i, min(budget, prompt) + i - prompt)
     else:
         sees = torch.full_like(i, budget - 1 if cls.before_attending else budget)
-    return float((1 - torch.minimum(i, sees) / i).sum()) / n
+    return float((1 - torch.minimum(i, sees) / i).sum()) / max(1, n - first)
 
 
-def budget_for(name: str, target: float, n: int, prompt: int | None = None) -> int:
-    """The budget whose expected sparsity over an n-token text is nearest `target` (ties: the larger budget)."""
+def budget_for(name: str, target: float, n: int, prompt: int | None = None, first: int = 0) -> int:
+    """The budget whose expected sparsity (over queries first..n-1) is nearest `target` (ties: the larger budget)."""
     low = min(REGISTRY[name].min_budget, n)
-    return min(range(n, low - 1, -1), key=lambda b: abs(expected_sparsity(name, b, n, prompt) - target))
+    return min(range(n, low - 1, -1), key=lambda b: abs(expected_sparsity(name, b, n, prompt, first) - target))
 
 
 def make(name: str, budget: int, **kwargs) -> Policy:
