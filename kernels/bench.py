@@ -48,12 +48,17 @@ def timeit(fn, dev, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(dev, mb: int = 256, reps: int = 10) -> float:
+    """Read + write bytes per second of a copy of `mb` MB (median of reps). 256 MB each way is larger than the
+    last-level cache of the hosts seen here (a 480 MB L3 held a 64 MB copy and overstated DRAM bandwidth)."""
+    a = torch.empty(mb * 2 ** 20 // 4, dtype=torch.float32, device=dev).normal_()
+    b = torch.empty_like(a)  # preallocated: a fresh clone would time page faults, not bandwidth
+    return 2 * a.numel() * 4 / timeit(lambda: b.copy_(a), dev, reps)
+
+
 def floors(dev, dtype) -> dict:
     """Measured copy bandwidth (read + write bytes / s) and dense matmul rate (flop / s) for dtype."""
-    n = (256 if dev.type == "cuda" else 64) * 2 ** 20 // 4
-    a = torch.empty(n, dtype=torch.float32, device=dev).normal_()
-    b = torch.empty_like(a)  # preallocated: a fresh clone would time page faults, not bandwidth
-    bw = 2 * a.numel() * 4 / timeit(lambda: b.copy_(a), dev, 10)
+    bw = copy_bandwidth(dev)
     m = 8192 if dev.type == "cuda" else 1024
     x = torch.randn(m, m, device=dev, dtype=dtype)
     rate = 2 * m ** 3 / timeit(lambda: x @ x, dev, 10)

@@ -276,3 +276,14 @@ def test_eviction_report_pools_what_token_by_token_scoring_gives(tmp_path):
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit):
         eviction.main(["--dense", "x", "--pruned", "y", "--policies", "lru"])
+
+
+def test_a_padded_decode_step_under_a_policy_is_refused_with_the_right_reason():
+    from tests.test_compact_cache import model_for
+    model = model_for("mha", prune=False, context=64, seed=3)
+    cache = model.new_compact_cache(batch=2, policy=policies.make("tova", 8))
+    with pytest.raises(ValueError, match="one token per call"):
+        model(torch.tensor([[1, 2], [3, 4]]), cache=cache, positions=torch.tensor([[0, 1], [0, 1]]))
+    with pytest.raises(ValueError, match="padding rows"):
+        model(torch.tensor([[1], [3]]), cache=cache, positions=torch.tensor([[0], [0]]),
+              valid=torch.tensor([[True], [False]]))

@@ -198,6 +198,9 @@ class Attention(Mixer):
         if q.shape[2] == 1 and valid is None and record is None:
             return self.compact_decode(x, q, k, v, cache)
         if cache.policy is not None and not cache.policy.at_prompt_end:
+            if q.shape[2] == 1:  # one token per row, but some rows are padding (or diagnostics were asked for)
+                raise ValueError(f"{cache.policy.name}: a decode step with padding rows or diagnostics is not supported "
+                                 "under an eviction policy; decode rows of one length, without diagnostics")
             raise ValueError(f"{cache.policy.name} evicts as each token arrives: feed the prompt one token per call "
                              "(models.generate.stream does)")
         rule = self.pruning if cache.policy is None else None  # under a policy a learned rule is off
