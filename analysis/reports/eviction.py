@@ -57,10 +57,12 @@ class Pool:
                 "tokens": int(self.tokens)}
 
 
-def figure(table: pd.DataFrame, title: str) -> go.Figure:
+def figure(table: pd.DataFrame, title: str, dense: float | None = None) -> go.Figure:
     fig = go.Figure()
     for name, part in table.groupby("rule", sort=False):
         fig.add_trace(go.Scatter(x=part["sparsity"], y=part["perplexity"], mode="lines+markers", name=str(name)))
+    if dense is not None:
+        fig.add_hline(y=dense, line_dash="dot", annotation_text=f"dense {dense:.2f}", annotation_position="bottom right")
     fig.update_layout(title=title, xaxis_title="sparsity (share of earlier tokens a query cannot see)",
                       yaxis_title="perplexity", height=420)
     return fig
@@ -203,12 +205,14 @@ def main(argv=None) -> int:
     if args.figure:
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
         curves = whole[whole["rule"] != "dense"].sort_values(["rule", "sparsity"])
-        Path(args.figure).write_bytes(figure_bytes(figure(curves, f"{dense.path.name}: perplexity against sparsity"), "png"))
+        fig = figure(curves, f"{dense.path.name}: perplexity against sparsity", rows[0]["perplexity"])
+        Path(args.figure).write_bytes(figure_bytes(fig, "png"))
         figs["curve"] = Path(args.figure).name
     if args.pos_figure:
         Path(args.pos_figure).parent.mkdir(parents=True, exist_ok=True)
-        fig = pruning.pos_profile_figure(profile, f"hidden from later queries, by part of speech, at {learned_whole:.0%} sparsity "
-                                         f"({pruned.path.name}; policies on {dense.path.name})", min_count=50)
+        fig = pruning.pos_profile_figure(profile, f"hidden from later queries, by part of speech, at {learned_whole:.0%} "
+                                         f"sparsity<br><sup>{pruned.path.name}; policies on {dense.path.name}</sup>",
+                                         min_count=50)
         Path(args.pos_figure).write_bytes(figure_bytes(fig, "png"))
         figs["pos"] = Path(args.pos_figure).name
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
