@@ -81,6 +81,13 @@ def wait_idle(page, timeout_s=180, quiet_s=1.5):
     raise AssertionError(f"the app was still running after {timeout_s} s")
 
 
+def open_selectbox(page, label):
+    """Streamlit's selectbox is a combobox whose list opens from its "Open" button (a click on the input does not)."""
+    box = page.get_by_role("combobox", name=label)
+    box.scroll_into_view_if_needed(timeout=60_000)
+    page.locator("[data-testid='stSelectbox']").filter(has=box).get_by_role("button", name="Open").click(timeout=60_000)
+
+
 @pytest.mark.parametrize("name", PAGES)
 def test_every_page_renders(server, browser, name):
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -202,7 +209,7 @@ def test_pruning_page_puts_the_learned_rule_beside_a_policy(server, browser):
     page = browser.new_page(viewport={"width": 1400, "height": 1200})
     page.goto(f"{server}/Pruning?model=mha-1024-pruned")
     wait_idle(page)
-    page.get_by_text("nothing (pick a policy)").click(timeout=60_000)
+    open_selectbox(page, "Compare with")
     page.get_by_role("option", name="H2O (heavy hitters + recent)").click(timeout=60_000)
     page.wait_for_selector("text=Tokens they disagree on", timeout=180_000)
     wait_idle(page)

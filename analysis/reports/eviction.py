@@ -95,7 +95,7 @@ def render(command: str, whole: pd.DataFrame, split: pd.DataFrame, profile: pd.D
               "evict at every step. Budgets matched to the pruned model's sparsity over those queries.", ""]
     lines += table_md(split, float(split.loc[split["rule"] == "dense", "perplexity"].iloc[0]))
     lines += ["", "## What each rule hides, by part of speech", "",
-              "At the pruned model's sparsity (each policy's first budget in the first table): for tokens of each part of "
+              "At the pruned model's sparsity (each policy at the budget matched to it, in brackets): for tokens of each part of "
               "speech (spaCy, coarse tags), the mean share of the later queries in the window that cannot see them, over "
               "all layers: each rule's sparsity, split by what it hides.", ""]
     wide = profile.pivot(index="pos", columns="rule", values="hidden_share")

@@ -71,7 +71,9 @@ if compactable and cfg.pattern == "dense":
 pruned = compactable and (bool(cfg.prune) or policy is not None)  # generates over the compacted cache, with drops
 # the twin: a pruned model's dense base; under a policy, the same model without it (a pruned model: its own rule)
 twin_label = "dense twin" if policy is None else ("learned rule" if cfg.prune else "nothing evicted")
-with_twin = pruned and st.checkbox(f"Beside its {twin_label} (same prompt and seed, generated in turn)", value=True,
+beside = {"dense twin": "its dense twin", "learned rule": "the same model under its own learned rule",
+          "nothing evicted": "the same model with nothing evicted"}[twin_label]
+with_twin = pruned and st.checkbox(f"Beside {beside} (same prompt and seed, generated in turn)", value=True,
                                    key="gen_twin")
 if policy is not None:
     st.caption(f"{RULE_NAMES[policy.name]} at {policy.budget} tokens per layer: it generates through the compacted "

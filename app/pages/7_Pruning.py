@@ -244,6 +244,7 @@ if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"
         bar.progress((i + 1) / len(others), text=f"{p} done")
     bar.empty()
     every = pd.DataFrame(rows).assign(vs_nothing_evicted=lambda f: f["perplexity"] / ppl0 - 1)
+    every["budget"] = every["budget"].astype("Int64")  # tokens (none for the learned rule)
     st.dataframe(every.style.format({"sparsity": "{:.1%}", "perplexity": "{:.2f}", "vs_nothing_evicted": "{:+.2%}"}),
                  hide_index=True)
     off = [r["rule"] for r in rows[1:] if abs(r["sparsity"] - target) > 0.02]
