@@ -98,17 +98,23 @@ def test_dense_model_has_no_pruning_widgets():
     assert len(at.dataframe[0].value) == 8
 
 
-def test_a_dense_model_under_a_policy_streams_its_evictions_beside_itself_with_nothing_evicted():
+def under_policy(model: str, default: str, rule: str, budget: int, n: int) -> AppTest:
+    """The page on `model`, whose eviction selector opens on `default`, generating n greedy tokens under `rule`."""
     at = AppTest.from_file(PAGE, default_timeout=300)
-    at.session_state["model"] = "mha"
+    at.session_state["model"] = model
     at.run()
-    assert at.selectbox(key="gen_evict").value == "none"
-    at.selectbox(key="gen_evict").select("h2o").run()
-    at.number_input(key="gen_budget").set_value(12)
-    at.number_input(key="gen_n").set_value(20)
+    assert at.selectbox(key="gen_evict").value == default
+    at.selectbox(key="gen_evict").select(rule).run()
+    at.number_input(key="gen_budget").set_value(budget)
+    at.number_input(key="gen_n").set_value(n)
     at.checkbox(key="gen_greedy").set_value(True)
     at.button(key="gen_go").click().run()
     assert not at.exception, at.exception
+    return at
+
+
+def test_a_dense_model_under_a_policy_streams_its_evictions_beside_itself_with_nothing_evicted():
+    at = under_policy("mha", "none", "h2o", 12, 20)
     (path, res, tr), (_, twin, _) = at.session_state["gen_result"]["runs"]
     assert at.session_state["gen_result"]["labels"] == ["h2o", "nothing evicted"]
     assert res.cache_kind == "compacted" and twin.cache_kind == "static"
@@ -122,15 +128,7 @@ def test_a_dense_model_under_a_policy_streams_its_evictions_beside_itself_with_n
 
 
 def test_a_pruned_model_under_a_policy_runs_beside_its_own_rule():
-    at = AppTest.from_file(PAGE, default_timeout=300)
-    at.session_state["model"] = "mha-1024-pruned"
-    at.run()
-    assert at.selectbox(key="gen_evict").value == "learned"
-    at.selectbox(key="gen_evict").select("streamingllm").run()
-    at.number_input(key="gen_budget").set_value(8)
-    at.number_input(key="gen_n").set_value(16)
-    at.button(key="gen_go").click().run()
-    assert not at.exception, at.exception
+    at = under_policy("mha-1024-pruned", "learned", "streamingllm", 8, 16)
     (_, res, _), (_, own, _) = at.session_state["gen_result"]["runs"]
     assert at.session_state["gen_result"]["labels"] == ["streamingllm", "learned rule"]
     assert max(res.events[-1].live) == 8 and own.cache_kind == "compacted"
