@@ -74,20 +74,25 @@ def main(argv=None) -> int:
     n = len(loaded.tokenizer.encode(text).ids)
     print(f"{name}: loaded in {load_s:.1f} s (peak {peak_mb():.0f} MB so far); text of {n} tokens", file=sys.stderr)
     rows = []
-    for page in PAGES:
+    # the Pruning page again with its heavier views: the learned rule beside TOVA, then every policy at once
+    runs = [(p, p, {}) for p in PAGES] + [("pages/7_Pruning.py (beside TOVA)", "pages/7_Pruning.py", {"prune_compare": "tova"}),
+                                          ("pages/7_Pruning.py (every policy)", "pages/7_Pruning.py", {"prune_all": True})]
+    for label, page, state in runs:
         st.cache_data.clear()
         at = AppTest.from_file(str(APP / page), default_timeout=600)
         at.session_state["shared_text"] = text
         at.session_state["model"] = name
         if page.endswith("Pruning.py") and args.extra:
             at.session_state["model"] = Path(args.extra[0]).name
+        for key, value in state.items():
+            at.session_state[key] = value
         t0 = time.perf_counter()
         at.run()
         secs = time.perf_counter() - t0
         problems = [str(e.value)[:200] for e in at.exception] + [str(e.value)[:200] for e in at.error]
         infos = [str(i.value)[:120] for i in at.info]
-        rows.append({"page": page, "seconds": secs, "peak_mb": peak_mb(), "errors": problems, "infos": infos})
-        print(f"{page:<24} {secs:6.2f} s  peak {peak_mb():6.0f} MB  {'; '.join(problems)[:160]}", file=sys.stderr)
+        rows.append({"page": label, "seconds": secs, "peak_mb": peak_mb(), "errors": problems, "infos": infos})
+        print(f"{label:<36} {secs:6.2f} s  peak {peak_mb():6.0f} MB  {'; '.join(problems)[:160]}", file=sys.stderr)
     result = {"benchmark": "app_pages", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "model": args.model, "extra": args.extra, "tokens": n, "threads": args.threads,
               "torch": torch.__version__, "cpu": cpu_model(), "load_s": load_s, "extra_load_s": extra_load_s, "pages": rows, "peak_mb": peak_mb(),

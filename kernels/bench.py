@@ -49,8 +49,9 @@ def timeit(fn, dev, reps: int, warmup: int = 2) -> float:
 
 
 def copy_bandwidth(dev, mb: int = 256, reps: int = 10) -> float:
-    """Read + write bytes per second of a copy of `mb` MB (median of reps). 256 MB each way is larger than the
-    last-level cache of the hosts seen here (a 480 MB L3 held a 64 MB copy and overstated DRAM bandwidth)."""
+    """Read + write bytes per second of a copy of `mb` MB (median of reps). The two 256 MB buffers together
+    exceed the last-level cache of the hosts seen here (a 480 MB L3 held a 64 MB copy and overstated DRAM
+    bandwidth)."""
     a = torch.empty(mb * 2 ** 20 // 4, dtype=torch.float32, device=dev).normal_()
     b = torch.empty_like(a)  # preallocated: a fresh clone would time page faults, not bandwidth
     return 2 * a.numel() * 4 / timeit(lambda: b.copy_(a), dev, reps)
