@@ -133,3 +133,11 @@ def test_a_pruned_model_under_a_policy_runs_beside_its_own_rule():
     assert at.session_state["gen_result"]["labels"] == ["streamingllm", "learned rule"]
     assert max(res.events[-1].live) == 8 and own.cache_kind == "compacted"
     assert any("learned rule is off" in c.value for c in at.caption)
+
+
+def test_an_extractor_offers_no_eviction_and_says_why():
+    at = AppTest.from_file(PAGE, default_timeout=300)
+    at.session_state["model"] = "we"
+    at.run()
+    assert not at.exception and "gen_evict" not in {w.key for w in at.selectbox}
+    assert any("Extractor" in c.value and "eviction" in c.value for c in at.caption)

@@ -68,6 +68,9 @@ if compactable and cfg.pattern == "dense":
         budget = int(e2.number_input(f"Budget (tokens held per layer, at least {low})", low, cfg.context, max(low, 32),
                                      key="gen_budget", help="SnapKV keeps this many prompt tokens and every generated one"))
         policy = policies.make(rule, budget)
+elif not compactable:
+    s2.caption("KV-cache eviction policies need a per-token cache to evict from; an Extractor mixes its past inputs "
+               "by lag and keeps none.")
 pruned = compactable and (bool(cfg.prune) or policy is not None)  # generates over the compacted cache, with drops
 # the twin: a pruned model's dense base; under a policy, the same model without it (a pruned model: its own rule)
 twin_label = "dense twin" if policy is None else ("learned rule" if cfg.prune else "nothing evicted")
