@@ -59,3 +59,18 @@ def test_pruning_page_on_a_pruned_import(imported_zoo):
     assert any("tokens dropped per layer" in (t or "") for t in titles(at))
     labels = {m.label for m in at.metric}
     assert {"perplexity (pruned)", "perplexity (dense base)"} <= labels
+
+
+def test_every_policy_runs_on_an_imported_model_with_no_training(imported_zoo):
+    """Eviction policies on the imported Llama (grouped K/V, rotary): each rule's views, then every policy at once."""
+    at = AppTest.from_file(str(PAGES / "7_Pruning.py"), default_timeout=180).run()
+    at.sidebar.selectbox(key="model").select("llama-gqa").run()
+    assert not at.exception, at.exception
+    for rule in ("streamingllm", "tova", "h2o", "snapkv"):
+        at.selectbox(key="prune_rule").select(rule).run()
+        assert not at.exception, (rule, at.exception)
+        assert any(f"gqa, {rule} at " in (t or "") for t in titles(at))
+    at.selectbox(key="prune_compare").select("tova").run()
+    at.toggle(key="prune_all").set_value(True).run()
+    assert not at.exception, at.exception
+    assert list(at.dataframe[-1].value["rule"])[1:] == ["streamingllm", "tova", "h2o"]
