@@ -113,3 +113,6 @@ def test_refusals_say_why():
     with pytest.raises(ValueError, match="take a window"):
         replay(model, list(range(65)))
     assert MAX_TOKENS >= 1024   # the Pruning page's window
+    wide = model_for("mha", prune=False, context=4096, seed=3, n_heads=64, d_model=64)   # 64 heads: 1 GiB of scores
+    with pytest.raises(ValueError, match="at most 2048"):                                # per layer at 2,048 tokens
+        replay(wide, [1] * 2049)

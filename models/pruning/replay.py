@@ -12,11 +12,13 @@ policy evicts it (policy None: nothing at all), which puts the learned rule and 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-MAX_TOKENS = 4096  # scores [heads, T, T] in float32 per layer: 9 heads x 4,096^2 = 600 MB
+MAX_TOKENS = 4096         # visible masks [layers, T, T] are kept: 30 layers x 4,096^2 bytes = 500 MB
+SCORES_BYTES = 2 ** 30    # one layer's scores [heads, T, T] in float32 at most (9 heads x 4,096^2 = 600 MB)
 
 
 class LayerReplay:
@@ -111,9 +113,10 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Rul
     if model.config.pattern != "dense":
         raise ValueError(f"this model attends by a fixed {model.config.pattern} pattern; an eviction policy needs a "
                          "dense softmax model")
-    if len(ids) > min(model.config.context, MAX_TOKENS):
-        raise ValueError(f"{len(ids)} tokens: an eviction replay reads at most {min(model.config.context, MAX_TOKENS)} "
-                         "(the model's context, and scores [heads, T, T] per layer); take a window")
+    most = min(model.config.context, MAX_TOKENS, math.isqrt(SCORES_BYTES // (4 * model.config.n_heads)))
+    if len(ids) > most:
+        raise ValueError(f"{len(ids)} tokens: an eviction replay reads at most {most} (the model's context, and the "
+                         f"masks and scores [{model.config.n_heads} heads, T, T] it holds per layer); take a window")
     from models.transformer import evaluating  # (models.transformer imports the mixers, which import this module)
 
     x = torch.tensor([ids], device=model.wte.weight.device)
