@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.pruning.interaction import survives  # the one survival rule (papers.md section 3)
+from models.pruning.interaction import distance_term, survives  # the one survival rule (papers.md section 3)
 
 
 def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
@@ -92,7 +92,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
 
     lengths [B]: sequence b sees slots [0, lengths[b]). prune (the compacted pruning cache): q_int [B,r],
     k_int [B,S,r], beta, live [B,S], pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] (None: every
-    row real). A live slot stays live by models.pruning.survives on x = q_int . k_int / sqrt(r) + beta; a
+    row real), and optionally lam (the distance term's lambda) and sinks. A live slot stays live by
+    models.pruning.survives on x = q_int . k_int / sqrt(r) + beta - lam log(q_pos - pos); a
     padding row (valid False) drops nothing and attends to every used slot. Returns out,
     or (out, keep [B,S]: the live mask after this query) with prune.
     """
@@ -107,14 +108,20 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
         valid = torch.ones_like(prune["q_pos"], dtype=torch.bool) if prune["valid"] is None else prune["valid"]
         pos, q_pos, valid = prune["pos"], prune["q_pos"][:, None], valid[:, None]
         x = prune["q_int"][:, None, :] @ prune["k_int"].transpose(1, 2) / prune["q_int"].shape[-1] ** 0.5
-        x = x[:, 0] + prune["beta"]
-        keep = prune["live"] & survives(x, pos, q_pos, valid)
+        x = _with_distance(x[:, 0] + prune["beta"], prune, pos, q_pos)
+        keep = prune["live"] & survives(x, pos, q_pos, valid, prune.get("sinks", 0))
         allowed &= torch.where(valid, keep & (pos <= q_pos), pos >= 0)
     mask = torch.zeros(b, 1, 1, s, dtype=q.dtype, device=q.device).masked_fill(~allowed[:, None, None], float("-inf"))
     if bias is not None:
         mask = mask + bias.reshape(b, 1, 1, s)
     out, _ = attention(q, k, v, scale=scale, bias=mask, causal=False, **maps)
     return out if prune is None else (out, keep)
+
+
+def _with_distance(x, prune, pos, q_pos):
+    """x plus the distance term -lam log(q_pos - pos) when the rule has one (lam != 0)."""
+    lam = prune.get("lam", 0.0)
+    return x if not lam else x + distance_term(torch.tensor(lam, dtype=x.dtype, device=x.device), pos, q_pos)
 
 
 def _decode_all_real(q, k, v, scale, prune, maps):
@@ -124,7 +131,8 @@ def _decode_all_real(q, k, v, scale, prune, maps):
     q_int = prune["q_int"][:, None, :]
     beta = torch.full((), prune["beta"], dtype=q_int.dtype, device=q_int.device) if isinstance(prune["beta"], float) else prune["beta"]
     x = torch.baddbmm(beta, q_int, prune["k_int"].transpose(1, 2), alpha=q_int.shape[-1] ** -0.5)[:, 0]  # q.k / sqrt(r) + beta
-    keep = prune["live"] & survives(x, prune["pos"], prune["q_pos"][:, None])
+    x = _with_distance(x, prune, prune["pos"], prune["q_pos"][:, None])
+    keep = prune["live"] & survives(x, prune["pos"], prune["q_pos"][:, None], sinks=prune.get("sinks", 0))
     if maps:
         mask = torch.where(keep, 0.0, float("-inf")).to(q.dtype)[:, None, None]  # [B,1,1,S]
         return attention(q, k, v, scale=scale, bias=mask, causal=False, **maps)[0], keep

@@ -106,7 +106,7 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
 @triton.jit
 def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT,
                    sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, skib, skis, sqib,
-                   H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta,
+                   H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta, lam, sinks,
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
                    PRUNE: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
@@ -115,8 +115,9 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     its log2-sum-exp; _merge_kernel combines the slices.
 
     PRUNE (the compacted pruning cache): in the same pass, the interaction score of each live slot,
-    x = q_int . k_int / sqrt(r) + beta, decides keep = live & (x > 0 or the slot is the query's own or
-    later); keep is written to LIVE_OUT and only kept slots at or before the query are attended to.
+    x = q_int . k_int / sqrt(r) + beta (- lam log(q_pos - pos)), decides keep = live & (x > 0 or the slot is the
+    query's own or later, or one of the first `sinks`); keep is written to LIVE_OUT and only kept slots at or
+    before the query are attended to.
     A padding row (VALID = 0) drops nothing and attends to every used slot (its output is discarded)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -158,7 +159,10 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             kint = tl.load(KINT + b * skib + offs_n[:, None] * skis + offs_i[None, :],
                            mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
             x = tl.sum(kint * q_int[None, :], 1) * int_scale + beta
-            keep = live & ((x > 0) | (pos >= q_pos) | (valid == 0))  # models.pruning.survives, restated in Triton
+            if lam != 0.0:  # the distance term -lam log(n - j) (models.pruning.interaction.distance_term)
+                x = x - lam * tl.log(tl.maximum(q_pos - pos, 1).to(tl.float32))
+            # models.pruning.survives, restated in Triton
+            keep = live & ((x > 0) | (pos >= q_pos) | (pos < sinks) | (valid == 0))
             if g == 0:  # the score is shared by every head: group 0 writes it, the others only use it
                 tl.store(LIVE_OUT + b * S + offs_n, keep.to(tl.int8), mask=n_mask)
             allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)
@@ -279,7 +283,8 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
 
     bias: additive [B,1,1,S] (or [B,S]); lengths [B]: sequence b uses cache slots [0, lengths[b]).
     prune: the compacted pruning cache, a dict of q_int [B,r], k_int [B,S,r], beta (float), live [B,S] bool,
-    pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] bool; then the return is (out, keep [B,S]).
+    pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] bool, optionally lam (float) and sinks (int);
+    then the return is (out, keep [B,S]).
     """
     b, hq, t, d = q.shape
     if t != 1:
@@ -315,15 +320,16 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
                  else prune["valid"].to(torch.int8).contiguous())
         live_out = torch.empty_like(live)
         ri = qi.shape[-1]
-        pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), ri, ri ** -0.5, float(prune["beta"]))
+        pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), ri, ri ** -0.5,
+              float(prune["beta"]), float(prune.get("lam", 0.0)), int(prune.get("sinks", 0)))
     else:
-        pr = (dummy,) * 7 + (0, 0, 0, 1, 1.0, 0.0)
-    qi_, ki_, live_, pos_, qpos_, valid_, live_out_, skib, skis, sqib, ri, int_scale, beta = pr
+        pr = (dummy,) * 7 + (0, 0, 0, 1, 1.0, 0.0, 0.0, 0)
+    qi_, ki_, live_, pos_, qpos_, valid_, live_out_, skib, skis, sqib, ri, int_scale, beta, lam, sinks = pr
     _decode_kernel[(b * g, ns)](
         q, k, v, po, pl, qm, qa, bias_t, lens, qi_, ki_, live_, pos_, qpos_, valid_, live_out_,
         q.stride(0), q.stride(1) if hq > 1 else 0, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sbb, sbs, skib, skis, sqib,
-        h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta,
+        h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta, lam, sinks,
         HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
         PRUNE=prune is not None, PRECISION=precision(k.dtype), BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)

@@ -32,6 +32,9 @@ class ModelConfig:
     prune: bool = False         # adaptively sparse attention
     prune_r: int = 64           # width r of the interaction projections W^Qint, W^Kint
     prune_beta: float = 2.0     # initial beta: positive, so nothing is dropped at first
+    # deviations from the paper's rule, off by default (models/pruning/interaction.py says why):
+    prune_distance: bool = False  # add -lambda^l log(n - j) to x_{n,j} (a learned scalar per layer, starts at 0)
+    prune_sinks: int = 0        # the first S positions of a text are never dropped (attention sinks)
     pattern: str = "dense"      # fixed sparse baselines: "local" (window of pattern_k) or "strided" (Child et al.)
     pattern_k: int = 64
     # adapters, papers.md section 4
@@ -76,6 +79,8 @@ class ModelConfig:
             raise ConfigError(f"rotary positions need an even d_head, got {self.d_head}")
         if self.pattern not in ("dense", "local", "strided"):
             raise ConfigError(f"pattern must be dense, local or strided, got {self.pattern!r}")
+        if not isinstance(self.prune_sinks, int) or isinstance(self.prune_sinks, bool) or self.prune_sinks < 0:
+            raise ConfigError(f"prune_sinks must be a whole number >= 0, got {self.prune_sinks!r}")
         if self.pattern != "dense" and self.prune:
             raise ConfigError("a fixed sparse pattern and context pruning are alternatives; choose one")
         if self.adapter is not None:

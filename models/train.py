@@ -20,11 +20,13 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -70,6 +72,8 @@ class TrainConfig:
     alpha_steps: int | None = None  # default: all steps
     freeze_base: bool = False     # train context pruning's parameters alone (the base model stays as it is)
     prune_init: str = "paper"     # "calibrated": scale W^Qint, W^Kint to the base's real inputs (ContextPruning.calibrate)
+    scalar_lr_mult: float = 1.0   # context pruning's scalars (beta, lambda) learn at lr x this (one number each: they move slowly)
+    distill: bool = False         # pruning, base frozen: KL to the same model with its rule off, not the corpus's next tokens
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -115,6 +119,9 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
         raise ConfigError(f"{path}: train.eval_stride ({tc.eval_stride}) must be in [1, model.context={model_cfg.context}]")
     if tc.freeze_base and not model_cfg.prune:
         raise ConfigError(f"{path}: train.freeze_base trains context pruning alone, but model.prune is off")
+    if tc.distill and not (tc.freeze_base and model_cfg.prune and model_cfg.adapter is None):
+        raise ConfigError(f"{path}: train.distill learns a pruning rule against its own frozen base: it needs "
+                          "model.prune, train.freeze_base and no adapter")
     if tc.prune_init not in ("paper", "calibrated"):
         raise ConfigError(f"{path}: train.prune_init must be paper or calibrated, got {tc.prune_init!r}")
     if tc.warmup < 0 or tc.lr <= 0 or tc.min_lr < 0:
@@ -141,16 +148,23 @@ def get_batch(tokens: np.ndarray, offsets: np.ndarray, context: int, device) -> 
     return t[:, :-1], t[:, 1:]
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, weight_decay: float, scalar_lr_mult: float = 1.0) -> list[dict]:
     """Decay weight matrices only. Head embeddings and lag weights are what the analysis pages study, and
-    decay would pull them towards zero (identical heads, a shrunken lag profile), so they are left alone."""
-    decay, no_decay = [], []
+    decay would pull them towards zero (identical heads, a shrunken lag profile), so they are left alone.
+    Context pruning's scalars (beta, lambda) form their own group at lr x scalar_lr_mult."""
+    decay, no_decay, scalars = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         leaf = name.rsplit(".", 1)[-1]
+        if p.dim() == 0 and ".pruning." in name:
+            scalars.append(p)
+            continue
         (no_decay if p.dim() < 2 or leaf in ("e_Q", "e_K", "e_V", "w_ext") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if scalars:
+        groups.append({"params": scalars, "weight_decay": 0.0, "lr_mult": scalar_lr_mult})
+    return groups
 
 
 def config_hash(raw: dict) -> str:
@@ -189,7 +203,7 @@ def load_state(path: Path, model, opt) -> dict:
 
 
 FINE_TUNE_FIELDS = {"context",  # shorter for a fine-tune of a rotary model; learned positions must match (shapes)
-                    "prune", "prune_r", "prune_beta", "pattern", "pattern_k",
+                    "prune", "prune_r", "prune_beta", "prune_distance", "prune_sinks", "pattern", "pattern_k",
                     "adapter", "adapter_reduction", "phm_n", "phm_rank"}  # config fields a fine-tune may change
 
 
@@ -210,6 +224,29 @@ def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenize
     missing = [k for k in result.missing_keys if owner.get(k) not in ("pruning", "adapters")]
     if missing or result.unexpected_keys:
         raise ConfigError(f"init_from {path}: weights do not fit (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]})")
+
+
+@contextmanager
+def rule_off(model: DecoderLM):
+    """The trainer's own model with every layer's pruning switched off: the dense base, the distillation teacher
+    (train.distill). Only the trainer calls this; a loaded model is never changed so."""
+    rules = [b.mixer.pruning for b in model.blocks]
+    for b in model.blocks:
+        b.mixer.pruning = None
+    try:
+        yield model
+    finally:
+        for b, rule in zip(model.blocks, rules):
+            b.mixer.pruning = rule
+
+
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per position, mean over positions: how far pruning moves the next-token
+    distribution away from the same model with its whole context."""
+    wide = lambda z: z.float() if z.dtype in (torch.bfloat16, torch.float16) else z  # noqa: E731 (fp32 at least)
+    log_s = F.log_softmax(wide(student_logits), dim=-1)
+    log_t = F.log_softmax(wide(teacher_logits), dim=-1)
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean()
 
 
 def calibrate_pruning(model: DecoderLM, idx: torch.Tensor) -> list[float]:
@@ -300,7 +337,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     model = model.to(dev)
     pruning = model_cfg.prune
     n_pairs = pair_count(model_cfg.n_layers, model_cfg.context)
-    opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+    opt = torch.optim.AdamW(param_groups(model, tc.weight_decay, tc.scalar_lr_mult), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                             fused=dev.type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
     state_path, log_path = out / STATE, out / LOG
@@ -377,7 +414,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
             t0 = time.perf_counter()
             lr = lr_at(step, tc)
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g.get("lr_mult", 1.0)
             offsets = batch_offsets(tc.seed, step, train_tokens.size, ctx, tc.batch_size)[rank::world]
             x, y = get_batch(train_tokens, offsets, ctx, dev)
             if pruning:
@@ -385,6 +422,11 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
             with autocast:
                 res = fwd(x, targets=y)
                 loss = res.loss
+                if tc.distill:  # the target: the same model with its whole context
+                    with torch.no_grad(), rule_off(model):
+                        teacher = fwd(x).logits
+                    loss = distill_loss(res.logits, teacher)
+                    kl_value = float(loss.detach())
                 if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
                     loss = loss + sparsity_loss(res.prune_mass, tc.gamma, n_pairs)
             loss.backward()
@@ -409,6 +451,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                 t_last, tok_last = now, tokens_seen
                 entry = {"step": step, "kind": "train", "loss": loss_value, "lr": lr, "tokens": tokens_seen,
                          "tokens_per_s": rate, "elapsed_s": elapsed}
+                if tc.distill:
+                    entry["kl"] = kl_value
                 if pruning:
                     entry |= {"alpha": model.blocks[0].mixer.pruning.alpha,
                               "kept_fraction_soft": float(res.prune_mass.detach()) * 2 / n_pairs}

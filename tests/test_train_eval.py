@@ -282,3 +282,30 @@ def test_frozen_base_trains_pruning_alone_and_a_rotary_context_may_shrink(tmp_pa
     (tmp_path / "l2.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"differs in context \(16 vs 12\)"):
         train(tmp_path / "l2.json", tmp_path / "l2", progress=False)
+
+
+def test_distillation_trains_the_rule_terms_against_the_frozen_base(tmp_path, data_dir):
+    """train.distill: the loss is the KL to the same model with its rule off; the base stays put, the distance term's
+    lambda and beta learn (in their own group at lr x scalar_lr_mult), and the run logs the KL beside the LM loss."""
+    dense_cfg = write_config(tmp_path / "dense.json", data_dir, mixer="gqa", steps=2)
+    raw = json.loads(dense_cfg.read_text())
+    raw["model"] |= {"positions": "rope", "n_kv_heads": 2}
+    dense_cfg.write_text(json.dumps(raw))
+    train(dense_cfg, tmp_path / "dense", progress=False)
+    raw["model"] |= {"prune": True, "prune_r": 8, "prune_distance": True, "prune_sinks": 2}
+    raw["train"] |= {"init_from": str(tmp_path / "dense"), "steps": 3, "freeze_base": True, "distill": True,
+                     "scalar_lr_mult": 10.0, "prune_init": "calibrated", "gamma": 2.0}
+    (tmp_path / "p.json").write_text(json.dumps(raw))
+    card = train(tmp_path / "p.json", tmp_path / "p", progress=False)
+    tuned = load_model_dir(tmp_path / "p")
+    dense = load_model_dir(tmp_path / "dense").model.state_dict()
+    state = tuned.model.state_dict()
+    assert all(torch.equal(dense[k], state[k]) for k in dense)
+    assert all(float(state[f"blocks.{i}.mixer.pruning.lam"]) != 0.0 for i in range(2))
+    assert tuned.config.prune_sinks == 2 and card["train"]["distill"] is True
+    entries = [e for e in curve(tmp_path / "p") if e["kind"] == "train"]
+    assert all(e["kl"] >= 0 and math.isfinite(e["kl"]) for e in entries)
+    raw["train"]["freeze_base"] = False
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="distill learns a pruning rule"):
+        train(tmp_path / "bad.json", tmp_path / "bad", progress=False)

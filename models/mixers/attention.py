@@ -83,7 +83,8 @@ class Attention(Mixer):
         self.scale = 1.0 / math.sqrt(cfg.d_head)
         # GPT-2 residual scaling: output projections start smaller in deeper models
         self.W_O = nn.Parameter(torch.randn(n_heads * cfg.d_head, cfg.d_model) * cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        self.pruning = ContextPruning(cfg.d_model, cfg.prune_r, cfg.prune_beta) if cfg.prune else None
+        self.pruning = (ContextPruning(cfg.d_model, cfg.prune_r, cfg.prune_beta, cfg.prune_distance, cfg.prune_sinks)
+                        if cfg.prune else None)
         self.prune_mass = None  # training: sum over j < k of I_{k,j}, batch mean (for the sparsity loss)
         self.pattern, self.pattern_k = cfg.pattern, cfg.pattern_k
         self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else None
@@ -212,7 +213,8 @@ class Attention(Mixer):
         vv = kk if self.kv_shared else past["v"]
         if rule is not None and q.shape[2] == 1 and record is None:  # a decode step with padding rows
             prune = {"q_int": x[:, 0] @ self.pruning.W_Qint, "k_int": past["k_int"], "beta": self.pruning.beta_value(),
-                     "live": live, "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0]}
+                     "live": live, "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0],
+                     **self.pruning.rule_terms()}
             o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
             cache.update_live(keep, q_pos[:, :1].expand_as(keep))
             return self.output(o)
@@ -287,7 +289,8 @@ class Attention(Mixer):
             cache.count_seen(allowed)
             return self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False)
         prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": self.pruning.beta_value(),
-                 "live": live, "pos": cache.pos[:, :cache.end], "q_pos": q_pos[:, 0], "valid": None}
+                 "live": live, "pos": cache.pos[:, :cache.end], "q_pos": q_pos[:, 0], "valid": None,
+                 **self.pruning.rule_terms()}
         o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
         cache.count_seen(keep)
         cache.update_kept(keep, q_pos, every=ALIGN)

@@ -8,6 +8,14 @@ and every head attends with softmax(Q K^T / sqrt(d_h) + log I). sigma is the alp
 training (alpha raised from 1 to 8 on a cosine schedule) and the step 1[x > 0] at inference.
 A token never drops itself, and once dropped (sigma = 0) it stays dropped for every later token.
     L = L_lm + gamma / (L_layers n (n - 1)) sum_layers sum_{j<k} I_{k,j}
+
+Two deviations from the paper, each off unless the config asks (ModelConfig.prune_distance, prune_sinks):
+- distance: x_{n,j} gains -lambda^l log(n - j), a learned scalar per layer that starts at 0 (the paper's rule).
+  GPT-2 adds absolute positions to the residual stream, so its x_{n,j} can tell how far back token j is; a
+  rotary model (SmolLM2) keeps positions inside attention, and without this term its rule cannot express
+  "keep the recent window". With lambda > 0 a token lives about exp((q.k/sqrt(r) + beta) / lambda) steps:
+  its content sets its lifetime.
+- sinks: the first S positions of a text are never dropped (StreamingLLM's attention sinks).
 """
 from __future__ import annotations
 
@@ -21,12 +29,20 @@ from models.pruning.alpha_sigmoid import alpha_sigmoid
 LOG_FLOOR = 1e-40  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
 
 
-def survives(x: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def survives(x: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, valid: torch.Tensor | None = None,
+             sinks: int = 0) -> torch.Tensor:
     """The survival rule at inference, for one query against each key (shapes broadcast): key j outlives
-    query n when x_{n,j} > 0; a query never drops its own or a later position; a padding row (valid False)
-    drops nothing. Every cache path uses this rule (the Triton decode kernel restates it, tested equal)."""
-    keep = (x > 0) | (key_pos >= q_pos)
+    query n when x_{n,j} > 0; a query never drops its own or a later position, nor one of the first `sinks`;
+    a padding row (valid False) drops nothing. Every cache path uses this rule (the Triton decode kernel
+    restates it, tested equal)."""
+    keep = (x > 0) | (key_pos >= q_pos) | (key_pos < sinks)
     return keep if valid is None else keep | ~valid
+
+
+def distance_term(lam: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """-lambda log(n - j) for query position n and key position j (shapes broadcast); 0 where j >= n, whose
+    decision the rule fixes anyway (a query never drops itself or a later position)."""
+    return -lam * (q_pos - key_pos).clamp_min(1).to(lam.dtype).log()
 
 
 def pair_count(n_layers: int, n: int) -> int:
@@ -43,12 +59,15 @@ def sparsity_loss(mass: torch.Tensor, gamma: float, pairs: int) -> torch.Tensor:
 class ContextPruning(nn.Module):
     """The interaction projections of one layer, and the keep structure I they define."""
 
-    def __init__(self, d_model: int, r: int, beta: float):
+    def __init__(self, d_model: int, r: int, beta: float, distance: bool = False, sinks: int = 0):
         super().__init__()
         self.r = r
         self.W_Qint = nn.Parameter(torch.randn(d_model, r) / math.sqrt(d_model))
         self.W_Kint = nn.Parameter(torch.randn(d_model, r) / math.sqrt(d_model))
         self.beta = nn.Parameter(torch.tensor(float(beta)))  # positive: nothing is dropped at first
+        # lambda of the distance term (a deviation, see the module docstring); 0 at first: the paper's rule
+        self.lam = nn.Parameter(torch.zeros(())) if distance else None
+        self.sinks = sinks
         self.alpha = math.inf  # set by the trainer while training; inf (the step) at inference
 
     def beta_value(self) -> float:
@@ -58,6 +77,19 @@ class ContextPruning(nn.Module):
         if getattr(self, "_beta_seen", None) != version:
             self._beta_cache, self._beta_seen = float(self.beta), version
         return self._beta_cache
+
+    def lam_value(self) -> float:
+        """lambda as a Python float for the decode kernels (0.0 without the distance term)."""
+        if self.lam is None:
+            return 0.0
+        version = (self.lam._version, self.lam.data_ptr())
+        if getattr(self, "_lam_seen", None) != version:
+            self._lam_cache, self._lam_seen = float(self.lam), version
+        return self._lam_cache
+
+    def rule_terms(self) -> dict:
+        """The decode kernels' view of the deviations: lambda (float) and the sink count."""
+        return {"lam": self.lam_value(), "sinks": self.sinks}
 
     def adapter_params(self) -> dict[str, nn.Parameter]:
         """What trains in a parameter-efficient fine-tune with pruning (models.adapters.get_adapter_params)."""
@@ -78,9 +110,14 @@ class ContextPruning(nn.Module):
     def current_alpha(self) -> float:
         return self.alpha if self.training else math.inf
 
-    def scores(self, x_q: torch.Tensor, k_int: torch.Tensor) -> torch.Tensor:
-        """x_{n,j} for the query rows x_q [B,Tq,d] against interaction keys k_int [B,S,r] -> [B,Tq,S]."""
-        return (x_q @ self.W_Qint.to(x_q.dtype)) @ k_int.to(x_q.dtype).transpose(1, 2) / math.sqrt(self.r) + self.beta
+    def scores(self, x_q: torch.Tensor, k_int: torch.Tensor, key_pos: torch.Tensor | None = None,
+               q_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x_{n,j} for the query rows x_q [B,Tq,d] against interaction keys k_int [B,S,r] -> [B,Tq,S]; with
+        the distance term, key_pos [S] or [B,S] and q_pos [Tq] or [B,Tq] say where each sits."""
+        x = (x_q @ self.W_Qint.to(x_q.dtype)) @ k_int.to(x_q.dtype).transpose(1, 2) / math.sqrt(self.r) + self.beta
+        if self.lam is not None:
+            x = x + distance_term(self.lam.to(x.dtype), key_pos[..., None, :], q_pos[..., :, None])
+        return x
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.W_Kint.to(x.dtype)  # log_keep runs in float32 even when the model is in bf16
@@ -109,7 +146,10 @@ class ContextPruning(nn.Module):
 
     def _log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[1]
-        sig = alpha_sigmoid(self.scores(x, self.keys(x)), self.current_alpha())         # [B, n, j]
+        pos = torch.arange(t, device=x.device)
+        sig = alpha_sigmoid(self.scores(x, self.keys(x), pos, pos), self.current_alpha())  # [B, n, j]
+        if self.sinks:
+            sig = torch.cat([torch.ones_like(sig[..., :self.sinks]), sig[..., self.sinks:]], dim=-1)
         later = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1)           # n > j
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         one, zero = torch.ones((), dtype=sig.dtype, device=x.device), torch.zeros((), dtype=sig.dtype, device=x.device)
@@ -127,8 +167,8 @@ class ContextPruning(nn.Module):
         """Inference: whether each key has survived every new query up to and including each row (the rule of
         `survives`, accumulated: only a later query can drop a key, and a drop is forever). The new query rows
         are in position order. key_pos [S] or [B,S], q_pos [T] or [B,T] -> [B,T,S] bool."""
-        each = survives(self.scores(x_new, k_int), key_pos[..., None, :], q_pos[..., :, None],
-                        None if valid is None else valid[:, :, None])
+        each = survives(self.scores(x_new, k_int, key_pos, q_pos), key_pos[..., None, :], q_pos[..., :, None],
+                        None if valid is None else valid[:, :, None], self.sinks)
         return each.cumprod(dim=1).bool()
 
     def step_keep(self, x_new: torch.Tensor, k_int: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:

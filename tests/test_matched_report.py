@@ -1,0 +1,67 @@
+"""analysis.reports.matched: the held-out protocol's numbers equal token-by-token scoring of the same windows."""
+import math
+import re
+
+import numpy as np
+import pytest
+
+from analysis.reports import matched
+from models.pruning import policies
+
+
+def test_windows_cost_and_bootstrap_from_their_definitions():
+    dense, rule = matched.Windows(), matched.Windows()
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        lp = -rng.uniform(1, 5, 150)
+        dense.add(np.tril(np.ones((2, 151, 151), dtype=np.uint8)), lp)
+        rule.add(np.tril(np.ones((2, 151, 151), dtype=np.uint8)), lp - rng.uniform(0, 0.2, 150))
+    every = np.arange(5)
+    want = math.exp((sum(rule.nll) - sum(dense.nll)) / sum(dense.tokens)) - 1
+    assert float(matched.cost(rule, dense, every, late=False)) == pytest.approx(want)
+    assert sum(rule.tokens_late) == 5 * 50 and matched.mean_sparsity(rule, late=False) == 0.0
+    rows = {r["rule"]: r for r in matched.summary({"dense": dense, "rule": rule}, "dense", "rule", late=True)}
+    lo, hi = rows["rule"]["cost_ci"]
+    assert 0 < lo <= rows["rule"]["cost"] <= hi  # every window costs more: the whole interval is above 0
+    assert rows["dense"]["cost"] == 0.0
+
+
+def test_source_windows_spread_over_a_split_or_all_of_a_source(tmp_path):
+    for i, split in enumerate(matched.SPLITS):
+        np.save(tmp_path / f"{split}.npy", np.full(300, i, dtype=np.uint16))
+    test = matched.source_windows(f"{tmp_path}:test", 100, 5)
+    assert len(test) == 3 and all(set(w) == {2} for w in test)
+    every = matched.source_windows(f"{tmp_path}:all", 100, 4)
+    assert [w[0] for w in every] == [0, 1, 1, 2] and all(len(w) == 100 for w in every)
+    with pytest.raises(ValueError, match="DIR:SPLIT"):
+        matched.source_windows(f"{tmp_path}:nope", 100, 4)
+
+
+def test_the_report_equals_token_by_token_scoring(tmp_path):
+    from models.checkpoint import load_model_dir
+    from models.evaluate import score_token_by_token
+    stream = np.random.default_rng(0).integers(0, 8192, 300).astype(np.uint16)
+    np.save(tmp_path / "test.npy", stream)
+    out = tmp_path / "m.md"
+    assert matched.main(["assets/models/mha-1024-pruned", "--base", "assets/models/mha-1024",
+                         "--source", f"held={tmp_path}:test", "--window", "130", "--windows", "2",
+                         "--policies", "streamingllm,tova", "--out", str(out)]) == 0
+    text = out.read_text()
+    every, late = text.split("## held: positions >= 100")
+    windows = [[int(t) for t in stream[i * 130:(i + 1) * 130]] for i in range(2)]
+    learned = [score_token_by_token(load_model_dir("assets/models/mha-1024-pruned").model, w) for w in windows]
+    dense = [score_token_by_token(load_model_dir("assets/models/mha-1024").model, w) for w in windows]
+    ppl = math.exp(sum(r["nll"] for r in learned) / sum(r["tokens"] for r in learned))
+    sp = sum(r["sparsity"] * r["tokens"] for r in learned) / sum(r["tokens"] for r in learned)
+    row = re.search(r"\| mha-1024-pruned \| - \| ([\d.]+)% \| ([\d.]+) \| ([+-][\d.]+)%", every)
+    assert float(row.group(2)) == pytest.approx(ppl, rel=1e-5) and float(row.group(1)) == pytest.approx(100 * sp, abs=0.05)
+    dppl = math.exp(sum(r["nll"] for r in dense) / sum(r["tokens"] for r in dense))
+    assert float(row.group(3)) == pytest.approx(100 * (ppl / dppl - 1), abs=0.006)
+    b = policies.budget_for("tova", sp, 129)
+    tova = [score_token_by_token(load_model_dir("assets/models/mha-1024").model, w, policies.make("tova", b)) for w in windows]
+    row = re.search(rf"\| tova \| {b} \| [\d.]+% \| ([\d.]+) \|", every)
+    assert row and float(row.group(1)) == pytest.approx(math.exp(sum(r["nll"] for r in tova) / sum(r["tokens"] for r in tova)),
+                                                        rel=1e-5)
+    assert "(2 windows, 58 scored tokens)" in late  # positions 100..128 of each window predict tokens 101..129
+    with pytest.raises(SystemExit):
+        matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", "bad", "--policies", "snapkv"])

@@ -1,0 +1,176 @@
+"""The two deviations from the paper's rule (ModelConfig.prune_distance, prune_sinks) and distillation:
+the literal equation in loops, then every path (full forward, static cache, compacted cache, Triton kernel)
+against it."""
+import math
+
+import pytest
+import torch
+
+from kernels import reference
+from models.config import ModelConfig
+from models.pruning import alpha_sigmoid, drop_records
+from models.transformer import DecoderLM
+from tests.helpers import cached_logits, randomize, tiny_config
+from tests.test_compact_cache import assert_ragged_equals_full, run_compact
+
+RULE = dict(prune=True, prune_r=8, prune_distance=True, prune_sinks=2)
+
+
+def model_with_terms(mixer="mha", beta=0.6, lam=0.35, seed=5, **cfg):
+    m = DecoderLM(tiny_config(mixer, **(RULE | cfg))).double().eval()
+    randomize(m, std=0.2, seed=seed)
+    for b in m.blocks:
+        with torch.no_grad():
+            b.mixer.pruning.beta.fill_(beta)
+            b.mixer.pruning.lam.fill_(lam)
+    return m
+
+
+def literal_keep(p, x, alpha):
+    """I_{k,j} = prod_{n=j+1..k} sigma(x_{n,j}) with x_{n,j} = q_n.k_j/sqrt(r) + beta - lam log(n - j), and
+    sigma = 1 for j < sinks: loops over k, j, n."""
+    b, t, _ = x.shape
+    qi, ki = x @ p.W_Qint, x @ p.W_Kint
+    keep = torch.zeros(b, t, t, dtype=x.dtype)
+    for bi in range(b):
+        for k in range(t):
+            keep[bi, k, k] = 1
+            for j in range(k):
+                prod = torch.ones((), dtype=x.dtype)
+                for n in range(j + 1, k + 1):
+                    xnj = qi[bi, n] @ ki[bi, j] / math.sqrt(p.r) + p.beta - p.lam * math.log(n - j)
+                    sig = torch.ones((), dtype=x.dtype) if j < p.sinks else alpha_sigmoid(xnj, alpha)
+                    prod = prod * sig
+                keep[bi, k, j] = prod
+    return keep
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.5, math.inf])
+def test_keep_structure_with_distance_and_sinks_matches_the_literal_product(alpha):
+    m = model_with_terms()
+    p = m.blocks[0].mixer.pruning
+    p.train()
+    p.alpha = alpha
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    _, keep = p.log_keep(x)
+    want = literal_keep(p, x, alpha)
+    if math.isinf(alpha):
+        want = (want > 0.5).to(want.dtype)  # the step: a product of 0/1 factors
+    torch.testing.assert_close(keep, want, atol=1e-10, rtol=1e-8)
+    assert torch.all(keep[:, :, :2].tril() == torch.ones(11, 2, dtype=keep.dtype).tril())  # sinks always kept
+
+
+def test_the_distance_term_drops_far_tokens_first():
+    """With beta > 0 and no content (W_Qint = 0), a token lives while lam log(n - j) < beta: a sliding window
+    of exp(beta / lam) (rounded down), plus the sinks."""
+    m = model_with_terms(beta=1.0, lam=0.5)
+    p = m.blocks[0].mixer.pruning
+    with torch.no_grad():
+        p.W_Qint.zero_()
+    _, keep = p.log_keep(torch.randn(1, 20, 16, dtype=torch.float64))
+    window = math.floor(math.exp(1.0 / 0.5) - 1e-9)  # n - j < e^2 = 7.39: lags 1..7 survive
+    k, j = torch.meshgrid(torch.arange(20), torch.arange(20), indexing="ij")
+    want = ((k - j <= window) & (j <= k)) | ((j < 2) & (j <= k))
+    assert torch.equal(keep[0].bool(), want)
+
+
+def test_zero_lambda_and_no_sinks_are_the_papers_rule():
+    plain = DecoderLM(tiny_config("mha", prune=True, prune_r=8)).double().eval()
+    randomize(plain, std=0.2, seed=3)
+    terms = DecoderLM(tiny_config("mha", prune=True, prune_r=8, prune_distance=True)).double().eval()
+    state = plain.state_dict()
+    for b in range(terms.config.n_layers):
+        state[f"blocks.{b}.mixer.pruning.lam"] = torch.zeros((), dtype=torch.float64)
+    terms.load_state_dict(state)
+    idx = torch.randint(0, 61, (2, 15))
+    with torch.no_grad():
+        a, b_ = plain(idx, diagnostics="keep"), terms(idx, diagnostics="keep")
+    torch.testing.assert_close(a.logits, b_.logits, rtol=0, atol=0)
+    assert "lam" not in dict(plain.blocks[0].mixer.pruning.named_parameters())  # old checkpoints load as they were
+
+
+@pytest.mark.parametrize("chunks", [[1] * 16, [5, 1, 7, 3]], ids=["per-token", "chunked"])
+@pytest.mark.parametrize("mixer", ["mha", "mqa", "mhe-mul", "gqa"])
+def test_static_cache_decode_equals_full_forward_with_the_terms(mixer, chunks):
+    model = model_with_terms(mixer, beta=0.3, lam=0.2)
+    idx = torch.randint(0, 61, (3, 16))
+    with torch.no_grad():
+        full = model(idx, diagnostics=True)
+        steps, cache = cached_logits(model, idx, chunks)
+    torch.testing.assert_close(steps, full.logits, rtol=1e-6, atol=1e-6)
+    keep = full.diagnostics[0]["keep"]
+    assert torch.equal(cache.layers[0].alive[:, :16], keep[:, -1].bool())
+    assert 0 < keep.tril(-1).sum() < 3 * 16 * 15 / 2
+
+
+@pytest.mark.parametrize("mixer", ["mha", "mqa", "mhe-add", "gqa"])
+def test_compacted_cache_equals_full_forward_with_the_terms(mixer):
+    model = model_with_terms(mixer, beta=0.3, lam=0.2)
+    _, cache = assert_ragged_equals_full(model, n=18)
+    assert len(cache.layers[0].drop_table()) > 0
+
+
+def test_compacted_drops_and_triggers_match_the_full_forward_with_the_terms():
+    model = model_with_terms("mha", beta=0.3, lam=0.25)
+    seqs = torch.randint(0, 61, (2, 20)).tolist()
+    _, cache = run_compact(model, seqs, [20, 20])
+    for layer in range(model.config.n_layers):
+        got = {(int(b), int(p)): int(t) for b, p, t in cache.layers[layer].drop_table()}
+        for r, seq in enumerate(seqs):
+            with torch.no_grad():
+                keep = model(torch.tensor([seq]), diagnostics=True).diagnostics[layer]["keep"]
+            step, dropped = drop_records(keep)
+            assert not dropped[0, :2].any()  # the sinks
+            assert {k: v for k, v in got.items() if k[0] == r} == {(r, j): int(step[0, j]) for j in range(20) if dropped[0, j]}
+
+
+@pytest.mark.parametrize("valid", [True, False], ids=["all-real", "padding-row"])
+def test_triton_compact_decode_with_the_terms_matches_the_reference(valid):
+    from kernels import triton_attention
+    from tests.test_kernels_triton import prune_state
+    b, h, g, s, r, d = 3, 6, 3, 70, 8, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    state = prune_state(b, s, r, beta=0.8) | {"lam": 0.3, "sinks": 3}
+    state["valid"][-1] = valid
+    if valid:
+        state["valid"] = None
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state, n_split=2)
+    want, want_keep = reference.decode(q, k, v, scale=0.25, prune=state)
+    assert torch.equal(keep, want_keep)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    literal = state["live"].clone()  # the rule from its equation, slot by slot
+    for i in range(b):
+        for j in range(s):
+            pos, qp = int(state["pos"][i, j]), int(state["q_pos"][i])
+            if not literal[i, j] or pos >= qp or pos < 3 or (not valid and i == b - 1):
+                continue
+            x = float(state["q_int"][i] @ state["k_int"][i, j]) / math.sqrt(r) + 0.8 - 0.3 * math.log(qp - pos)
+            literal[i, j] = x > 0
+    assert torch.equal(keep, literal)
+    assert (state["live"] & ~keep).any() and (state["live"] & (state["pos"] < 3) & (state["pos"] >= 0)).any()
+
+
+def test_config_refuses_negative_sinks_and_keeps_the_defaults():
+    from models.config import ConfigError
+    with pytest.raises(ConfigError, match="prune_sinks"):
+        tiny_config("mha", prune=True, prune_sinks=-1)
+    cfg = ModelConfig()
+    assert cfg.prune_distance is False and cfg.prune_sinks == 0
+
+
+def test_distillation_loss_is_the_kl_to_the_rule_off_model():
+    from models.train import distill_loss, rule_off
+    model = model_with_terms("gqa", beta=0.3, lam=0.2)
+    dense = DecoderLM(tiny_config("gqa")).double().eval()
+    dense.load_state_dict(model.state_dict(), strict=False)
+    idx = torch.randint(0, 61, (2, 12))
+    with torch.no_grad():
+        student = model(idx).logits
+        with rule_off(model):
+            teacher = model(idx).logits
+        torch.testing.assert_close(teacher, dense(idx).logits, rtol=0, atol=0)
+        assert model.blocks[0].mixer.pruning is not None  # switched back on
+        p, q = teacher.softmax(-1), student.softmax(-1)
+        literal = sum(float((p[b, t] * (p[b, t].log() - q[b, t].log())).sum()) for b in range(2) for t in range(12)) / 24
+        assert float(distill_loss(student, teacher)) == pytest.approx(literal, rel=1e-6)
+        assert float(distill_loss(teacher, teacher)) == pytest.approx(0.0, abs=1e-9)
