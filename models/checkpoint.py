@@ -41,11 +41,17 @@ class LoadedModel:
 
 
 def code_version() -> str:
-    """The git commit of this code, or 'unknown' outside a checkout."""
+    """The git commit of this code, with "-dirty" when tracked files differ from it (a card then names code
+    that no commit holds), or 'unknown' outside a checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here)
+        head = out.stdout.strip()
+        if not head:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=here).stdout.strip()
+        return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -68,10 +68,13 @@ class TrainConfig:
     compile: bool = False  # torch.compile, CUDA only
     init_from: str | None = None  # a model directory to start from (fine-tuning; e.g. a dense base for pruning)
     gamma: float = 0.3            # context pruning: weight of the sparsity loss
-    alpha_end: float = 8.0        # context pruning: alpha rises 1 -> alpha_end on a cosine over alpha_steps
+    alpha_start: float = 1.0      # context pruning: alpha rises alpha_start -> alpha_end on a cosine over alpha_steps
+    alpha_end: float = 8.0
     alpha_steps: int | None = None  # default: all steps
     freeze_base: bool = False     # train context pruning's parameters alone (the base model stays as it is)
-    prune_init: str = "paper"     # "calibrated": scale W^Qint, W^Kint to the base's real inputs (ContextPruning.calibrate)
+    prune_init: str = "paper"     # "calibrated": scale W^Qint, W^Kint to the base's real inputs (ContextPruning.calibrate);
+                                  # "window": calibrated, then each layer starts as a recent window (ContextPruning.init_window)
+    prune_window: int = 100       # the window of prune_init "window"
     scalar_lr_mult: float = 1.0   # context pruning's scalars (beta, lambda) learn at lr x this (one number each: they move slowly)
     distill: bool = False         # pruning, base frozen: KL to the same model with its rule off, not the corpus's next tokens
 
@@ -122,8 +125,20 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
     if tc.distill and not (tc.freeze_base and model_cfg.prune and model_cfg.adapter is None):
         raise ConfigError(f"{path}: train.distill learns a pruning rule against its own frozen base: it needs "
                           "model.prune, train.freeze_base and no adapter")
-    if tc.prune_init not in ("paper", "calibrated"):
-        raise ConfigError(f"{path}: train.prune_init must be paper or calibrated, got {tc.prune_init!r}")
+    if tc.prune_init not in ("paper", "calibrated", "window"):
+        raise ConfigError(f"{path}: train.prune_init must be paper, calibrated or window, got {tc.prune_init!r}")
+    if tc.prune_init == "window" and not (model_cfg.prune and model_cfg.prune_distance):
+        raise ConfigError(f"{path}: train.prune_init window starts the rule's distance term as a recent window: it "
+                          "needs model.prune and model.prune_distance")
+    if "prune_window" in raw.get("train", {}) and tc.prune_init != "window":
+        raise ConfigError(f"{path}: train.prune_window is the window of prune_init \"window\", but prune_init is "
+                          f"{tc.prune_init!r}")
+    if isinstance(tc.prune_window, bool) or not isinstance(tc.prune_window, int) or not 1 <= tc.prune_window < model_cfg.context:
+        raise ConfigError(f"{path}: train.prune_window must be an integer in [1, model.context={model_cfg.context}), "
+                          f"got {tc.prune_window!r}")
+    alphas = (tc.alpha_start, tc.alpha_end)
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in alphas) or not 1.0 <= alphas[0] <= alphas[1]:
+        raise ConfigError(f"{path}: train needs numbers 1 <= alpha_start <= alpha_end, got {tc.alpha_start!r}, {tc.alpha_end!r}")
     if tc.warmup < 0 or tc.lr <= 0 or tc.min_lr < 0:
         raise ConfigError(f"{path}: train.lr, min_lr and warmup must be positive")
     return model_cfg, tc, raw
@@ -325,11 +340,14 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     if tc.init_from:
         init_from(model, model_cfg, tc.init_from, tokenizer)
     calibration = None
-    if model_cfg.prune and tc.prune_init == "calibrated":  # on the first training batch (a function of the seed)
+    if model_cfg.prune and tc.prune_init in ("calibrated", "window"):  # on the first training batch (a function of the seed)
         x0, _ = get_batch(train_tokens, batch_offsets(tc.seed, 0, train_tokens.size, model_cfg.context, tc.batch_size),
                           model_cfg.context, "cpu")
         calibration = calibrate_pruning(model, x0)
         log.info("pruning calibrated to input RMS %s", ", ".join(f"{r:.3f}" for r in calibration))
+        if tc.prune_init == "window":
+            for b in model.blocks:
+                b.mixer.pruning.init_window(tc.prune_window)
     trainable = trainable_params(model, tc.freeze_base)
     set_trainable_params(model, trainable)
     if model_cfg.adapter:  # parameter-efficient: the base stays frozen
@@ -418,7 +436,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
             offsets = batch_offsets(tc.seed, step, train_tokens.size, ctx, tc.batch_size)[rank::world]
             x, y = get_batch(train_tokens, offsets, ctx, dev)
             if pruning:
-                model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, 1.0, tc.alpha_end))
+                model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end))
             with autocast:
                 res = fwd(x, targets=y)
                 loss = res.loss

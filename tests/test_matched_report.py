@@ -65,3 +65,25 @@ def test_the_report_equals_token_by_token_scoring(tmp_path):
     assert "(2 windows, 58 scored tokens)" in late  # positions 100..128 of each window predict tokens 101..129
     with pytest.raises(SystemExit):
         matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", "bad", "--policies", "snapkv"])
+
+
+def test_the_verdict_needs_every_policy_interval_above_zero():
+    def row(rule, lo, sparsity=0.6, windows=24):
+        return {"rule": rule, "sparsity": sparsity, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": windows,
+                "vs_match": lo + 0.01, "vs_match_ci": (lo, lo + 0.02)}
+
+    def results(*rows, budgets=("streamingllm", "tova")):
+        return {"src": {"budgets": {b: 10 for b in budgets}, "all": [row("m", 0.0), *rows]}}
+
+    ahead = results(row("streamingllm", 0.02), row("tova", 0.001), row("control", -0.5))  # control: not a policy
+    v, = matched.verdict(ahead, "m")
+    assert v["beats_all"] and v["bar"] and v["strongest"] == "tova" and v["strongest_lead"][1] == (0.001, 0.021)
+    v, = matched.verdict(results(row("streamingllm", 0.02), row("tova", -0.001)), "m")  # a straddling interval
+    assert v["beats_all"] is False and v["bar"] is False and v["strongest"] == "tova"
+    v, = matched.verdict(results(budgets=()), "m")  # nothing to beat
+    assert v["beats_all"] is None and v["strongest"] == "-"
+    few = {"src": {"budgets": {"tova": 10}, "all": [row("m", 0.0, windows=3), row("tova", 0.5, windows=3)]}}
+    assert matched.verdict(few, "m")[0]["bar"] is None  # too few windows to call
+    low = {"src": {"budgets": {"tova": 10}, "all": [row("m", 0.0, sparsity=0.4), row("tova", 0.5)]}}
+    v, = matched.verdict(low, "m")
+    assert v["beats_all"] and v["bar"] is False and v["regime"] is False  # ahead, but below 50 % dropped

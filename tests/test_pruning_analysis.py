@@ -1,5 +1,6 @@
 """POS alignment on a text with known tags, and the drop tables on a keep matrix with known drops."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -119,6 +120,10 @@ def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
                       "--window", "128", "--pos-docs", "2", "--out", str(out), "--figure", str(tmp_path / "f.png")]) == 0
     text = out.read_text()
     assert "| run | 3 | 42 | 0.3 | 128 | - |" in text and "| base | 100-256 |" in text and "+0.00%" in text
+    # the held-out protocol on the default source (the test split), the policies matched to the run's sparsity
+    assert "## Against the training-free policies" in text and "### test: every position" in text
+    assert "### test: positions >= 100" in text and re.search(r"\| test \| [\d.]+% \| [+-][\d.]+% \[", text)
+    assert re.search(r"\| streamingllm \| \d+ \|", text) and "--source test=" in text
     assert "## Sparsity per layer" in text and "| run | " in text and "trigger POS" in text
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     assert json.dumps(text)  # plain text

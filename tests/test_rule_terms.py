@@ -174,3 +174,50 @@ def test_distillation_loss_is_the_kl_to_the_rule_off_model():
         literal = sum(float((p[b, t] * (p[b, t].log() - q[b, t].log())).sum()) for b in range(2) for t in range(12)) / 24
         assert float(distill_loss(student, teacher)) == pytest.approx(literal, rel=1e-6)
         assert float(distill_loss(teacher, teacher)) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("dtype,window", [(torch.float64, 9), (torch.float32, 9), (torch.float32, 179),
+                                          (torch.float32, 337)])
+def test_the_window_init_is_streamingllm_before_training(dtype, window):
+    """train.prune_init "window": with the content term at 0 the rule keeps exactly what StreamingLLM at budget
+    window + sinks keeps, query by query (the policy's own step, on an uncompacted cache), in float32 too (179 and
+    337 put lambda log(n - j) - beta within rounding of 0 at the edge if beta were lambda log(window)), in the
+    full forward and in the static cache's step rule."""
+    from models.pruning.policies import StreamingLLM
+    m = model_with_terms(prune_sinks=4).to(dtype)
+    p = m.blocks[0].mixer.pruning
+    p.init_window(window)
+    assert p.lam.item() == 4.0 and p.beta.item() == pytest.approx(4.0 * math.log(window - 0.5))
+    with torch.no_grad():
+        p.W_Qint.zero_()
+    t = window + 30
+    x = torch.randn(1, t, 16, dtype=dtype)
+    _, keep = p.log_keep(x)
+    stepped = p.step_keep(x, p.keys(x), torch.ones(1, t, dtype=torch.bool))
+    policy = StreamingLLM(window + 4, sinks=4)
+    for q in range(t):
+        pos = torch.arange(q + 1)[None]
+        want = policy.step(torch.ones(1, q + 1, dtype=torch.bool), pos, torch.tensor([q]))
+        assert torch.equal(keep[0, q, :q + 1].bool(), want[0]), q
+        assert torch.equal(stepped[0, q, :q + 1], want[0]), q
+
+
+def test_the_window_init_and_alpha_start_are_checked(tmp_path):
+    import json
+    from models.config import ConfigError
+    from models.train import load_run_config
+    plain = DecoderLM(tiny_config("mha", prune=True, prune_r=8)).double()
+    with pytest.raises(ValueError, match="distance term"):
+        plain.blocks[0].mixer.pruning.init_window(9)
+    cfg = tmp_path / "c.json"
+    for model, train, message in [({"prune": True}, {"prune_init": "window"}, "needs model.prune and model.prune_distance"),
+                                  ({"prune": True, "prune_distance": True}, {"prune_init": "window", "prune_window": 0},
+                                   "prune_window must be an integer"),
+                                  ({"prune": True, "prune_distance": True}, {"prune_init": "window", "prune_window": 128},
+                                   "integer in \\[1, model.context=128\\)"),
+                                  ({"prune": True}, {"prune_window": 50}, "but prune_init is 'paper'"),
+                                  ({"prune": True}, {"alpha_start": 9.0}, "1 <= alpha_start <= alpha_end"),
+                                  ({"prune": True}, {"alpha_start": "2"}, "1 <= alpha_start <= alpha_end")]:
+        cfg.write_text(json.dumps({"model": {"context": 128} | model, "train": {"eval_stride": 64} | train}))
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(cfg)

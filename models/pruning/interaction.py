@@ -27,6 +27,9 @@ from torch import nn
 from models.pruning.alpha_sigmoid import alpha_sigmoid
 
 LOG_FLOOR = 1e-40  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
+# lambda of a window init: large enough that a content spread of 1 changes a key's life by a factor of e^(1/4)
+# (0.78-1.28x), not by e, so the start is close to the window; small enough that training can move it
+WINDOW_LAMBDA = 4.0
 
 
 def survives(x: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, valid: torch.Tensor | None = None,
@@ -106,6 +109,20 @@ class ContextPruning(nn.Module):
         self.W_Qint.div_(rms)
         self.W_Kint.div_(rms)
         return rms
+
+    @torch.no_grad()
+    def init_window(self, window: int, lam: float = WINDOW_LAMBDA) -> None:
+        """Start the rule near StreamingLLM's recent window (needs the distance term): beta = lambda log(window -
+        1/2), so with the content term at 0 and the step sigma a key outlives exactly the queries less than
+        `window` positions after it (the half keeps the edge off x = 0, where rounding would decide). The content
+        term, as calibrate leaves it (q.k / sqrt(r) of spread about 1), then lengthens or shortens each key's life
+        by exp(q.k / sqrt(r) / lambda); training moves each layer's window and the content from there."""
+        if self.lam is None:
+            raise ValueError("a window init needs the distance term (model.prune_distance)")
+        if window < 1 or lam <= 0:
+            raise ValueError(f"window must be >= 1 and lambda > 0, got {window}, {lam}")
+        self.lam.fill_(lam)
+        self.beta.fill_(lam * math.log(window - 0.5))
 
     def current_alpha(self) -> float:
         return self.alpha if self.training else math.inf
