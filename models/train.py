@@ -133,7 +133,8 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
     if "prune_window" in raw.get("train", {}) and tc.prune_init != "window":
         raise ConfigError(f"{path}: train.prune_window is the window of prune_init \"window\", but prune_init is "
                           f"{tc.prune_init!r}")
-    if isinstance(tc.prune_window, bool) or not isinstance(tc.prune_window, int) or not 1 <= tc.prune_window < model_cfg.context:
+    if tc.prune_init == "window" and (isinstance(tc.prune_window, bool) or not isinstance(tc.prune_window, int)
+                                      or not 1 <= tc.prune_window < model_cfg.context):
         raise ConfigError(f"{path}: train.prune_window must be an integer in [1, model.context={model_cfg.context}), "
                           f"got {tc.prune_window!r}")
     alphas = (tc.alpha_start, tc.alpha_end)
