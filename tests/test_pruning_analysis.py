@@ -122,7 +122,7 @@ def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
     assert "| run | 3 | 42 | 0.3 | 128 | - |" in text and "| base | 100-256 |" in text and "+0.00%" in text
     # the held-out protocol on the default source (the test split), the policies matched to the run's sparsity
     assert "## Against the training-free policies" in text and "### test: every position" in text
-    assert "### test: positions >= 100" in text and re.search(r"\| test \| [\d.]+% \| [+-][\d.]+% \[", text)
+    assert "### test: positions >= 100" in text and re.search(r"\| test \| \d+ \| [\d.]+% \| [+-][\d.]+% \[", text)
     assert re.search(r"\| streamingllm \| \d+ \|", text) and "--source test=" in text
     assert "## Sparsity per layer" in text and "| run | " in text and "trigger POS" in text
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
