@@ -89,18 +89,26 @@ def test_ragged_batch_equals_full_forward_per_row(mixer, prune):
         assert len(cache.layers[0].drop_table()) > 0   # this setting does drop tokens
 
 
-def test_drops_and_triggers_match_the_full_forward():
-    model = model_for("mha")
-    seqs = torch.randint(0, 61, (2, 18)).tolist()
-    _, cache = run_compact(model, seqs, [18, 18])
+def assert_drops_match_full_forward(model, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Each layer's compacted drop table (token, trigger) for equal-length rows == the full forward's drop records
+    (models.pruning.drop_records) row by row; returns those records' `dropped` masks for further checks."""
+    n = len(seqs[0])
+    _, cache = run_compact(model, seqs, [n] * len(seqs))
+    masks = []
     for layer in range(model.config.n_layers):
         got = {(int(b), int(p)): int(t) for b, p, t in cache.layers[layer].drop_table()}
         for r, seq in enumerate(seqs):
             with torch.no_grad():
                 keep = model(torch.tensor([seq]), diagnostics=True).diagnostics[layer]["keep"]
             step, dropped = drop_records(keep)
-            want = {(r, j): int(step[0, j]) for j in range(18) if dropped[0, j]}
+            want = {(r, j): int(step[0, j]) for j in range(n) if dropped[0, j]}
             assert {k: v for k, v in got.items() if k[0] == r} == want
+            masks.append(dropped)
+    return masks
+
+
+def test_drops_and_triggers_match_the_full_forward():
+    assert_drops_match_full_forward(model_for("mha"), torch.randint(0, 61, (2, 18)).tolist())
 
 
 def test_memory_is_freed_when_tokens_drop():

@@ -76,11 +76,12 @@ def pruned_mixer(name="mha", beta=0.3, seed=0, **cfg):
     return m
 
 
-def literal_keep(m, x, alpha):
-    """I_{k,j} = prod_{n=j+1..k} sigma(x_{n,j}), I_{k,k} = 1, 0 above: loops over k, j, n."""
-    p = m.pruning
+def literal_keep(p, x, alpha):
+    """I_{k,j} = prod_{n=j+1..k} sigma(x_{n,j}), I_{k,k} = 1, 0 above: loops over k, j, n, for the ContextPruning p.
+    With its deviations (interaction.py): x_{n,j} gains -lambda log(n - j), and sigma = 1 for j < sinks."""
     b, t, _ = x.shape
     qi, ki = x @ p.W_Qint, x @ p.W_Kint
+    lam = 0.0 if p.lam is None else p.lam
     keep = torch.zeros(b, t, t, dtype=x.dtype)
     for bi in range(b):
         for k in range(t):
@@ -88,7 +89,8 @@ def literal_keep(m, x, alpha):
             for j in range(k):
                 prod = torch.ones((), dtype=x.dtype)
                 for n in range(j + 1, k + 1):
-                    prod = prod * alpha_sigmoid(qi[bi, n] @ ki[bi, j] / math.sqrt(p.r) + p.beta, alpha)
+                    xnj = qi[bi, n] @ ki[bi, j] / math.sqrt(p.r) + p.beta - lam * math.log(n - j)
+                    prod = prod * (torch.ones((), dtype=x.dtype) if j < p.sinks else alpha_sigmoid(xnj, alpha))
                 keep[bi, k, j] = prod
     return keep
 
@@ -99,7 +101,7 @@ def test_keep_structure_matches_the_literal_product(alpha):
     m.pruning.alpha = alpha
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     log_i, keep = m.pruning.log_keep(x)
-    torch.testing.assert_close(keep, literal_keep(m, x, alpha), atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(keep, literal_keep(m.pruning, x, alpha), atol=1e-10, rtol=1e-8)
     assert torch.all(keep.diagonal(dim1=1, dim2=2) == 1) and torch.all(keep.triu(1) == 0)
     assert not torch.isnan(log_i).any()
 

@@ -8,10 +8,10 @@ import torch
 
 from kernels import reference
 from models.config import ModelConfig
-from models.pruning import alpha_sigmoid, drop_records
 from models.transformer import DecoderLM
 from tests.helpers import cached_logits, randomize, tiny_config
-from tests.test_compact_cache import assert_ragged_equals_full, run_compact
+from tests.test_compact_cache import assert_drops_match_full_forward, assert_ragged_equals_full
+from tests.test_pruning import literal_keep
 
 RULE = dict(prune=True, prune_r=8, prune_distance=True, prune_sinks=2)
 
@@ -24,25 +24,6 @@ def model_with_terms(mixer="mha", beta=0.6, lam=0.35, seed=5, **cfg):
             b.mixer.pruning.beta.fill_(beta)
             b.mixer.pruning.lam.fill_(lam)
     return m
-
-
-def literal_keep(p, x, alpha):
-    """I_{k,j} = prod_{n=j+1..k} sigma(x_{n,j}) with x_{n,j} = q_n.k_j/sqrt(r) + beta - lam log(n - j), and
-    sigma = 1 for j < sinks: loops over k, j, n."""
-    b, t, _ = x.shape
-    qi, ki = x @ p.W_Qint, x @ p.W_Kint
-    keep = torch.zeros(b, t, t, dtype=x.dtype)
-    for bi in range(b):
-        for k in range(t):
-            keep[bi, k, k] = 1
-            for j in range(k):
-                prod = torch.ones((), dtype=x.dtype)
-                for n in range(j + 1, k + 1):
-                    xnj = qi[bi, n] @ ki[bi, j] / math.sqrt(p.r) + p.beta - p.lam * math.log(n - j)
-                    sig = torch.ones((), dtype=x.dtype) if j < p.sinks else alpha_sigmoid(xnj, alpha)
-                    prod = prod * sig
-                keep[bi, k, j] = prod
-    return keep
 
 
 @pytest.mark.parametrize("alpha", [1.0, 2.5, math.inf])
@@ -112,16 +93,8 @@ def test_compacted_cache_equals_full_forward_with_the_terms(mixer):
 
 def test_compacted_drops_and_triggers_match_the_full_forward_with_the_terms():
     model = model_with_terms("mha", beta=0.3, lam=0.25)
-    seqs = torch.randint(0, 61, (2, 20)).tolist()
-    _, cache = run_compact(model, seqs, [20, 20])
-    for layer in range(model.config.n_layers):
-        got = {(int(b), int(p)): int(t) for b, p, t in cache.layers[layer].drop_table()}
-        for r, seq in enumerate(seqs):
-            with torch.no_grad():
-                keep = model(torch.tensor([seq]), diagnostics=True).diagnostics[layer]["keep"]
-            step, dropped = drop_records(keep)
-            assert not dropped[0, :2].any()  # the sinks
-            assert {k: v for k, v in got.items() if k[0] == r} == {(r, j): int(step[0, j]) for j in range(20) if dropped[0, j]}
+    for dropped in assert_drops_match_full_forward(model, torch.randint(0, 61, (2, 20)).tolist()):
+        assert not dropped[0, :2].any()  # the sinks
 
 
 @pytest.mark.parametrize("valid", [True, False], ids=["all-real", "padding-row"])
