@@ -4,6 +4,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from analysis.reports import matched
 from models.pruning import policies
@@ -67,6 +68,47 @@ def test_the_report_equals_token_by_token_scoring(tmp_path):
         matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", "bad", "--policies", "snapkv"])
 
 
+def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
+    """After a prompt, each policy's row is what decoding makes of the queries after the prompt (SnapKV: the prompt
+    in one call, then token by token; TOVA: token by token from the start), at the budget matched to the learned
+    rule's sparsity over those queries; the learned rule's row is its own full forward over the same queries."""
+    from models.checkpoint import load_model_dir
+    from tests.test_replay import decoded
+    stream = np.random.default_rng(3).integers(0, 8192, 300).astype(np.uint16)
+    np.save(tmp_path / "test.npy", stream)
+    out = tmp_path / "m.md"
+    assert matched.main(["assets/models/mha-1024-pruned", "--base", "assets/models/mha-1024",
+                         "--source", f"held={tmp_path}:test", "--window", "130", "--windows", "2",
+                         "--policies", "tova,snapkv", "--prompt-share", "0.5", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "--prompt-share 0.5" in text and "after a prompt: the first 65 tokens" in text.lower()
+    table = text.split("## held: after a 65-token prompt (2 windows, 128 scored tokens)")[1]
+    windows = [[int(t) for t in stream[i * 130:(i + 1) * 130]] for i in range(2)]
+    dense = load_model_dir("assets/models/mha-1024").model
+    learned = load_model_dir("assets/models/mha-1024-pruned").model
+    from analysis import pruning
+    runs = [pruning.rule_run(learned, w, pruning.LEARNED) for w in windows]
+    sp = float(np.mean([(1 - v[:, 65:129].astype(float).sum(-1) / np.arange(66, 130)).mean() for v, _, _ in runs]))
+    for name, prefill in (("tova", 1), ("snapkv", 65)):
+        b = policies.budget_for(name, sp, 129, 65, first=65)
+        row = re.search(rf"\| {name} \| {b} \| [\d.]+% \| ([\d.]+) \|", table)
+        assert row, (name, b, table)
+        with torch.no_grad():
+            lp = torch.cat([decoded(dense, w, policies.make(name, b), prompt=prefill if prefill > 1 else None)[0][65:]
+                            for w in windows])
+        assert 1 < b < 100
+        assert float(row.group(1)) == pytest.approx(math.exp(-float(lp.sum()) / len(lp)), rel=1e-5)
+    assert re.search(r"\| mha-1024-pruned \| - \| [\d.]+% \|", table)
+    with pytest.raises(SystemExit):  # SnapKV needs a prompt
+        matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", f"held={tmp_path}:test",
+                      "--window", "130", "--policies", "snapkv", "--prompt-share", "0"])
+    assert "decide after a prompt" in capsys.readouterr().err
+    for share in ("1", "0.001"):
+        with pytest.raises(SystemExit):
+            matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", f"held={tmp_path}:test",
+                          "--window", "130", "--prompt-share", share])
+
+
 def test_the_verdict_needs_every_policy_interval_above_zero():
     def row(rule, lo, sparsity=0.6, windows=24):
         return {"rule": rule, "sparsity": sparsity, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": windows,
@@ -87,3 +129,20 @@ def test_the_verdict_needs_every_policy_interval_above_zero():
     low = {"src": {"budgets": {"tova": 10}, "all": [row("m", 0.0, sparsity=0.4), row("tova", 0.5)]}}
     v, = matched.verdict(low, "m")
     assert v["beats_all"] and v["bar"] is False and v["regime"] is False  # ahead, but below 50 % dropped
+
+
+def test_the_bar_also_needs_the_prompt_reading():
+    def row(rule, lo, windows=24):
+        return {"rule": rule, "sparsity": 0.6, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": windows,
+                "vs_match": lo + 0.01, "vs_match_ci": (lo, lo + 0.02)}
+
+    def results(snapkv_lo):
+        whole = [row("m", 0.0), row("tova", 0.01)]
+        gen = [row("m", 0.0), row("tova", 0.02), row("snapkv", snapkv_lo)]
+        return {"src": {"budgets": {"tova": 10}, "all": whole,
+                        "prompt": {"length": 50, "budgets": {"tova": 12, "snapkv": 40}, "rows": gen}}}
+
+    v, = matched.verdict(results(0.003), "m")
+    assert v["bar"] and v["prompt_beats_all"] and v["prompt_strongest"] == "snapkv" and v["prompt"] == 50
+    v, = matched.verdict(results(-0.003), "m")  # ahead on the whole window, not after the prompt
+    assert v["beats_all"] and v["prompt_beats_all"] is False and v["bar"] is False

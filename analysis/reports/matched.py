@@ -3,14 +3,17 @@ docs/real.md (analysis.reports.real runs it beside the rest of that report; this
 
     python -m analysis.reports.matched --base DIR PRUNED_DIR [PRUNED_DIR ...] --source test=data/smollm2:test
         --source kjv=data/heldout_kjv:all [--window 512] [--windows 24] [--policies streamingllm,tova,h2o]
-        [--match PRUNED_NAME] [--out docs/real_matched.md]
+        [--prompt-share 0.75] [--match PRUNED_NAME] [--out docs/real_matched.md]
 
 The protocol (the held-out issue's): for each source, `windows` windows of `window` tokens spread evenly over its
 tokens (a source's split, or all of a source that no run trained on). Every position a window can score is scored
 (token 0 of a window has no context to be predicted from), and positions >= 100 are reported apart. Each pruned
 model runs its own rule (any other model runs dense: a fine-tune's control); each policy runs on the dense base
 (models.pruning.replay: the decisions token-by-token decoding makes) at the budget whose sparsity matches, on that
-source, the sparsity the `--match` model measured there. Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
+source, the sparsity the `--match` model measured there. A second reading, prompt then generation: the first
+--prompt-share of each window is a prompt read in full and only the queries after it are scored and counted, so
+SnapKV (which compresses a prompt once) takes part beside the step policies, each matched to the `--match`
+model's sparsity over those queries. Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
 over queries and layers. Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where two
 rules are compared (the same resampled windows for both).
 """
@@ -44,7 +47,9 @@ SOURCE_NAME = re.compile(r"\w[\w.-]*")  # goes into markdown headings and table 
 @dataclass
 class Windows:
     """Per-window sums of one rule on one source: summed NLL and token counts, all positions and >= LATE, and
-    the summed query sparsity over the same queries."""
+    the summed query sparsity over the same queries. Queries before `first` (a prompt) are neither scored nor
+    counted."""
+    first: int = 0
     nll: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
     hidden: list = field(default_factory=list)
@@ -54,14 +59,15 @@ class Windows:
 
     def add(self, visible, logprobs) -> None:
         """visible [L,T,T] (uint8 or bool), logprobs [T-1] (query i predicts token i+1)."""
-        s = sparsity(torch.as_tensor(visible).float())[:, :-1].mean(0).numpy()  # [T-1], query i's mean over layers
-        lp = np.asarray(logprobs, dtype=np.float64)
+        s = sparsity(torch.as_tensor(visible).float())[:, :-1].mean(0).numpy()[self.first:]  # query i's mean over layers
+        lp = np.asarray(logprobs, dtype=np.float64)[self.first:]
+        late = max(0, LATE - self.first)
         self.nll.append(-lp.sum())
         self.tokens.append(len(lp))
         self.hidden.append(float(s.sum()))
-        self.nll_late.append(-lp[LATE:].sum())
-        self.tokens_late.append(len(lp[LATE:]))
-        self.hidden_late.append(float(s[LATE:].sum()))
+        self.nll_late.append(-lp[late:].sum())
+        self.tokens_late.append(len(lp[late:]))
+        self.hidden_late.append(float(s[late:].sum()))
 
     def arrays(self, late: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if late:
@@ -126,86 +132,124 @@ def summary(runs: dict[str, Windows], dense: str, match: str, late: bool, resamp
     return rows
 
 
-def preamble(match: str, window: int) -> str:
-    return (f"Windows of {window} tokens spread evenly over each source; every position a window can score is scored "
+def preamble(match: str, window: int, prompt: int | None = None) -> str:
+    text = (f"Windows of {window} tokens spread evenly over each source; every position a window can score is scored "
             f"(all but its first token), and positions >= {LATE} are reported apart. Policies run on the dense base at "
             f"the budget matched to {match}'s sparsity on that source (per layer: one token set per layer, shared by the "
             "KV groups; the per-KV-group forms are not built yet), step by step as the text arrives. Cost: perplexity "
             "relative to the dense base, pooled over tokens, with a 95 % bootstrap interval over windows. "
             f"\"{match} ahead by\": cost(policy) - cost({match}) on the same resampled windows (above 0: {match} costs "
             f"less); \"windows won\": windows where the policy costs more than {match}.")
+    if prompt:
+        text += (f" After a prompt: the first {prompt} tokens of each window are a prompt read in full, and only the "
+                 f"{window - prompt - 1} queries after it are scored and counted; SnapKV compresses the prompt once (its "
+                 f"last 32 queries vote, pooling 7) and keeps what follows; the step policies evict as before; every "
+                 f"policy's budget is matched to {match}'s sparsity over those queries.")
+    return text
+
+
+def _standing(rows: list[dict], budgets: dict, match: str) -> dict:
+    """match's row against the policies among rows: beats every one (each paired interval above 0; None when
+    there is none or too few windows to call) and the strongest (lowest bound on match's lead)."""
+    m, others = next(r for r in rows if r["rule"] == match), [r for r in rows if r["rule"] in budgets]
+    callable_ = bool(others) and m["windows"] >= MIN_VERDICT_WINDOWS
+    strongest = min(others, key=lambda r: r["vs_match_ci"][0]) if others else None
+    return {"row": m, "beats_all": all(r["vs_match_ci"][0] > 0 for r in others) if callable_ else None,
+            "strongest": strongest["rule"] if strongest else "-",
+            "strongest_lead": (strongest["vs_match"], strongest["vs_match_ci"]) if strongest else None}
 
 
 def verdict(results: dict[str, dict], match: str) -> list[dict]:
     """Per source, on every position: does `match` drop at least BAR_SPARSITY of the context and cost less than
     every policy, each paired interval above 0 (the held-out issue's bar; None with fewer than
     MIN_VERDICT_WINDOWS windows or no policy); the strongest policy (lowest bound on match's lead); and the
-    paper's regime on the point estimate."""
+    paper's regime on the point estimate. With a prompt reading, the bar also needs match ahead of every policy
+    there (SnapKV included): prompt_* give that reading's standing."""
     out = []
     for source, res in results.items():
-        rows = {r["rule"]: r for r in res["all"]}
-        m, others = rows[match], [r for r in res["all"] if r["rule"] in res["budgets"]]
-        callable_ = bool(others) and m["windows"] >= MIN_VERDICT_WINDOWS
-        beats = all(r["vs_match_ci"][0] > 0 for r in others) if callable_ else None
-        strongest = min(others, key=lambda r: r["vs_match_ci"][0]) if others else None
-        out.append({"source": source, "windows": m["windows"], "sparsity": m["sparsity"], "cost": m["cost"],
-                    "cost_ci": m["cost_ci"], "beats_all": beats,
-                    "bar": None if beats is None else beats and m["sparsity"] >= BAR_SPARSITY,
-                    "regime": m["sparsity"] >= REGIME[0] and m["cost"] <= REGIME[1],
-                    "strongest": strongest["rule"] if strongest else "-",
-                    "strongest_lead": (strongest["vs_match"], strongest["vs_match_ci"]) if strongest else None})
+        whole = _standing(res["all"], res["budgets"], match)
+        m, beats = whole["row"], whole["beats_all"]
+        v = {"source": source, "windows": m["windows"], "sparsity": m["sparsity"], "cost": m["cost"],
+             "cost_ci": m["cost_ci"], "beats_all": beats,
+             "bar": None if beats is None else beats and m["sparsity"] >= BAR_SPARSITY,
+             "regime": m["sparsity"] >= REGIME[0] and m["cost"] <= REGIME[1],
+             "strongest": whole["strongest"], "strongest_lead": whole["strongest_lead"]}
+        if "prompt" in res:
+            gen = _standing(res["prompt"]["rows"], res["prompt"]["budgets"], match)
+            v.update(prompt=res["prompt"]["length"], prompt_sparsity=gen["row"]["sparsity"], prompt_cost=gen["row"]["cost"],
+                     prompt_beats_all=gen["beats_all"], prompt_strongest=gen["strongest"],
+                     prompt_strongest_lead=gen["strongest_lead"])
+            if v["bar"] is not None:
+                v["bar"] = None if gen["beats_all"] is None else v["bar"] and gen["beats_all"]
+        out.append(v)
     return out
 
 
+def _table(title: str, rows: list[dict], budgets: dict, match: str) -> list[str]:
+    lines = [f"## {title} ({rows[0]['windows']} windows, {rows[0]['tokens']:,} scored tokens)", "",
+             f"| rule | budget | sparsity | perplexity | cost vs dense [95 % CI] | {match} ahead by [95 % CI] | windows won |",
+             "|---|---:|---:|---:|---|---|---:|"]
+    for r in rows:
+        ahead = (f"{r['vs_match']:+.2%} [{r['vs_match_ci'][0]:+.2%}, {r['vs_match_ci'][1]:+.2%}]"
+                 if "vs_match" in r else "-")
+        won = f"{r['wins']}/{r['windows']}" if "wins" in r else "-"
+        lines.append(f"| {r['rule']} | {budgets.get(r['rule'], '-')} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
+                     f"{r['cost']:+.2%} [{r['cost_ci'][0]:+.2%}, {r['cost_ci'][1]:+.2%}] | {ahead} | {won} |")
+    return lines + [""]
+
+
 def sections(results: dict[str, dict], match: str) -> list[str]:
-    """The markdown tables, two per source (every position; positions >= LATE)."""
+    """The markdown tables per source: every position; positions >= LATE; after a prompt (when read)."""
     lines = []
     for source, res in results.items():
-        for late in (False, True):
-            rows = res["late" if late else "all"]
-            title = f"positions >= {LATE}" if late else "every position"
-            lines += [f"## {source}: {title} ({rows[0]['windows']} windows, {rows[0]['tokens']:,} scored tokens)", "",
-                      f"| rule | budget | sparsity | perplexity | cost vs dense [95 % CI] | {match} ahead by [95 % CI] | windows won |",
-                      "|---|---:|---:|---:|---|---|---:|"]
-            for r in rows:
-                budget = res["budgets"].get(r["rule"], "-")
-                ahead = (f"{r['vs_match']:+.2%} [{r['vs_match_ci'][0]:+.2%}, {r['vs_match_ci'][1]:+.2%}]"
-                         if "vs_match" in r else "-")
-                won = f"{r['wins']}/{r['windows']}" if "wins" in r else "-"
-                lines.append(f"| {r['rule']} | {budget} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | {r['cost']:+.2%} "
-                             f"[{r['cost_ci'][0]:+.2%}, {r['cost_ci'][1]:+.2%}] | {ahead} | {won} |")
-            lines.append("")
+        lines += _table(f"{source}: every position", res["all"], res["budgets"], match)
+        lines += _table(f"{source}: positions >= {LATE}", res["late"], res["budgets"], match)
+        if "prompt" in res:
+            p = res["prompt"]
+            lines += _table(f"{source}: after a {p['length']}-token prompt", p["rows"], p["budgets"], match)
     return lines
 
 
-def render(command: str, results: dict[str, dict], match: str, window: int) -> str:
+def render(command: str, results: dict[str, dict], match: str, window: int, prompt: int | None = None) -> str:
     lines = ["# Learned pruning against training-free eviction at matched sparsity, in and out of domain", "",
-             f"Generated by `{command}`; do not edit by hand.", "", preamble(match, window), ""]
+             f"Generated by `{command}`; do not edit by hand.", "", preamble(match, window, prompt), ""]
     return "\n".join(lines + sections(results, match))
 
 
 def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: list[str], window: int,
-             match: str) -> dict[str, dict]:
+             match: str, prompt: int | None = None) -> dict[str, dict]:
     """The protocol on loaded models: per source, the dense base, each model (a pruned one under its own rule, any
-    other dense: a fine-tune's control) and each policy at the budget matched to `match`'s sparsity there
-    -> {source: {"budgets", "all", "late"}}."""
+    other dense: a fine-tune's control) and each step policy at the budget matched to `match`'s sparsity there
+    -> {source: {"budgets", "all", "late"}}; with `prompt`, also the prompt-then-generation reading, every policy
+    in `names` (SnapKV too) matched over the queries after the prompt -> "prompt": {"length", "budgets", "rows"}."""
     results = {}
     for source, windows in sources.items():
-        runs = {"dense": Windows()}
+        runs, gen = {"dense": Windows()}, {"dense": Windows(first=prompt or 0)}
         for ids in tqdm(windows, desc=f"{source}: dense and pruned", file=sys.stderr):
-            vis, _, lp = pruning.rule_run(base.model, ids, pruning.NOTHING)
-            runs["dense"].add(vis, lp)
-            for p in models:
-                vis, _, lp = pruning.rule_run(p.model, ids, pruning.LEARNED if p.config.prune else pruning.NOTHING)
-                runs.setdefault(p.path.name, Windows()).add(vis, lp)
+            for name, model, rule in [("dense", base.model, pruning.NOTHING)] + [
+                    (p.path.name, p.model, pruning.LEARNED if p.config.prune else pruning.NOTHING) for p in models]:
+                vis, _, lp = pruning.rule_run(model, ids, rule)
+                runs.setdefault(name, Windows()).add(vis, lp)
+                gen.setdefault(name, Windows(first=prompt or 0)).add(vis, lp)   # the same forward, its later queries
         target, budgets = mean_sparsity(runs[match], late=False), {}
         for name in names:
+            if policies.REGISTRY[name].at_prompt_end:
+                continue
             budgets[name] = b = policies.budget_for(name, target, window - 1)
             for ids in tqdm(windows, desc=f"{source}: {name} at {b}", file=sys.stderr):
                 vis, _, lp = pruning.rule_run(base.model, ids, name, b)
                 runs.setdefault(name, Windows()).add(vis, lp)
         results[source] = {"budgets": budgets, "all": summary(runs, "dense", match, False),
                            "late": summary(runs, "dense", match, True)}
+        if prompt:
+            target, gen_budgets = mean_sparsity(gen[match], late=False), {}
+            for name in names:
+                gen_budgets[name] = b = policies.budget_for(name, target, window - 1, prompt, first=prompt)
+                for ids in tqdm(windows, desc=f"{source}: {name} at {b} after a {prompt}-token prompt", file=sys.stderr):
+                    vis, _, lp = pruning.rule_run(base.model, ids, name, b, prompt)
+                    gen.setdefault(name, Windows(first=prompt)).add(vis, lp)
+            results[source]["prompt"] = {"length": prompt, "budgets": gen_budgets,
+                                         "rows": summary(gen, "dense", match, False)}
         for r in results[source]["all"]:
             print(f"{source} {r['rule']}: sparsity {r['sparsity']:.1%}, cost {r['cost']:+.2%}", file=sys.stderr)
     return results
@@ -215,18 +259,28 @@ def add_arguments(ap: argparse.ArgumentParser, default_source: str | None = None
     ap.add_argument("--source", action="append", default=None, required=default_source is None,
                     help="NAME=DIR:SPLIT or NAME=DIR:all (repeat)" + (f"; default {default_source}" if default_source else ""))
     ap.add_argument("--windows", type=int, default=24, help="windows per source (the protocol)")
-    ap.add_argument("--policies", default="streamingllm,tova,h2o")
+    ap.add_argument("--policies", default="streamingllm,tova,h2o,snapkv",
+                    help="step policies run in both readings, SnapKV (decides once, after a prompt) in the second")
+    ap.add_argument("--prompt-share", type=float, default=0.75,
+                    help="the prompt's share of a window in the prompt-then-generation reading (0: no such reading)")
     ap.add_argument("--match", default=None, help="the pruned model whose sparsity the policies match (default: the first)")
 
 
-def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, list[list[int]]], list[str]]:
-    """The --source windows and the --policies names, or ap.error with what is wrong."""
+def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, list[list[int]]], list[str], int | None]:
+    """The --source windows, the --policies names and the prompt length (None: no prompt reading), or ap.error
+    with what is wrong."""
     if args.windows < 1:
         ap.error(f"--windows must be at least 1, got {args.windows}")
     names = [n for n in args.policies.split(",") if n]
-    bad = [n for n in names if n not in policies.REGISTRY or policies.REGISTRY[n].at_prompt_end]
+    bad = [n for n in names if n not in policies.REGISTRY]
     if bad:
-        ap.error(f"--policies: {bad} (step policies only: {', '.join(n for n, p in policies.REGISTRY.items() if not p.at_prompt_end)})")
+        ap.error(f"--policies: {bad} (choose from {', '.join(policies.REGISTRY)})")
+    prompt = round(args.prompt_share * window) if args.prompt_share else None
+    if prompt is not None and not (0 < args.prompt_share < 1 and 2 <= prompt < window - 1):
+        ap.error(f"--prompt-share {args.prompt_share} leaves no prompt or no query after it in {window}-token windows")
+    once = [n for n in names if policies.REGISTRY[n].at_prompt_end]
+    if once and prompt is None:
+        ap.error(f"--policies {', '.join(once)} decide after a prompt: give --prompt-share above 0")
     sources = {}
     for spec in args.source:
         name, eq, where = spec.partition("=")
@@ -236,7 +290,7 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
             sources[name] = source_windows(where, window, args.windows)
         except (ValueError, OSError) as e:
             ap.error(f"--source {spec}: {e}")
-    return sources, names
+    return sources, names, prompt
 
 
 def match_name(ap: argparse.ArgumentParser, args, models: list) -> str:
@@ -258,7 +312,7 @@ def match_name(ap: argparse.ArgumentParser, args, models: list) -> str:
 def command_flags(args, match: str) -> str:
     """The protocol's flags as a command line repeats them."""
     return (" ".join(f"--source {shlex.quote(s)}" for s in args.source)
-            + f" --windows {args.windows} --policies {args.policies} --match {match}")
+            + f" --windows {args.windows} --policies {args.policies} --prompt-share {args.prompt_share} --match {match}")
 
 
 def main(argv=None) -> int:
@@ -270,15 +324,15 @@ def main(argv=None) -> int:
     add_arguments(ap)
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
-    sources, names = parse(ap, args, args.window)
+    sources, names, prompt = parse(ap, args, args.window)
     base = load_model_dir(args.base, device=args.device)
     pruned = [load_model_dir(p, device=args.device) for p in args.pruned]
     match = match_name(ap, args, pruned)
-    results = evaluate(base, pruned, sources, names, args.window, match)
+    results = evaluate(base, pruned, sources, names, args.window, match, prompt)
     command = (f"python -m analysis.reports.matched {' '.join(args.pruned)} --base {args.base} --window {args.window} "
                + command_flags(args, match))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render(command, results, match, args.window), encoding="utf-8")
+    Path(args.out).write_text(render(command, results, match, args.window, prompt), encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
