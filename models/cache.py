@@ -33,6 +33,11 @@ class LayerCache:
         self.length = end
         return {name: buf[..., :end, :] for name, buf in self.buffers.items()}
 
+    def attend(self, mixer, x, q, k, v, record):
+        """The attention backend over this cache (models.backends.static); Extractors read the buffers alone."""
+        from models.backends import static  # (models.backends imports models.pruning, which the mixers import)
+        return static.attend(mixer, self, x, q, k, v, record)
+
     def nbytes(self) -> int:
         """Bytes holding live positions (what the state costs now, not what was reserved)."""
         return sum(buf[..., :self.length, :].numel() * buf.element_size() for buf in self.buffers.values())

@@ -247,10 +247,13 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
 
 def load_for_app(path: str | Path) -> LoadedModel:
     """How the app (and `make gpu-check`, which has no streamlit) opens a model: on the GPU in bfloat16 when
-    there is one, else the CPU in float32; MIXSCOPE_DEVICE / MIXSCOPE_DTYPE override (cpu, cuda:1, float32...)."""
+    there is one, else the CPU in float32; MIXSCOPE_DEVICE / MIXSCOPE_DTYPE override (cpu, cuda:1, float32...).
+    Parameters without gradients: sessions share the model, and attributions take gradients at the embeddings."""
     import os
-    return load_model_dir(path, device=os.environ.get("MIXSCOPE_DEVICE", "auto"),
-                          dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"))
+    loaded = load_model_dir(path, device=os.environ.get("MIXSCOPE_DEVICE", "auto"),
+                            dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"))
+    loaded.model.requires_grad_(False)
+    return loaded
 
 
 def shrink(src: str | Path, out: str | Path, weights_dtype: str = "bfloat16", data_dir: str | Path | None = None,

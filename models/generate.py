@@ -132,7 +132,7 @@ def pick_cache(model, cache: str) -> str:
     """"auto": the compacted cache for a context-pruned attention model (what it drops is freed), else static."""
     if cache not in ("auto", "static", "compacted"):
         raise ValueError(f"cache must be auto, static or compacted, got {cache!r}")
-    compactable = hasattr(model.blocks[0].mixer, "compact_step")
+    compactable = model.blocks[0].mixer.decodes_compacted
     if cache == "compacted" and not compactable:
         raise ValueError(f"the compacted cache serves attention mixers, not {model.config.mixer}")
     if cache == "auto":

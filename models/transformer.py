@@ -132,7 +132,7 @@ class DecoderLM(nn.Module):
         mixers only: an Extractor's state is a window of past inputs indexed by lag, which slots cannot hold.
         policy: a heuristic eviction policy (models.pruning.policies); on a model with learned pruning the policy
         decides instead of the rule (its own weights, the rule off, as models.pruning.replay runs it)."""
-        if not hasattr(self.blocks[0].mixer, "compact_step"):
+        if not self.blocks[0].mixer.decodes_compacted:
             raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: an "
                              "Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
         if policy is not None and self.config.pattern != "dense":

@@ -44,7 +44,7 @@ loaded = pick_model(default="mha")
 if loaded is None:
     st.stop()
 cfg = loaded.config
-compactable = hasattr(loaded.model.blocks[0].mixer, "compact_step")
+compactable = loaded.model.blocks[0].mixer.decodes_compacted
 
 prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt")
 c1, c2, c3, c4, c5 = st.columns(5)

@@ -27,7 +27,7 @@ def prunable(loaded):
     cfg = loaded.config
     if cfg.prune:
         return None
-    if not hasattr(loaded.model.blocks[0].mixer, "replay_step"):
+    if not loaded.model.blocks[0].mixer.replays_policies:
         return ("an Extractor mixes its past inputs by lag and keeps no per-token cache to prune or evict from: pick "
                 "a softmax attention model.")
     if cfg.pattern != "dense":

@@ -13,16 +13,10 @@ import torch
 from torch import nn
 
 import kernels
+from models.backends.full import FULL
 from models.config import ConfigError
 from models.mixers.base import Mixer, register
-from models.pruning import CompactCache, ContextPruning, pattern_allows, pattern_mask
-from models.pruning.compact_cache import ALIGN
-from models.pruning.replay import LayerReplay
-
-
-def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
-    """A boolean mask as an additive attention bias: 0 where allowed, -inf elsewhere."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+from models.pruning import ContextPruning
 
 
 def split_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,9 +57,12 @@ def projection(d_model: int, heads: int, d_head: int, std: float) -> nn.Paramete
 
 
 class Attention(Mixer):
-    """Shared machinery: project, (cache), attend, per-head output map, concat, W_O."""
+    """Shared machinery: project, rotate, hand q/k/v to the backend; softmax through the kernel dispatch with the
+    per-head maps, concat, W_O."""
 
     out_names = ("W_O", "b_O")
+    decodes_compacted = True   # context pruning's compacted cache (models.backends.compacted)
+    replays_policies = True    # an eviction policy over a whole text in one forward (models.pruning.replay)
     kv_shared = False  # K is V (SKV, EL-ATT): cache only K
     supports = ()      # architecture options this variant accepts beyond the defaults: "bias", "rope"
 
@@ -135,166 +132,12 @@ class Attention(Mixer):
         return self.output(o)
 
     def forward(self, x, cache=None, record=None, positions=None):
+        """Project and rotate here; the state handed in (None: the whole sequence) attends and owns the masking
+        and eviction (models/backends)."""
         q, k, v = self.project(x)                                      # [B,H,T,D], [B,G,T,D], [B,G,T,D]
         if self.rope_theta is not None:
             q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
-        if cache is None:
-            return self.full(x, q, k, v, record)
-        if isinstance(cache, CompactCache):
-            return self.compact_step(x, q, k, v, cache, record)
-        if isinstance(cache, LayerReplay):
-            return self.replay_step(q, k, v, cache, record)
-        return self.cached_step(x, q, k, v, cache, record)
-
-    def replay_step(self, q, k, v, layer: LayerReplay, record):
-        """A whole text under an eviction policy (models.pruning.replay): the policy steps through the positions
-        over this layer's scores, then every query attends once over what it left. Learned pruning is off here."""
-        if q.shape[0] != 1:
-            raise ValueError("an eviction replay reads one text at a time (batch 1)")
-        t = q.shape[2]
-        scores = None
-        if layer.needs_scores:
-            scores = kernels.reference.attention_scores(q, k, scale=self.scale, **self.head_maps())[0]
-        visible = layer.run(t, scores, q.device)
-        return self.attend(q, k, v, additive(visible, q.dtype)[None, None], record, visible.to(q.dtype)[None], causal=False)
-
-    def full(self, x, q, k, v, record):
-        """A whole sequence (training, scoring): causal softmax attention, plus log I with context pruning
-        (the alpha-sigmoid while training, the step at inference) or a fixed local/strided pattern."""
-        if self.pruning is not None:
-            log_i, keep = self.pruning.log_keep(x)                      # [B,T,T] each
-            if self.training:
-                self.prune_mass = self.pruning.mass(keep)
-            return self.attend(q, k, v, log_i[:, None], record, keep)
-        bias, keep = self.pattern_bias(q.shape[0], q.shape[2], k.shape[2], q.dtype, q.device)
-        return self.attend(q, k, v, bias, record, keep)
-
-    def cached_step(self, x, q, k, v, cache, record):
-        """Decoding over the static cache: append the new positions; with pruning, the new queries drop what
-        they drop (the step), for their own attention too, and the cache remembers it in `alive`."""
-        past = cache.append(**self.cache_entries(x, k, v))
-        kk = past["k"]                                                 # [B,G,S,D]
-        vv = kk if self.kv_shared else past["v"]
-        if self.pruning is None:
-            bias, keep = self.pattern_bias(q.shape[0], q.shape[2], kk.shape[2], q.dtype, q.device)
-            return self.attend(q, kk, vv, bias, record, keep)
-        s = cache.length
-        allowed = self.pruning.step_keep(x, past["k_int"], cache.alive[:, :s])  # [B,T,S]
-        cache.alive[:, :s] = allowed[:, -1]
-        return self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, allowed.to(q.dtype))
-
-    def pattern_bias(self, b: int, t: int, s: int, dtype, device):
-        """The local / strided baselines as (additive bias [1,1,T,S], keep [B,T,S]); (None, None) when dense."""
-        fixed = pattern_mask(t, s, self.pattern, self.pattern_k, device)
-        if fixed is None:
-            return None, None
-        return additive(fixed, dtype)[None, None], fixed.to(dtype)[None].expand(b, -1, -1)
-
-    def compact_step(self, x, q, k, v, cache: CompactCache, record=None):
-        """Inference over the compacted cache: insert the new tokens, let them drop what they drop (the
-        step function, applied to their own attention too), attend over the live slots, compact."""
-        if self.training:
-            raise RuntimeError("the compacted cache is for inference (model.eval())")
-        q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]; valid None: all real
-        if q.shape[2] == 1 and valid is None and record is None:
-            return self.compact_decode(x, q, k, v, cache)
-        if cache.policy is not None and not cache.policy.at_prompt_end:
-            if q.shape[2] == 1:  # one token per row, but some rows are padding (or diagnostics were asked for)
-                raise ValueError(f"{cache.policy.name}: a decode step with padding rows or diagnostics is not supported "
-                                 "under an eviction policy; decode rows of one length, without diagnostics")
-            raise ValueError(f"{cache.policy.name} evicts as each token arrives: feed the prompt one token per call "
-                             "(models.generate.stream does)")
-        rule = self.pruning if cache.policy is None else None  # under a policy a learned rule is off
-        valid = torch.ones_like(q_pos, dtype=torch.bool) if valid is None else valid
-        cache.insert(self.cache_entries(x, k, v, None if rule is not None else False), q_pos, valid)
-        past = cache.view()
-        slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
-        kk = past["k"]
-        vv = kk if self.kv_shared else past["v"]
-        if rule is not None and q.shape[2] == 1 and record is None:  # a decode step with padding rows
-            prune = {"q_int": x[:, 0] @ self.pruning.W_Qint, "k_int": past["k_int"], "beta": self.pruning.beta_value(),
-                     "live": live, "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0],
-                     **self.pruning.rule_terms()}
-            o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
-            cache.update_live(keep, q_pos[:, :1].expand_as(keep))
-            return self.output(o)
-        allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])  # [B,T,S]
-        if self.pattern != "dense":  # the local / strided baselines, by position (slots are not in order)
-            allowed = allowed & pattern_allows(q_pos[:, :, None], slot_pos[:, None, :], self.pattern, self.pattern_k)
-        if rule is not None:
-            kept = rule.survival(x, past["k_int"], slot_pos, q_pos, valid)
-            allowed = allowed & kept
-            last = (valid.long() * torch.arange(valid.shape[1], device=x.device)).argmax(1)  # last valid row
-            rows = torch.arange(x.shape[0], device=x.device)
-            dropped = ~kept                                                      # from its first drop on
-            trigger = torch.where(dropped.any(1), torch.gather(q_pos, 1, dropped.long().argmax(1)), -1)
-            cache.update_live(kept[rows, last], trigger)
-        allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
-        out = self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, causal=False)
-        if cache.policy is not None and cache.policy.at_prompt_end and q.shape[2] > 1:
-            if cache.valid is not None:
-                raise ValueError("SnapKV selects after a prompt of real tokens only (no padding rows)")
-            self.snapkv_select(q, kk, vv, cache, q_pos)
-        if record is not None:
-            record["slot_pos"] = slot_pos
-        return out
-
-    def policy_decode(self, q, kk, vv, cache: CompactCache, q_pos):
-        """A decode step under a heuristic eviction policy: StreamingLLM evicts by position before the query
-        attends; TOVA and H2O read the query's attention over what is held, then evict; SnapKV decided at
-        the end of the prompt and keeps every later token."""
-        pol, live, pos = cache.policy, cache.live[:, :cache.end], cache.pos[:, :cache.end]
-        if pol.at_prompt_end or not pol.uses_attention:
-            keep = live if pol.at_prompt_end else pol.step(live, pos, q_pos[:, 0])
-            cache.count_seen(keep)
-            out = self.attend(q, kk, vv, additive(keep, q.dtype)[:, None, None], None, causal=False)
-        else:
-            cache.count_seen(live)
-            o, probs = kernels.attention(q, kk, vv, scale=self.scale, bias=additive(live, q.dtype)[:, None, None],
-                                         need_weights=True, causal=False, **self.head_maps())
-            keep = pol.step(live, pos, q_pos[:, 0], probs[:, :, 0].float(), cache.slot_state)
-            out = self.output(o)
-        cache.update_kept(keep, q_pos, every=ALIGN)
-        return out
-
-    def snapkv_select(self, q, kk, vv, cache: CompactCache, q_pos):
-        """After a prompt (all rows real): the last `window` queries' attention picks what the cache keeps."""
-        pol = cache.policy
-        w = min(pol.window, q.shape[2])
-        slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]
-        allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, -w:, None])            # [B,w,S]
-        _, probs = kernels.attention(q[:, :, -w:], kk, vv, scale=self.scale, bias=additive(allowed, q.dtype)[:, None],
-                                     need_weights=True, causal=False, **self.head_maps())
-        keep = pol.select(live, slot_pos, q_pos[:, -1] + 1, probs.float())
-        cache.update_live(keep, q_pos[:, -1:].expand_as(keep))
-
-    def compact_decode(self, x, q, k, v, cache: CompactCache):
-        """One new token per row, every row real: the fast path (no host synchronisation, no sort). The token
-        joins slot `end`; with pruning, one fused pass scores it against the live slots, attends over what
-        survives and says what survives; the compaction question is asked every few steps."""
-        q_pos = cache.q_pos
-        rule = self.pruning if cache.policy is None else None  # under a policy a learned rule is off (no K_int)
-        q_int, k_int = rule.decode_projections(x) if rule is not None else (None, False)
-        cache.append(self.cache_entries(x, k, v, k_int), q_pos)
-        past = cache.view()
-        kk = past["k"]
-        vv = kk if self.kv_shared else past["v"]
-        live = cache.live[:, :cache.end]
-        if cache.policy is not None:
-            return self.policy_decode(q, kk, vv, cache, q_pos)
-        if self.pruning is None:  # a dense or fixed-pattern model on the compacted cache
-            allowed = live
-            if self.pattern != "dense":
-                allowed = allowed & pattern_allows(q_pos, cache.pos[:, :cache.end], self.pattern, self.pattern_k)
-            cache.count_seen(allowed)
-            return self.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False)
-        prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": self.pruning.beta_value(),
-                 "live": live, "pos": cache.pos[:, :cache.end], "q_pos": q_pos[:, 0], "valid": None,
-                 **self.pruning.rule_terms()}
-        o, keep = kernels.compact_decode(q, kk, vv, scale=self.scale, prune=prune, **self.head_maps())
-        cache.count_seen(keep)
-        cache.update_kept(keep, q_pos, every=ALIGN)
-        return self.output(o)
+        return (FULL if cache is None else cache).attend(self, x, q, k, v, record)
 
 
 @register("mha")

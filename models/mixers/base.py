@@ -29,6 +29,8 @@ class Mixer(nn.Module):
 
     name = "?"
     out_names: tuple[str, ...] = ()  # output projection(s), counted apart from the mixer proper
+    decodes_compacted = False  # can decode over context pruning's compacted cache (softmax attention can)
+    replays_policies = False   # can run an eviction policy over a whole text (models.pruning.replay)
 
     @classmethod
     def check_config(cls, cfg) -> None:

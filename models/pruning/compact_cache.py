@@ -47,6 +47,12 @@ class CompactCache:
         # set by the model before each call: positions [B,T] and validity [B,T] of the new tokens
         self.q_pos: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
+        self.rule_constants: dict | None = None  # the learned rule's decode constants, once (models.backends.compacted)
+
+    def attend(self, mixer, x, q, k, v, record):
+        """The attention backend over this cache (models.backends.compacted)."""
+        from models.backends import compacted  # (the backends import models.pruning, which imports this module)
+        return compacted.attend(mixer, self, x, q, k, v, record)
 
     @property
     def length(self) -> int:  # positions seen by the longest row (the model's context check)

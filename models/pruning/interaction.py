@@ -73,26 +73,14 @@ class ContextPruning(nn.Module):
         self.sinks = sinks
         self.alpha = math.inf  # set by the trainer while training; inf (the step) at inference
 
-    def beta_value(self) -> float:
-        """beta as a Python float for the decode kernels, read from the device once per change of the
-        parameter (its version counter), not once per step."""
-        version = (self.beta._version, self.beta.data_ptr())
-        if getattr(self, "_beta_seen", None) != version:
-            self._beta_cache, self._beta_seen = float(self.beta), version
-        return self._beta_cache
-
-    def lam_value(self) -> float:
-        """lambda as a Python float for the decode kernels (0.0 without the distance term)."""
-        if self.lam is None:
-            return 0.0
-        version = (self.lam._version, self.lam.data_ptr())
-        if getattr(self, "_lam_seen", None) != version:
-            self._lam_cache, self._lam_seen = float(self.lam), version
-        return self._lam_cache
-
-    def rule_terms(self) -> dict:
-        """The decode kernels' view of the deviations: lambda (float) and the sink count."""
-        return {"lam": self.lam_value(), "sinks": self.sinks}
+    @torch.no_grad()
+    def decode_constants(self, dtype) -> dict:
+        """What the decode kernels read of the rule: beta and lambda as Python floats (0.0 without the distance
+        term), the sink count, and [W^Qint | W^Kint] in the model's dtype (Q_int and K_int of a new token in one
+        product). The decode cache computes this once and keeps it (models.backends.compacted): the model itself
+        is never written to during inference."""
+        return {"beta": float(self.beta), "lam": 0.0 if self.lam is None else float(self.lam), "sinks": self.sinks,
+                "qk": torch.cat([self.W_Qint, self.W_Kint], 1).to(dtype)}
 
     def adapter_params(self) -> dict[str, nn.Parameter]:
         """What trains in a parameter-efficient fine-tune with pruning (models.adapters.get_adapter_params)."""
@@ -138,16 +126,6 @@ class ContextPruning(nn.Module):
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.W_Kint.to(x.dtype)  # log_keep runs in float32 even when the model is in bf16
-
-    def decode_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inference, new tokens x [B,T,d] -> (Q_int, K_int) [B,T,r] each, in one product with [W^Qint | W^Kint]
-        (kept while the parameters are unchanged: a decode step is bound by its number of operations)."""
-        key = (self.W_Qint._version, self.W_Kint._version, self.W_Qint.data_ptr(), self.W_Kint.data_ptr(), x.dtype)
-        if getattr(self, "_cat_seen", None) != key:
-            self._cat = torch.cat([self.W_Qint, self.W_Kint], 1).to(x.dtype)
-            self._cat_seen = key
-        qk = x @ self._cat
-        return qk[..., :self.r], qk[..., self.r:]
 
     def log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole sequence x [B,T,d] -> (log I [B,T,T], I [B,T,T]); -inf / 0 above the diagonal.

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+from models.backends import additive
+
 MAX_TOKENS = 4096         # visible masks [layers, T, T] are kept: 30 layers x 4,096^2 bytes = 500 MB
 SCORES_BYTES = 2 ** 30    # one layer's scores [heads, T, T] in float32 at most (9 heads x 4,096^2 = 600 MB)
 
@@ -29,14 +32,17 @@ class LayerReplay:
         self.visible: torch.Tensor | None = None     # [T,T] bool: query n attended over key j
         self.dropped_at: torch.Tensor | None = None  # [T] long: the step that evicted j (-1: held to the end)
 
-    @property
-    def needs_scores(self) -> bool:
-        return self.policy is not None and self.policy.uses_attention
-
-    def run(self, t: int, scores: torch.Tensor | None, device) -> torch.Tensor:
-        """scores [H,T,T] raw, in the model's dtype (needs_scores), or None -> the visible mask [T,T]."""
-        self.visible, self.dropped_at = evict(self.policy, t, scores, self.prompt, device)
-        return self.visible
+    def attend(self, mixer, x, q, k, v, record):
+        """The attention backend of a replay: the policy steps through the positions over this layer's raw
+        scores, then every query attends once over what it left. Learned pruning is off here."""
+        if q.shape[0] != 1:
+            raise ValueError("an eviction replay reads one text at a time (batch 1)")
+        scores = None
+        if self.policy is not None and self.policy.uses_attention:
+            scores = kernels.reference.attention_scores(q, k, scale=mixer.scale, **mixer.head_maps())[0]
+        self.visible, self.dropped_at = evict(self.policy, q.shape[2], scores, self.prompt, q.device)
+        return mixer.attend(q, k, v, additive(self.visible, q.dtype)[None, None], record,
+                            self.visible.to(q.dtype)[None], causal=False)
 
 
 class Replay:
@@ -108,7 +114,7 @@ class RuleRun:
 @torch.inference_mode()
 def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> RuleRun:
     """One forward over ids with `policy` in every attention layer (learned pruning off; None: nothing evicted)."""
-    if not hasattr(model.blocks[0].mixer, "replay_step"):
+    if not model.blocks[0].mixer.replays_policies:
         raise ValueError(f"eviction policies run on softmax attention, not {model.config.mixer}")
     if model.config.pattern != "dense":
         raise ValueError(f"this model attends by a fixed {model.config.pattern} pattern; an eviction policy needs a "

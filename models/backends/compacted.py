@@ -1,0 +1,135 @@
+"""Inference over the compacted cache (models.pruning.CompactCache, papers.md section 3's data structure): the new
+tokens take free slots, then either the learned rule (context pruning's step, through the fused decode kernel on
+a decode step) or a heuristic eviction policy (models.pruning.policies) decides what each row lets go, and the
+cache compacts when worth it. Under a policy a learned rule is off (the cache keeps no K_int)."""
+from __future__ import annotations
+
+import torch
+
+import kernels
+from models.backends import additive
+from models.pruning import pattern_allows
+from models.pruning.compact_cache import ALIGN
+
+
+def rule_constants(mixer, cache, dtype) -> dict:
+    """What the decode kernels read of the learned rule (beta, lambda, sinks, [W^Qint | W^Kint]), computed once
+    per cache and held there: nothing is written to the (shared) model during inference."""
+    if cache.rule_constants is None:
+        cache.rule_constants = mixer.pruning.decode_constants(dtype)
+    return cache.rule_constants
+
+
+def attend(mixer, cache, x, q, k, v, record):
+    """Insert the new tokens, let them drop what they drop (applied to their own attention too), attend over
+    the live slots, compact."""
+    if mixer.training:
+        raise RuntimeError("the compacted cache is for inference (model.eval())")
+    q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]; valid None: all real
+    if q.shape[2] == 1 and valid is None and record is None:
+        return decode(mixer, cache, x, q, k, v)
+    if cache.policy is not None and not cache.policy.at_prompt_end:
+        if q.shape[2] == 1:  # one token per row, but some rows are padding (or diagnostics were asked for)
+            raise ValueError(f"{cache.policy.name}: a decode step with padding rows or diagnostics is not supported "
+                             "under an eviction policy; decode rows of one length, without diagnostics")
+        raise ValueError(f"{cache.policy.name} evicts as each token arrives: feed the prompt one token per call "
+                         "(models.generate.stream does)")
+    rule = mixer.pruning if cache.policy is None else None
+    valid = torch.ones_like(q_pos, dtype=torch.bool) if valid is None else valid
+    cache.insert(mixer.cache_entries(x, k, v, None if rule is not None else False), q_pos, valid)
+    past = cache.view()
+    slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]     # [B,S]
+    kk = past["k"]
+    vv = kk if mixer.kv_shared else past["v"]
+    if rule is not None and q.shape[2] == 1 and record is None:  # a decode step with padding rows
+        c = rule_constants(mixer, cache, x.dtype)
+        prune = {"q_int": x[:, 0] @ rule.W_Qint, "k_int": past["k_int"], "beta": c["beta"], "live": live,
+                 "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0], "lam": c["lam"], "sinks": c["sinks"]}
+        o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, **mixer.head_maps())
+        cache.update_live(keep, q_pos[:, :1].expand_as(keep))
+        return mixer.output(o)
+    allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, :, None])  # [B,T,S]
+    if mixer.pattern != "dense":  # the local / strided baselines, by position (slots are not in order)
+        allowed = allowed & pattern_allows(q_pos[:, :, None], slot_pos[:, None, :], mixer.pattern, mixer.pattern_k)
+    if rule is not None:
+        kept = rule.survival(x, past["k_int"], slot_pos, q_pos, valid)
+        allowed = allowed & kept
+        last = (valid.long() * torch.arange(valid.shape[1], device=x.device)).argmax(1)  # last valid row
+        rows = torch.arange(x.shape[0], device=x.device)
+        dropped = ~kept                                                      # from its first drop on
+        trigger = torch.where(dropped.any(1), torch.gather(q_pos, 1, dropped.long().argmax(1)), -1)
+        cache.update_live(kept[rows, last], trigger)
+    allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
+    out = mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, causal=False)
+    if cache.policy is not None and cache.policy.at_prompt_end and q.shape[2] > 1:
+        if cache.valid is not None:
+            raise ValueError("SnapKV selects after a prompt of real tokens only (no padding rows)")
+        select_after_prompt(mixer, cache, q, kk, vv, q_pos)
+    if record is not None:
+        record["slot_pos"] = slot_pos
+    return out
+
+
+def decode(mixer, cache, x, q, k, v):
+    """One new token per row, every row real: the fast path (no host synchronisation, no sort). The token joins
+    slot `end`; with pruning, one fused pass scores it against the live slots, attends over what survives and
+    says what survives; the compaction question is asked every few steps."""
+    q_pos = cache.q_pos
+    rule = mixer.pruning if cache.policy is None else None
+    if rule is not None:
+        c = rule_constants(mixer, cache, x.dtype)
+        qk = x @ c["qk"]
+        q_int, k_int = qk[..., :rule.r], qk[..., rule.r:]
+    else:
+        q_int, k_int = None, False
+    cache.append(mixer.cache_entries(x, k, v, k_int), q_pos)
+    past = cache.view()
+    kk = past["k"]
+    vv = kk if mixer.kv_shared else past["v"]
+    live = cache.live[:, :cache.end]
+    if cache.policy is not None:
+        return policy_decode(mixer, cache, q, kk, vv, q_pos)
+    if mixer.pruning is None:  # a dense or fixed-pattern model on the compacted cache
+        allowed = live
+        if mixer.pattern != "dense":
+            allowed = allowed & pattern_allows(q_pos, cache.pos[:, :cache.end], mixer.pattern, mixer.pattern_k)
+        cache.count_seen(allowed)
+        return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False)
+    prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": c["beta"], "live": live,
+             "pos": cache.pos[:, :cache.end], "q_pos": q_pos[:, 0], "valid": None, "lam": c["lam"], "sinks": c["sinks"]}
+    o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, **mixer.head_maps())
+    cache.count_seen(keep)
+    cache.update_kept(keep, q_pos, every=ALIGN)
+    return mixer.output(o)
+
+
+def policy_decode(mixer, cache, q, kk, vv, q_pos):
+    """A decode step under a heuristic eviction policy: StreamingLLM evicts by position before the query attends;
+    TOVA and H2O read the query's attention over what is held, then evict; SnapKV decided at the end of the
+    prompt and keeps every later token."""
+    pol, live, pos = cache.policy, cache.live[:, :cache.end], cache.pos[:, :cache.end]
+    if pol.at_prompt_end or not pol.uses_attention:
+        keep = live if pol.at_prompt_end else pol.step(live, pos, q_pos[:, 0])
+        cache.count_seen(keep)
+        out = mixer.attend(q, kk, vv, additive(keep, q.dtype)[:, None, None], None, causal=False)
+    else:
+        cache.count_seen(live)
+        o, probs = kernels.attention(q, kk, vv, scale=mixer.scale, bias=additive(live, q.dtype)[:, None, None],
+                                     need_weights=True, causal=False, **mixer.head_maps())
+        keep = pol.step(live, pos, q_pos[:, 0], probs[:, :, 0].float(), cache.slot_state)
+        out = mixer.output(o)
+    cache.update_kept(keep, q_pos, every=ALIGN)
+    return out
+
+
+def select_after_prompt(mixer, cache, q, kk, vv, q_pos):
+    """After a prompt (all rows real), a policy that decides once (SnapKV): the last `window` queries' attention
+    picks what the cache keeps."""
+    pol = cache.policy
+    w = min(pol.window, q.shape[2])
+    slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]
+    allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, -w:, None])            # [B,w,S]
+    _, probs = kernels.attention(q[:, :, -w:], kk, vv, scale=mixer.scale, bias=additive(allowed, q.dtype)[:, None],
+                                 need_weights=True, causal=False, **mixer.head_maps())
+    keep = pol.select(live, slot_pos, q_pos[:, -1] + 1, probs.float())
+    cache.update_live(keep, q_pos[:, -1:].expand_as(keep))

@@ -1,0 +1,30 @@
+"""A whole sequence at once (training, scoring, the app's diagnostics): causal softmax attention, plus context
+pruning's log I (the alpha-sigmoid while training, the step at inference) or a fixed local / strided pattern."""
+from __future__ import annotations
+
+from models.backends import additive
+from models.pruning import pattern_mask
+
+
+def pattern_bias(mixer, b: int, t: int, s: int, dtype, device):
+    """The local / strided baselines as (additive bias [1,1,T,S], keep [B,T,S]); (None, None) when dense."""
+    fixed = pattern_mask(t, s, mixer.pattern, mixer.pattern_k, device)
+    if fixed is None:
+        return None, None
+    return additive(fixed, dtype)[None, None], fixed.to(dtype)[None].expand(b, -1, -1)
+
+
+class FullSequence:
+    """The backend of a forward without a cache."""
+
+    def attend(self, mixer, x, q, k, v, record):
+        if mixer.pruning is not None:
+            log_i, keep = mixer.pruning.log_keep(x)                      # [B,T,T] each
+            if mixer.training:  # the sparsity loss's term, read by DecoderLM.forward after the blocks
+                mixer.prune_mass = mixer.pruning.mass(keep)
+            return mixer.attend(q, k, v, log_i[:, None], record, keep)
+        bias, keep = pattern_bias(mixer, q.shape[0], q.shape[2], k.shape[2], q.dtype, q.device)
+        return mixer.attend(q, k, v, bias, record, keep)
+
+
+FULL = FullSequence()
