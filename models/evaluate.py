@@ -21,6 +21,7 @@ from tqdm import tqdm
 from models.pruning import sparsity
 from models.tokenizer import EOS
 from models.transformer import evaluating
+from models.scoring import target_logprobs
 
 log = logging.getLogger("models.evaluate")
 
@@ -61,9 +62,7 @@ def score_documents(model, docs: list[list[int]], stride: int, batch_size: int =
             group = [j for j in jobs[i:i + batch_size] if len(j[0]) == length]
             x = torch.tensor([j[0] for j in group], device=device)
             y = torch.tensor([j[1] for j in group], device=device)
-            logits = model(x).logits
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, float64 kept
-            logp = logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # [b, length]
+            logp = target_logprobs(model(x).logits, y)  # [b, length]
             for row, (_, _, k) in zip(logp, group):
                 nll -= float(row[-k:].double().sum())
                 count += k
@@ -99,7 +98,7 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
         for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
             seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
             out = model(seq[None, :-1], diagnostics="keep")  # masks only: no attention maps
-            logp = out.logits[0].float().log_softmax(-1).gather(-1, seq[1:, None]).squeeze(-1).double().cpu()
+            logp = target_logprobs(out.logits[0], seq[1:]).double().cpu()
             keeps = [d.get("keep") for d in out.diagnostics]
             k = torch.arange(window)
             if keeps[0] is None:
@@ -130,7 +129,7 @@ def score_token_by_token(model, ids: list[int], policy=None) -> dict:
         x = torch.tensor(ids, device=dev)
         for i in range(len(ids) - 1):
             logits = model(x[None, i:i + 1], cache=cache, positions=torch.tensor([[i]], device=dev), last_only=True).logits
-            nll -= logits[0, -1].float().log_softmax(-1)[x[i + 1]]
+            nll -= target_logprobs(logits[0, -1:], x[i + 1:i + 2])[0]
         seen = float(sum(layer.seen.sum() for layer in cache.layers))
     queries = len(cache.layers) * (len(ids) - 1)
     return {"nll": float(nll), "tokens": len(ids) - 1, "sparsity": 1 - seen / queries if queries else 0.0}

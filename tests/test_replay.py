@@ -6,6 +6,7 @@ import torch
 
 from models.pruning import policies, sparsity
 from models.pruning.replay import MAX_TOKENS, replay
+from models.scoring import target_logprobs
 from tests.test_compact_cache import model_for
 
 IDS = [int(i) for i in torch.randint(0, 61, (40,), generator=torch.Generator().manual_seed(11))]
@@ -21,9 +22,9 @@ def decoded(model, ids, policy, prompt=None):
     chunks = [prompt] + [1] * (len(ids) - prompt) if prompt else [1] * len(ids)
     for n in chunks:
         logits = model(x[:, at:at + n], cache=cache, positions=torch.arange(at, at + n)[None]).logits
-        lp.append(logits[0].float().log_softmax(-1))
+        lp.append(logits[0])
         at += n
-    lp = torch.cat(lp)[:-1].gather(-1, x[0, 1:, None]).squeeze(-1)
+    lp = target_logprobs(torch.cat(lp)[:-1], x[0, 1:])
     dropped = torch.full((len(cache.layers), len(ids)), -1)
     for i, layer in enumerate(cache.layers):
         for _, p, trig in layer.drop_table().tolist():

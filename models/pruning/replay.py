@@ -19,6 +19,7 @@ import torch
 
 import kernels
 from models.backends import additive
+from models.scoring import target_logprobs
 
 MAX_TOKENS = 4096         # visible masks [layers, T, T] are kept: 30 layers x 4,096^2 bytes = 500 MB
 SCORES_BYTES = 2 ** 30    # one layer's scores [heads, T, T] in float32 at most (9 heads x 4,096^2 = 600 MB)
@@ -129,5 +130,5 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Rul
     cache = Replay(policy, model.config.n_layers, prompt)
     with evaluating(model):
         logits = model(x, cache=cache).logits
-    lp = logits[0, :-1].float().log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1)
+    lp = target_logprobs(logits[0, :-1], x[0, 1:])
     return RuleRun(torch.stack([c.visible for c in cache.layers]), torch.stack([c.dropped_at for c in cache.layers]), lp)
