@@ -24,6 +24,7 @@ from bench import cpu_model
 
 from models.checkpoint import load_model_dir
 from models.config import ModelConfig
+from models.decode import Decoder
 from models.device import add_arguments as add_device_arguments, describe as device_name, inference_dtype, resolve
 from models.transformer import DecoderLM
 
@@ -61,29 +62,20 @@ def decode_run(model, batch: int, context: int, steps: int, compact: bool, seed:
     dev = model.wte.weight.device
     ids = token_rows(batch, context, model.config.vocab_size, text, seed).to(dev)
     prompt, nxt = ids[:, :context - steps], ids[:, context - steps:]
-    n = prompt.shape[1]
-    if compact:
-        cache = model.new_compact_cache(batch=batch)
-        pos = torch.arange(n, device=dev).expand(batch, -1)
-        model(prompt, cache=cache, positions=pos)
-    else:
-        cache = model.new_cache(batch=batch, capacity=context)
-        model(prompt, cache=cache)
+    dec = Decoder(model, batch, "compacted" if compact else "static", capacity=None if compact else context)
+    dec.extend(prompt, last_only=True)
     times = []
     for i in range(steps):
         _sync(dev)
         t0 = time.perf_counter()
-        if compact:
-            model(nxt[:, i:i + 1], cache=cache, positions=torch.full((batch, 1), n + i, device=dev))
-        else:
-            model(nxt[:, i:i + 1], cache=cache)
+        dec.step(nxt[:, i])
         _sync(dev)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
     out = {"batch": batch, "context": context, "median_step_ms": med * 1000, "tokens_per_s": batch / med,
-           "cache_bytes": cache.nbytes()}
+           "cache_bytes": dec.state.nbytes()}
     if compact:
-        live = cache.live_tokens()
+        live = dec.state.live_tokens()
         out["kept_fraction"] = live / (model.config.n_layers * batch * context)
     return out
 

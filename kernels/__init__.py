@@ -28,13 +28,17 @@ def _note(op: str, path: str) -> None:
 
 @contextmanager
 def record_paths():
-    """with record_paths() as paths: ... -> paths holds op -> "triton" | "reference" for the calls made inside."""
+    """with record_paths() as paths: ... -> paths holds op -> "triton" | "reference" for the calls made inside.
+    Nested recorders each see their own calls, and an enclosing one sees its inner ones' too."""
+    outer = _recording.get()
     paths: dict[str, str] = {}
     token = _recording.set(paths)
     try:
         yield paths
     finally:
         _recording.reset(token)
+        if outer is not None:
+            outer.update(paths)
 
 
 def _triton_ops() -> dict[str, object]:

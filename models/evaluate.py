@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from models.decode import Decoder
 from models.pruning import sparsity
+from models.scoring import target_logprobs
 from models.tokenizer import EOS
 from models.transformer import evaluating
-from models.scoring import target_logprobs
 
 log = logging.getLogger("models.evaluate")
 
@@ -120,19 +121,14 @@ def score_token_by_token(model, ids: list[int], policy=None) -> dict:
     learned rule (a pruned model) or a heuristic eviction policy (a dense one) has left it: the summed NLL of
     ids[1:], the token count, and the sparsity (per query, the share of its earlier tokens it could not see;
     averaged over queries and layers, as models.pruning.sparsity and the pruning tables do)."""
-    dev = model.wte.weight.device
+    x = torch.tensor(ids, device=model.wte.weight.device)
+    nll = torch.zeros((), dtype=torch.float64, device=x.device)
     with evaluating(model):
-        cache = model.new_compact_cache(batch=1, policy=policy)
-        for layer in cache.layers:
-            layer.seen = torch.zeros(1, device=dev)
-        nll = torch.zeros((), device=dev)
-        x = torch.tensor(ids, device=dev)
+        dec = Decoder(model, 1, "compacted", policy, count_seen=True)
         for i in range(len(ids) - 1):
-            logits = model(x[None, i:i + 1], cache=cache, positions=torch.tensor([[i]], device=dev), last_only=True).logits
-            nll -= target_logprobs(logits[0, -1:], x[i + 1:i + 2])[0]
-        seen = float(sum(layer.seen.sum() for layer in cache.layers))
-    queries = len(cache.layers) * (len(ids) - 1)
-    return {"nll": float(nll), "tokens": len(ids) - 1, "sparsity": 1 - seen / queries if queries else 0.0}
+            nll -= target_logprobs(dec.step(x[i:i + 1]), x[i + 1:i + 2])[0]
+    queries = len(dec.state.layers) * (len(ids) - 1)
+    return {"nll": float(nll), "tokens": len(ids) - 1, "sparsity": 1 - dec.seen_share() / queries if queries else 0.0}
 
 
 def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:

@@ -14,7 +14,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-import kernels
+from models.decode import Decoder, pick_state
+from models.scoring import target_logprobs
 from models.transformer import evaluating
 
 log = logging.getLogger(__name__)
@@ -128,18 +129,6 @@ def layer_bytes_per_token(model) -> tuple[list[int], list[int]]:
     return own, dense
 
 
-def pick_cache(model, cache: str) -> str:
-    """"auto": the compacted cache for a context-pruned attention model (what it drops is freed), else static."""
-    if cache not in ("auto", "static", "compacted"):
-        raise ValueError(f"cache must be auto, static or compacted, got {cache!r}")
-    compactable = model.blocks[0].mixer.decodes_compacted
-    if cache == "compacted" and not compactable:
-        raise ValueError(f"the compacted cache serves attention mixers, not {model.config.mixer}")
-    if cache == "auto":
-        return "compacted" if compactable and model.config.prune else "static"
-    return cache
-
-
 @torch.inference_mode()
 def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int | None = None,
@@ -164,7 +153,7 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
                          f"shorten it to at most {context - 1} tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    kind = "compacted" if policy is not None else pick_cache(model, cache)  # a policy evicts from compacted slots
+    kind = "compacted" if policy is not None else pick_state(model, cache)  # a policy evicts from compacted slots
     device = model.wte.weight.device
     sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     info = {} if info is None else info
@@ -179,66 +168,36 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
     own, dense = layer_bytes_per_token(model)
     if policy is not None:  # a learned rule is off under a policy: no K_int is kept
         own = dense
-    n_layers = len(own)
-    dropped = [0] * n_layers          # per layer, tokens dropped so far (compacted: counted from its records)
-    seen_records = [0] * n_layers
 
     with evaluating(model):
-        if kind == "compacted":
-            state = model.new_compact_cache(batch=1, capacity=len(prompt) + 16,  # grows by doubling, shrinks as it drops
-                                            policy=policy)
-        else:
-            state = model.new_cache(batch=1, capacity=len(prompt) + max_new_tokens)
+        # the compacted cache grows by doubling and shrinks as it drops; the static one holds everything
+        dec = Decoder(model, 1, kind, policy, capacity=len(prompt) + (16 if kind == "compacted" else max_new_tokens))
 
-        def forward(ids: list[int], start: int) -> torch.Tensor:
-            x = torch.tensor([ids], device=device)
-            with kernels.record_paths() as paths:  # per call: interleaved streams must not share a recorder
-                if kind == "compacted":
-                    pos = torch.arange(start, start + len(ids), device=device)[None]
-                    out = model(x, cache=state, positions=pos, last_only=True)
-                else:
-                    out = model(x, cache=state, last_only=True)
-            info["kernel_paths"].update(paths)
-            return out.logits[0, -1]
-
-        def cache_event(i: int, token: int, logprob: float, latency: float, n_seen: int) -> TokenEvent:
-            new_drops = []
-            if kind == "compacted":
-                for li, layer in enumerate(state.layers):
-                    layer.flush()  # the drop notes to the host (after the latency was taken: this is reporting)
-                    for rec in layer.drops[seen_records[li]:]:
-                        new_drops += [(li, int(p), int(t)) for _, p, t in rec.tolist()]
-                        dropped[li] += rec.shape[0]
-                    seen_records[li] = len(layer.drops)
-                live = tuple(n_seen - d for d in dropped)
-            elif model.config.prune:  # the static cache with the step mask: nothing is freed
-                live = tuple(int(layer.alive[:, :n_seen].sum()) for layer in state.layers)
-            else:
-                live = (n_seen,) * n_layers
+        def event(i: int, token: int, logprob: float, latency: float) -> TokenEvent:
+            """After the latency was taken: reading the drops and counts is reporting, not the model's time."""
+            info["kernel_paths"].update(dec.kernel_paths)
+            live = dec.live()
+            drops = tuple((layer, p, t) for layer, _, p, t in dec.new_drops())
             return TokenEvent(i, token, logprob, latency, held_bytes=sum(n * b for n, b in zip(live, own)),
-                              alloc_bytes=state.allocated_bytes(), dense_bytes=n_seen * sum(dense), live=live,
-                              drops=tuple(new_drops))
+                              alloc_bytes=dec.allocated_bytes(), dense_bytes=dec.lengths[0] * sum(dense), live=live,
+                              drops=drops)
 
         t0 = time.perf_counter()
-        if policy is not None and not policy.at_prompt_end:  # it evicts as each token arrives, the prompt's too
-            for i, token in enumerate(prompt):
-                logits = forward([token], i)
-        else:
-            logits = forward(prompt, 0)
+        logits = dec.prefill([prompt])[0]
         _sync(device)
         info["prefill_s"] = time.perf_counter() - t0
         for i in range(max_new_tokens):
-            logprobs = logits.float().log_softmax(-1)
-            token = int(sample(logits))
+            token = sample(logits)
+            logprob = float(target_logprobs(logits[None], token[None])[0])
             latency = time.perf_counter() - t0
-            yield cache_event(i, token, float(logprobs[token]), latency, len(prompt) + i)
-            if token in stops:
+            yield event(i, int(token), logprob, latency)
+            if int(token) in stops:
                 info["stop_reason"] = "stop_token"
                 return
             if i + 1 == max_new_tokens:
                 return
             t0 = time.perf_counter()
-            logits = forward([token], len(prompt) + i)
+            logits = dec.step(token.view(1))[0]
             _sync(device)
 
 
@@ -291,28 +250,21 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
     if max(lens) >= context:
         raise ValueError(f"the longest prompt has {max(lens)} tokens but the context window is {context}")
     max_new_tokens = min(max_new_tokens, context - max(lens))
-    b, width = len(prompts), max(lens)
+    b = len(prompts)
     sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     stops = set(int(s) for s in stop_ids)
     with evaluating(model):
-        cache = model.new_compact_cache(batch=b)
-        idx = torch.zeros(b, width, dtype=torch.long, device=device)
-        for r, p in enumerate(prompts):
-            idx[r, :len(p)] = torch.tensor(list(p), device=device)
-        pos = torch.arange(width, device=device).expand(b, -1)
-        valid = pos < torch.tensor(lens, device=device)[:, None]
+        dec = Decoder(model, b, "compacted")
         lat, mem, live = [], [], []
         t0 = time.perf_counter()
-        logits = model(idx, cache=cache, positions=pos, valid=valid).logits
-        logits = logits[torch.arange(b), torch.tensor(lens, device=device) - 1]
+        logits = dec.prefill(prompts)
         _sync(device)
         lat.append(time.perf_counter() - t0)
-        mem.append(cache.nbytes())
-        live.append(cache.live_tokens())
+        mem.append(dec.state.nbytes())
+        live.append(dec.state.live_tokens())
         new_ids: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         reasons = ["max_new_tokens"] * b
-        cur = torch.tensor(lens, device=device)
         for step in range(max_new_tokens):
             tokens = sample(logits)
             for r in range(b):
@@ -322,15 +274,13 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
                         done[r], reasons[r] = True, "stop_token"
             if all(done) or step + 1 == max_new_tokens:
                 break
-            active = torch.tensor([not d for d in done], device=device)
             t0 = time.perf_counter()
-            logits = model(tokens[:, None], cache=cache, positions=cur[:, None], valid=active[:, None]).logits[:, 0]
+            logits = dec.step(tokens, active=[not d for d in done])
             _sync(device)
             lat.append(time.perf_counter() - t0)
-            mem.append(cache.nbytes())
-            live.append(cache.live_tokens())
-            cur = cur + active.long()
-        return BatchGenerationResult(new_ids, lat, mem, live, [layer.drop_table() for layer in cache.layers], reasons)
+            mem.append(dec.state.nbytes())
+            live.append(dec.state.live_tokens())
+        return BatchGenerationResult(new_ids, lat, mem, live, [layer.drop_table() for layer in dec.state.layers], reasons)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,11 +16,12 @@ def tiny_config(mixer: str, **overrides) -> ModelConfig:
 
 def cached_logits(model, idx: torch.Tensor, chunks: list[int] | None = None):
     """idx fed through a fresh static cache in chunks (default: one token at a time): (logits, cache)."""
-    cache, outs, at = model.new_cache(batch=idx.shape[0]), [], 0
+    from models.decode import Decoder
+    dec, outs, at = Decoder(model, batch=idx.shape[0]), [], 0
     for n in chunks or [1] * idx.shape[1]:
-        outs.append(model(idx[:, at:at + n], cache=cache).logits)
+        outs.append(dec.extend(idx[:, at:at + n]))
         at += n
-    return torch.cat(outs, 1), cache
+    return torch.cat(outs, 1), dec.state
 
 
 def randomize(module: torch.nn.Module, std: float = 0.3, seed: int = 0) -> None:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from models.decode import Decoder
 from models.pruning import drop_records
 from models.transformer import DecoderLM
 from tests.helpers import randomize, tiny_config
@@ -20,34 +21,23 @@ def model_for(mixer, prune=True, beta=0.02, seed=5, **cfg):
 def run_compact(model, seqs, prompt_lens, diagnostics=False):
     """Prefill ragged prompts in one padded call, then one token per row per step; logits per row/position."""
     b, total = len(seqs), len(seqs[0])
-    dev = model.wte.weight.device  # the GPU tests run this on CUDA
-    cache = model.new_compact_cache(batch=b)
-    width = max(prompt_lens)
-    idx = torch.zeros(b, width, dtype=torch.long)
-    for r, (s, n) in enumerate(zip(seqs, prompt_lens)):
-        idx[r, :n] = torch.tensor(s[:n])
-    pos = torch.arange(width).expand(b, -1)
-    valid = pos < torch.tensor(prompt_lens)[:, None]
-    idx, pos, valid = idx.to(dev), pos.to(dev), valid.to(dev)
+    dec = Decoder(model, b, "compacted")
     got = [dict() for _ in range(b)]
     with torch.no_grad():
-        logits = model(idx, cache=cache, positions=pos, valid=valid).logits
+        logits = dec.prefill([s[:n] for s, n in zip(seqs, prompt_lens)], last_only=False)
     for r, n in enumerate(prompt_lens):
         for p in range(n):
             got[r][p] = logits[r, p]
     cur = list(prompt_lens)
     while min(cur) < total:
-        step_idx = torch.tensor([[seqs[r][min(cur[r], total - 1)]] for r in range(b)])
-        step_pos = torch.tensor([[min(c, total - 1)] for c in cur])
-        step_valid = torch.tensor([[c < total] for c in cur])
-        step_idx, step_pos, step_valid = step_idx.to(dev), step_pos.to(dev), step_valid.to(dev)
+        tokens = torch.tensor([seqs[r][min(cur[r], total - 1)] for r in range(b)])
         with torch.no_grad():
-            out = model(step_idx, cache=cache, positions=step_pos, valid=step_valid).logits
+            out = dec.step(tokens, active=[c < total for c in cur])
         for r in range(b):
             if cur[r] < total:
-                got[r][cur[r]] = out[r, 0]
+                got[r][cur[r]] = out[r]
                 cur[r] += 1
-    return got, cache
+    return got, dec.state
 
 
 def compact_on_triton_and_full(model, monkeypatch, n=14, prompt_lens=(5, 9, 3)):

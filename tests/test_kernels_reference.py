@@ -62,8 +62,12 @@ def test_dispatch(monkeypatch):
     q = torch.randn(1, 2, 3, 4)
     monkeypatch.delenv("MIXSCOPE_KERNELS", raising=False)
     with kernels.record_paths() as paths:
-        kernels.attention(q, q, q, scale=0.5)
-    assert paths["attention"] == "reference"   # CPU tensors take the reference
+        with kernels.record_paths() as inner:
+            kernels.attention(q, q, q, scale=0.5)
+        with kernels.record_paths() as other:
+            pass
+    assert paths["attention"] == "reference" == inner["attention"]   # CPU tensors take the reference
+    assert other == {}   # a recorder sees its own calls; the enclosing one sees its inner ones' too
     monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
     assert kernels.backend_for("attention", q) == "reference"
     monkeypatch.setenv("MIXSCOPE_KERNELS", "cuda-please")

@@ -4,6 +4,7 @@ log-probabilities, and the sparsity policies.expected_sparsity predicts. On fres
 import pytest
 import torch
 
+from models.decode import Decoder
 from models.pruning import policies, sparsity
 from models.pruning.replay import MAX_TOKENS, replay
 from models.scoring import target_logprobs
@@ -16,19 +17,14 @@ KW = {"streamingllm": {"sinks": 2}, "snapkv": {"window": 4}}
 def decoded(model, ids, policy, prompt=None):
     """Token by token over the compacted cache (SnapKV: the prompt in one call, as generation feeds it):
     log-probabilities of ids[1:] and, per layer, the step that evicted each position (-1: never)."""
-    cache = model.new_compact_cache(batch=1, policy=policy)
+    dec = Decoder(model, 1, "compacted", policy)
     x = torch.tensor([ids])
-    lp, at = [], 0
-    chunks = [prompt] + [1] * (len(ids) - prompt) if prompt else [1] * len(ids)
-    for n in chunks:
-        logits = model(x[:, at:at + n], cache=cache, positions=torch.arange(at, at + n)[None]).logits
-        lp.append(logits[0])
-        at += n
-    lp = target_logprobs(torch.cat(lp)[:-1], x[0, 1:])
-    dropped = torch.full((len(cache.layers), len(ids)), -1)
-    for i, layer in enumerate(cache.layers):
-        for _, p, trig in layer.drop_table().tolist():
-            dropped[i, p] = trig
+    first = prompt or 1
+    logits = [dec.extend(x[:, :first])[0]] + [dec.step(x[0, i:i + 1]) for i in range(first, len(ids))]
+    lp = target_logprobs(torch.cat(logits)[:-1], x[0, 1:])
+    dropped = torch.full((len(dec.state.layers), len(ids)), -1)
+    for layer, _, p, trig in dec.new_drops():
+        dropped[layer, p] = trig
     return lp, dropped
 
 
