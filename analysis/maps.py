@@ -14,8 +14,7 @@ from models.transformer import evaluating
 @torch.inference_mode()
 def layer_records(model, ids: list[int], diagnostics: bool | str = True) -> list[dict]:
     """One inference forward over the text with diagnostics: what each layer recorded ("keep": masks only)."""
-    if len(ids) > model.config.context:
-        raise ValueError(f"{len(ids)} tokens exceed the model's context of {model.config.context}; take a window")
+    model.check_fits(len(ids))
     with evaluating(model):
         return model(torch.tensor([ids], device=model.wte.weight.device), diagnostics=diagnostics).diagnostics
 

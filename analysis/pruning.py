@@ -57,8 +57,7 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     are those of a forward over them alone); half the Pruning page's model time on a 30-layer model."""
     if not model.config.prune:
         raise ValueError("this model has no context pruning")
-    if len(ids) > model.config.context:
-        raise ValueError(f"{len(ids)} tokens exceed the model's context of {model.config.context}; take a window")
+    model.check_fits(len(ids))
     x = torch.tensor([ids], device=model.wte.weight.device)
     with torch.inference_mode(), evaluating(model):
         out = model(x, diagnostics="keep")

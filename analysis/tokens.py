@@ -16,8 +16,7 @@ from models.scoring import target_logprobs
 @torch.inference_mode()
 def token_logprobs(model, ids: list[int]) -> np.ndarray:
     """log p(ids[i+1] | ids[:i+1]) for i < len - 1 (the text must fit the context)."""
-    if len(ids) > model.config.context:
-        raise ValueError(f"{len(ids)} tokens exceed the model's context of {model.config.context}")
+    model.check_fits(len(ids))
     if len(ids) < 2:
         return np.zeros(0)
     x = torch.tensor([ids], device=model.wte.weight.device)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from models.backends import static
+
 
 class LayerCache:
     """One layer's state: named buffers [batch, *lead, capacity, width], filled up to `length`.
@@ -35,7 +37,6 @@ class LayerCache:
 
     def attend(self, mixer, x, q, k, v, record):
         """The attention backend over this cache (models.backends.static); Extractors read the buffers alone."""
-        from models.backends import static  # (models.backends imports models.pruning, which the mixers import)
         return static.attend(mixer, self, x, q, k, v, record)
 
     def nbytes(self) -> int:

@@ -5,7 +5,7 @@ feeding and the drop bookkeeping are written once.
 
 state "static": the preallocated cache (gpt-fast style), rows of one length; "compacted": context pruning's
 cache (what the learned rule or an eviction `policy` drops is freed), rows of any lengths. The observer half
-(`new_drops`, `live`, `held_bytes`) reads what the last call left without changing the next one.
+(`new_drops`, `live`, `allocated_bytes`) reads what the last call left without changing the next one.
 """
 from __future__ import annotations
 
@@ -32,16 +32,20 @@ def pick_state(model, cache: str) -> str:
 class Decoder:
     """Decode state for `batch` rows of `model` (put it in inference mode around the calls: models.transformer
     .evaluating). capacity: the static cache's length (default the context); the compacted cache's first
-    capacity (it grows by doubling). count_seen: the compacted cache counts, per decode query, the share of
-    its earlier tokens it attended over (scoring's sparsity)."""
+    capacity (it grows by doubling). ragged (compacted only): every call carries a padding mask, even when all
+    rows take part (the path where rows may differ in length and sit steps out: generate_batch); otherwise a
+    step of all rows takes the decode fast path. count_seen: the compacted cache counts, per decode query, the
+    share of its earlier tokens it attended over (scoring's sparsity)."""
 
     def __init__(self, model, batch: int = 1, state: str = "static", policy=None, capacity: int | None = None,
-                 count_seen: bool = False):
+                 ragged: bool = False, count_seen: bool = False):
         if policy is not None:
             state = "compacted"  # a policy evicts from compacted slots
         if state not in ("static", "compacted"):
             raise ValueError(f"state must be static or compacted, got {state!r}")
-        self.model, self.kind, self.policy, self.batch = model, state, policy, batch
+        if ragged and state != "compacted":
+            raise ValueError("rows of different lengths need the compacted cache")
+        self.model, self.kind, self.policy, self.batch, self.ragged = model, state, policy, batch, ragged
         self.device = model.wte.weight.device
         if state == "compacted":
             self.state = model.new_compact_cache(batch=batch, capacity=capacity or 16, policy=policy)
@@ -50,42 +54,47 @@ class Decoder:
                     layer.seen = torch.zeros(batch, device=self.device)
         else:
             self.state = model.new_cache(batch=batch, capacity=capacity)
-        self.lengths = [0] * batch            # tokens fed per row
+        self.lengths = [0] * batch            # tokens fed per row (on the host)
+        self._next = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the same, on the device
         self.kernel_paths: dict[str, str] = {}  # op -> the path the kernel dispatch took, over all calls
         self._collected = [0] * len(self.state.layers)
 
     def _call(self, idx: torch.Tensor, valid: torch.Tensor | None, last_only: bool) -> torch.Tensor:
-        """idx [B,T] at each row's next positions; valid [B,T] (compacted only: False is padding) -> logits."""
+        """idx [B,T] at each row's next positions; valid [B,T] (compacted only: False is padding) -> logits.
+        Positions are kept on the device: a step copies nothing from the host."""
+        t = idx.shape[1]
         with kernels.record_paths() as paths:  # per call: interleaved decoders must not share a recorder
             if self.kind == "compacted":
-                start = torch.tensor(self.lengths, device=self.device)[:, None]
-                pos = start + torch.arange(idx.shape[1], device=self.device)[None]
+                pos = self._next + torch.arange(t, device=self.device)
                 out = self.model(idx, cache=self.state, positions=pos, valid=valid, last_only=last_only)
             else:
                 out = self.model(idx, cache=self.state, last_only=last_only)
+        self._next = self._next + (t if valid is None else valid.long().sum(1, keepdim=True))
         self.kernel_paths.update(paths)
         return out.logits
 
     def prefill(self, prompts: Sequence[Sequence[int]], last_only: bool = True) -> torch.Tensor:
-        """Each row's prompt in one call (rows of different lengths: compacted only, padded at the end). A policy
-        that evicts as each token arrives reads the prompt one token per call, as decoding would. Returns each
-        row's last-token logits [B,V] (last_only) or every position's [B,T,V] (padding positions undefined)."""
+        """Each row's prompt in one call (rows of different lengths: ragged, padded at the end). A policy that
+        evicts as each token arrives reads the prompt one token per call, as decoding would. Returns each row's
+        last-token logits [B,V] (last_only) or every position's [B,T,V] (padding positions undefined)."""
         if len(prompts) != self.batch or any(len(p) == 0 for p in prompts):
             raise ValueError(f"prefill takes {self.batch} prompt(s) of at least one token each")
         if any(self.lengths):
             raise ValueError("prefill starts a decoder; feed more tokens with step()")
         lens = [len(p) for p in prompts]
         width = max(lens)
-        if min(lens) != width and self.kind != "compacted":
-            raise ValueError("prompts of different lengths need the compacted cache")
+        if min(lens) != width and not self.ragged:
+            raise ValueError("prompts of different lengths need a ragged decoder (the compacted cache)")
         idx = torch.zeros(self.batch, width, dtype=torch.long, device=self.device)
         for r, p in enumerate(prompts):
             idx[r, :len(p)] = torch.tensor([int(t) for t in p], device=self.device)
         if self.policy is not None and not self.policy.at_prompt_end:
+            if min(lens) != width:
+                raise ValueError(f"{self.policy.name} reads a prompt one token per call: give rows of one length")
             steps = [self.step(idx[:, i]) for i in range(width)]
             return steps[-1] if last_only else torch.stack(steps, 1)
         valid = None
-        if min(lens) != width:
+        if self.ragged:
             valid = torch.arange(width, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
         logits = self._call(idx, valid, last_only=last_only and valid is None)
         self.lengths = lens
@@ -100,19 +109,19 @@ class Decoder:
         return logits
 
     def step(self, tokens: torch.Tensor, active: Sequence[bool] | None = None) -> torch.Tensor:
-        """One token per row (tokens [B]); active (compacted only, on the host: no device sync): the rows that
-        take part (the others' tokens are padding, neither stored nor counted). Returns logits [B,V]."""
+        """One token per row (tokens [B]) -> logits [B,V]. active (a ragged decoder; on the host): the rows that
+        take part (the others' tokens are padding, neither stored nor counted)."""
         rows = [True] * self.batch if active is None else [bool(a) for a in active]
         valid = None
-        if not all(rows):
-            if self.kind != "compacted":
-                raise ValueError("rows that sit a step out need the compacted cache")
+        if self.ragged:
             valid = torch.tensor(rows, device=self.device)[:, None]
+        elif not all(rows):
+            raise ValueError("rows that sit a step out need a ragged decoder (the compacted cache)")
         logits = self._call(tokens.to(self.device).view(self.batch, 1), valid, last_only=True)[:, 0]
         self.lengths = [n + a for n, a in zip(self.lengths, rows)]
         return logits
 
-    # the observer: what the last call left
+    # the observer: what the last call left (each reading waits for the device: call it after timing)
 
     def new_drops(self) -> list[tuple[int, int, int, int]]:
         """Drops since the last call of this method: (layer, row, position, position of the query that dropped
@@ -142,14 +151,3 @@ class Decoder:
     def seen_share(self) -> float:
         """count_seen: the summed share of earlier tokens each decode query saw, over layers and rows."""
         return float(sum(layer.seen.sum() for layer in self.state.layers))
-
-
-def decode_logits(model, ids: Sequence[int], prompt: int = 1, policy=None, state: str = "compacted") -> torch.Tensor:
-    """Teacher-forced decoding of one text: ids[:prompt] in one prefill, then one token per step -> logits of
-    every position [T,V] (what each position's query predicted, over what the cache left it)."""
-    with evaluating(model):
-        dec = Decoder(model, 1, state, policy, capacity=None if state == "compacted" else len(ids))
-        x = torch.tensor([int(t) for t in ids], device=model.wte.weight.device)
-        out = [dec.prefill([ids[:prompt]], last_only=False)[0]]
-        out += [dec.step(x[i:i + 1]) for i in range(prompt, len(ids))]
-    return torch.cat(out)

@@ -188,10 +188,10 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
         info["prefill_s"] = time.perf_counter() - t0
         for i in range(max_new_tokens):
             token = sample(logits)
-            logprob = float(target_logprobs(logits[None], token[None])[0])
+            tok = int(token)
             latency = time.perf_counter() - t0
-            yield event(i, int(token), logprob, latency)
-            if int(token) in stops:
+            yield event(i, tok, float(target_logprobs(logits[None], token[None])[0]), latency)
+            if tok in stops:
                 info["stop_reason"] = "stop_token"
                 return
             if i + 1 == max_new_tokens:
@@ -254,7 +254,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
     sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     stops = set(int(s) for s in stop_ids)
     with evaluating(model):
-        dec = Decoder(model, b, "compacted")
+        dec = Decoder(model, b, "compacted", ragged=True)
         lat, mem, live = [], [], []
         t0 = time.perf_counter()
         logits = dec.prefill(prompts)

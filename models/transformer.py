@@ -122,6 +122,12 @@ class DecoderLM(nn.Module):
         """COMPACTER's shared A_i belong to the model (see models.adapters.get_adapter_params)."""
         return {} if self.adapter_rule is None else {"adapter_rule": self.adapter_rule}
 
+    def check_fits(self, n: int, what: str = "tokens") -> None:
+        """The one context-length check: n positions must fit the context window (learned position tables and
+        the decode caches end there), else a ValueError that says what to do."""
+        if n > self.config.context:
+            raise ValueError(f"{n} {what} exceed the model's context of {self.config.context}; take a window")
+
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:
         capacity = self.config.context if capacity is None else min(capacity, self.config.context)
         p = self.wte.weight
@@ -156,16 +162,13 @@ class DecoderLM(nn.Module):
         if isinstance(cache, CompactDecodeCache):
             if positions is None:
                 raise ValueError("the compacted cache needs positions [B,T] for the new tokens")
-            top = int(positions.max() if valid is None else positions[valid].max())
-            if top >= self.config.context:
-                raise ValueError(f"position {top} is outside the context window of {self.config.context}")
+            self.check_fits(int(positions.max() if valid is None else positions[valid].max()) + 1, "positions")
             for layer in cache.layers:
                 layer.q_pos, layer.valid = positions, valid
             positions = positions.clamp(0, self.config.context - 1)
         else:
             start = 0 if cache is None else cache.length
-            if start + t > self.config.context:
-                raise ValueError(f"{start + t} positions exceed the context window of {self.config.context}")
+            self.check_fits(start + t, "positions")
             positions = torch.arange(start, start + t, device=idx.device)
         x = self.wte(idx) if embeds is None else embeds
         if self.wpe is not None:

@@ -21,7 +21,7 @@ def model_for(mixer, prune=True, beta=0.02, seed=5, **cfg):
 def run_compact(model, seqs, prompt_lens, diagnostics=False):
     """Prefill ragged prompts in one padded call, then one token per row per step; logits per row/position."""
     b, total = len(seqs), len(seqs[0])
-    dec = Decoder(model, b, "compacted")
+    dec = Decoder(model, b, "compacted", ragged=True)
     got = [dict() for _ in range(b)]
     with torch.no_grad():
         logits = dec.prefill([s[:n] for s, n in zip(seqs, prompt_lens)], last_only=False)

@@ -88,7 +88,8 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
     learned = load_model_dir("assets/models/mha-1024-pruned").model
     from analysis import pruning
     runs = [pruning.rule_run(learned, w, pruning.LEARNED) for w in windows]
-    sp = float(np.mean([(1 - v[:, 65:129].astype(float).sum(-1) / np.arange(66, 130)).mean() for v, _, _ in runs]))
+    # query k (65..128) sees (row sum - 1) of its k earlier tokens; mean over layers, queries and windows
+    sp = float(np.mean([(1 - (v[:, 65:129].astype(float).sum(-1) - 1) / np.arange(65, 129)).mean() for v, _, _ in runs]))
     for name, prefill in (("tova", 1), ("snapkv", 65)):
         b = policies.budget_for(name, sp, 129, 65, first=65)
         row = re.search(rf"\| {name} \| {b} \| [\d.]+% \| ([\d.]+) \|", table)
@@ -99,10 +100,14 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
         assert 1 < b < 100
         assert float(row.group(1)) == pytest.approx(math.exp(-float(lp.sum()) / len(lp)), rel=1e-5)
     assert re.search(r"\| mha-1024-pruned \| - \| [\d.]+% \|", table)
-    with pytest.raises(SystemExit):  # SnapKV needs a prompt
+    with pytest.raises(SystemExit):  # SnapKV, asked for, needs a prompt
         matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", f"held={tmp_path}:test",
                       "--window", "130", "--policies", "snapkv", "--prompt-share", "0"])
     assert "decide after a prompt" in capsys.readouterr().err
+    ap = matched.argparse.ArgumentParser()
+    matched.add_arguments(ap)
+    args = ap.parse_args(["--source", f"held={tmp_path}:test", "--prompt-share", "0"])  # the default policies
+    assert matched.parse(ap, args, 130)[1:] == (["streamingllm", "tova", "h2o"], None)
     for share in ("1", "0.001"):
         with pytest.raises(SystemExit):
             matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", f"held={tmp_path}:test",

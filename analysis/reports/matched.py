@@ -2,7 +2,7 @@
 docs/real.md (analysis.reports.real runs it beside the rest of that report; this command writes its tables alone).
 
     python -m analysis.reports.matched --base DIR PRUNED_DIR [PRUNED_DIR ...] --source test=data/smollm2:test
-        --source kjv=data/heldout_kjv:all [--window 512] [--windows 24] [--policies streamingllm,tova,h2o]
+        --source kjv=data/heldout_kjv:all [--window 512] [--windows 24] [--policies streamingllm,tova,h2o,snapkv]
         [--prompt-share 0.75] [--match PRUNED_NAME] [--out docs/real_matched.md]
 
 The protocol (the held-out issue's): for each source, `windows` windows of `window` tokens spread evenly over its
@@ -279,6 +279,8 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
     if prompt is not None and not (0 < args.prompt_share < 1 and 2 <= prompt < window - 1):
         ap.error(f"--prompt-share {args.prompt_share} leaves no prompt or no query after it in {window}-token windows")
     once = [n for n in names if policies.REGISTRY[n].at_prompt_end]
+    if once and prompt is None and args.policies == ap.get_default("policies"):  # no prompt reading: not there
+        names, once = [n for n in names if n not in once], []
     if once and prompt is None:
         ap.error(f"--policies {', '.join(once)} decide after a prompt: give --prompt-share above 0")
     sources = {}

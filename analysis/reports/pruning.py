@@ -24,8 +24,7 @@ from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of
 
 def model_buckets(loaded, window: int, data: str | None = None, max_windows: int | None = None) -> list[dict]:
     """Rows of one loaded model: the test split (of `data`, default the card's) joined and cut into windows."""
-    if window > loaded.config.context:
-        raise ValueError(f"{loaded.path}: window {window} exceeds its context of {loaded.config.context}")
+    loaded.model.check_fits(window, f"tokens (the window of {loaded.path})")
     docs = encode_documents(loaded.tokenizer, load_documents(data or loaded.card.get("data", {}).get("dir", "data"), "test"))
     stream = [t for doc in docs for t in doc]
     buckets = [b for b in BUCKETS if b[0] < window]
