@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import torch
 
 from analysis.maps import layer_records
-from models.pruning import drop_records, policies, sparsity
+from models.pruning import drop_records, mean_sparsity, policies
 from models.pruning.replay import replay
 from models.transformer import evaluating
 from models.scoring import target_logprobs
@@ -107,8 +107,8 @@ def rule_run(model, ids: list[int], rule: str, budget: int | None = None, prompt
 
 def matched_budget(rule: str, target: float, n: int, prompt: int | None = None) -> int:
     """The policy budget whose sparsity on an n-token text is nearest `target`, a sparsity as sparsity_per_layer
-    gives it (averaged over queries 1..n-1: query 0 has nothing earlier); policies.budget_for counts query 0 as 0."""
-    return policies.budget_for(rule, target * (n - 1) / n, n, prompt)
+    gives it (averaged over queries 1..n-1: query 0 has nothing earlier)."""
+    return policies.budget_for(rule, target, n, prompt, count_first=False)
 
 
 def disagreement(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
@@ -206,9 +206,9 @@ def trigger_counts(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def sparsity_per_layer(keeps: np.ndarray) -> pd.DataFrame:
-    """Mean over positions of the share of earlier tokens dropped, per layer."""
-    s = sparsity(torch.from_numpy(keeps).float()).numpy()  # [layers, T]
-    return pd.DataFrame({"layer": np.arange(len(s)), "sparsity": s[:, 1:].mean(1) if s.shape[1] > 1 else 0.0})
+    """Mean over the queries that have earlier tokens of the share of them dropped, per layer."""
+    s = mean_sparsity(torch.from_numpy(keeps).float(), count_first=False).numpy() if keeps.shape[-1] > 1 else 0.0
+    return pd.DataFrame({"layer": np.arange(len(keeps)), "sparsity": s})
 
 
 def pos_heatmap(rates: pd.DataFrame, title: str) -> go.Figure:

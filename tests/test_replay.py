@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models.decode import Decoder
-from models.pruning import policies, sparsity
+from models.pruning import mean_sparsity, policies, sparsity
 from models.pruning.replay import MAX_TOKENS, replay
 from models.scoring import target_logprobs
 from tests.test_compact_cache import model_for
@@ -97,6 +97,24 @@ def test_expected_sparsity_and_matched_budgets():
                    for c in range(policies.REGISTRY[name].min_budget, 201))
     with pytest.raises(ValueError, match="prompt"):
         policies.expected_sparsity("snapkv", 40, 100)
+
+
+@pytest.mark.parametrize("name, budget, prompt",
+                         [("streamingllm", 9, None), ("tova", 7, None), ("h2o", 8, None), ("snapkv", 12, 24)])
+def test_one_averaging_with_or_without_the_first_query(name, budget, prompt):
+    """mean_sparsity of a replay's masks equals the policy's expected sparsity under both conventions (query 0
+    counted as 0, or left out) and over a later range of queries; the two conventions differ by (n-1)/n."""
+    model = model_for("mha", prune=False, context=64, seed=3)
+    vis = replay(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt=prompt).visible.double()
+    n = len(IDS)
+    for count_first in (True, False):
+        got = float(mean_sparsity(vis, count_first).mean())
+        assert got == pytest.approx(policies.expected_sparsity(name, budget, n, prompt, count_first=count_first), abs=1e-6)
+    assert float(mean_sparsity(vis, True).mean()) == pytest.approx(float(mean_sparsity(vis, False).mean()) * (n - 1) / n)
+    late = float(mean_sparsity(vis, False, start=30).mean())
+    assert late == pytest.approx(policies.expected_sparsity(name, budget, n, prompt, first=30), abs=1e-6)
+    want = sum((1 - (float(vis[0, k].sum()) - 1) / k) for k in range(30, n)) / (n - 30)  # layer 0, by hand
+    assert float(mean_sparsity(vis[0], True, start=30)) == pytest.approx(want)
 
 
 def test_refusals_say_why():

@@ -7,9 +7,9 @@ compact_cache.py   the inference data structure (free-slot insert, delete by mas
 """
 from models.pruning.alpha_sigmoid import alpha_schedule, alpha_sigmoid
 from models.pruning.compact_cache import CompactCache, CompactDecodeCache
-from models.pruning.interaction import (ContextPruning, drop_records, pair_count, sparsity, sparsity_loss,
-                                        survives)
+from models.pruning.interaction import (ContextPruning, drop_records, mean_sparsity, pair_count, sparsity,
+                                        sparsity_loss, survives)
 from models.pruning.patterns import PATTERNS, pattern_allows, pattern_mask
 
 __all__ = ["alpha_schedule", "alpha_sigmoid", "CompactCache", "CompactDecodeCache", "ContextPruning",
-           "drop_records", "pair_count", "sparsity", "sparsity_loss", "survives", "PATTERNS", "pattern_allows", "pattern_mask"]
+           "drop_records", "mean_sparsity", "pair_count", "sparsity", "sparsity_loss", "survives", "PATTERNS", "pattern_allows", "pattern_mask"]

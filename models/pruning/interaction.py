@@ -184,6 +184,17 @@ def sparsity(keep: torch.Tensor) -> torch.Tensor:
     return dropped / earlier.clamp_min(1)
 
 
+def mean_sparsity(keep: torch.Tensor, count_first: bool, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The one averaging of `sparsity`: its mean over the queries start..stop-1 ([..., T, T] -> [...]).
+    count_first: query 0, which has nothing earlier to drop, counts as 0 (a sum over a text's predictions
+    divided by their number, as perplexity pools them); False leaves it out (the mean over queries that could
+    drop something). Only matters when start is 0."""
+    s = sparsity(keep)[..., start:stop]
+    if start == 0 and not count_first:
+        s = s[..., 1:]
+    return s.mean(-1)
+
+
 def drop_records(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From an inference keep matrix [B,T,T] (0/1): for each token j, the position k of the query that
     dropped it (its trigger, and the step at which it left the context), or -1 if it survived to the end."""

@@ -149,9 +149,11 @@ class SnapKV(Policy):
         return live & (chosen | ~earlier)                 # the window and anything later stay
 
 
-def expected_sparsity(name: str, budget: int, n: int, prompt: int | None = None, first: int = 0) -> float:
+def expected_sparsity(name: str, budget: int, n: int, prompt: int | None = None, first: int = 0,
+                      count_first: bool = True) -> float:
     """Mean over the queries first..n-1 of an n-token text of the share of earlier tokens a policy at this budget
-    hides (with first = 0, as models.pruning.sparsity averages: query 0, with nothing earlier, counts as 0). It
+    hides, averaged as models.pruning.mean_sparsity(count_first) averages (query 0, with nothing earlier, counts
+    as 0 or is left out; only matters when first is 0). It
     follows from the text length alone: step policies hold `budget` tokens (StreamingLLM's query sees budget - 1
     earlier ones, the others' see budget); SnapKV's prompt queries see everything and the query at i >= prompt
     sees the min(budget, prompt) prompt tokens it kept plus the i - prompt generated before it."""
@@ -163,13 +165,17 @@ def expected_sparsity(name: str, budget: int, n: int, prompt: int | None = None,
         sees = torch.where(i < prompt, i, min(budget, prompt) + i - prompt)
     else:
         sees = torch.full_like(i, budget - 1 if cls.before_attending else budget)
-    return float((1 - torch.minimum(i, sees) / i).sum()) / max(1, n - first)
+    queries = n - first - (1 if first == 0 and not count_first else 0)
+    return float((1 - torch.minimum(i, sees) / i).sum()) / max(1, queries)
 
 
-def budget_for(name: str, target: float, n: int, prompt: int | None = None, first: int = 0) -> int:
-    """The budget whose expected sparsity (over queries first..n-1) is nearest `target` (ties: the larger budget)."""
+def budget_for(name: str, target: float, n: int, prompt: int | None = None, first: int = 0,
+               count_first: bool = True) -> int:
+    """The budget whose expected sparsity (over queries first..n-1, averaged as count_first says) is nearest
+    `target` (ties: the larger budget)."""
     low = min(REGISTRY[name].min_budget, n)
-    return min(range(n, low - 1, -1), key=lambda b: abs(expected_sparsity(name, b, n, prompt, first) - target))
+    return min(range(n, low - 1, -1),
+               key=lambda b: abs(expected_sparsity(name, b, n, prompt, first, count_first) - target))
 
 
 def make(name: str, budget: int, **kwargs) -> Policy:
