@@ -151,3 +151,19 @@ def test_the_bar_also_needs_the_prompt_reading():
     assert v["bar"] and v["prompt_beats_all"] and v["prompt_strongest"] == "snapkv" and v["prompt"] == 50
     v, = matched.verdict(results(-0.003), "m")  # ahead on the whole window, not after the prompt
     assert v["beats_all"] and v["prompt_beats_all"] is False and v["bar"] is False
+
+
+def test_a_policy_that_cannot_reach_the_sparsity_is_reported_not_counted():
+    def row(rule, lo, sparsity):
+        return {"rule": rule, "sparsity": sparsity, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": 24,
+                "vs_match": lo + 0.01, "vs_match_ci": (lo, lo + 0.02)}
+
+    gen = [row("m", 0.0, 0.87), row("tova", 0.02, 0.874), row("snapkv", -0.01, 0.79)]  # snapkv: its smallest budget
+    res = {"src": {"budgets": {"tova": 10}, "all": [row("m", 0.0, 0.66), row("tova", 0.01, 0.66)],
+                   "prompt": {"length": 50, "budgets": {"tova": 12, "snapkv": 33}, "rows": gen}}}
+    v, = matched.verdict(res, "m")
+    assert v["bar"] and v["prompt_beats_all"] and v["prompt_strongest"] == "tova"
+    assert v["unmatched"] == [("after the prompt", "snapkv", 0.79, 0.0, (-0.01, 0.01))]
+    gen[2]["sparsity"] = 0.865  # within MATCH_GAP: matched, and it ties
+    v, = matched.verdict(res, "m")
+    assert v["prompt_beats_all"] is False and v["bar"] is False and v["unmatched"] == []
