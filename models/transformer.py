@@ -126,7 +126,7 @@ class DecoderLM(nn.Module):
         """The one context-length check: n positions must fit the context window (learned position tables and
         the decode caches end there), else a ValueError that says what to do."""
         if n > self.config.context:
-            raise ValueError(f"{n} {what} exceed the model's context of {self.config.context}; take a window")
+            raise ValueError(f"{n} {what} exceed the context window of {self.config.context}; take a window")
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:
         capacity = self.config.context if capacity is None else min(capacity, self.config.context)

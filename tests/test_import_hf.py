@@ -127,7 +127,7 @@ def test_a_sliding_window_limits_the_context_and_stays_exact(make, tmp_path):
     ids = torch.randint(0, 300, (2, 8))
     with torch.no_grad():
         assert (loaded.model(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
-    with pytest.raises(ValueError, match="exceed the model's context of 8"):
+    with pytest.raises(ValueError, match="exceed the context window of 8"):
         loaded.model(torch.randint(0, 300, (1, 9)))
 
 
