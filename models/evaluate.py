@@ -1,6 +1,7 @@
 """Sliding-window perplexity on held-out documents, and the MHE paper's PRR / PEoP.
 
     python -m models.evaluate MODEL_DIR [--split test] [--stride 256] [--window N] [--data DIR] [--json]
+    python -m models.evaluate --check-card MODEL_DIR [MODEL_DIR ...]   # re-measure each card's test perplexity
 
 Each document is scored on its own (windows never cross documents), starting from <|endoftext|>;
 windows hold at most `context` tokens and advance by `stride`; every token is scored exactly once,
@@ -196,13 +197,38 @@ def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, 
             "parameters": counts, "attention_parameters": counts["mixer"]}
 
 
+CARD_RTOL = 1e-6  # a card's test perplexity must reproduce to this relative error on the machine that wrote it
+
+
+def check_cards(model_dirs: list[str], rtol: float = CARD_RTOL, **dev) -> list[dict]:
+    """Re-measure every card's test perplexity the way training measured it (its data directory, its eval stride,
+    the model's whole context): one row per directory with the card's value, the new one and whether they agree."""
+    from models.checkpoint import read_json
+
+    rows = []
+    for d in tqdm(model_dirs, desc="cards", file=sys.stderr):
+        card = read_json(Path(d) / "card.json")
+        want = card.get("test_perplexity")
+        if card.get("status", "ok") != "ok" or not isinstance(want, (int, float)) or not math.isfinite(want):
+            rows.append({"model_dir": str(d), "card": want, "measured": None, "rel_error": None, "ok": None})
+            continue
+        got = evaluate_dir(d, "test", card.get("eval_stride", 256), progress=True, **dev)
+        rel = abs(got["perplexity"] - want) / want
+        rows.append({"model_dir": str(d), "card": want, "measured": got["perplexity"], "rel_error": rel,
+                     "tokens_match": got["tokens"] == card.get("test_tokens"), "data_matches_card": got["data_matches_card"],
+                     "ok": rel <= rtol and got["tokens"] == card.get("test_tokens")})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from models.checkpoint import CheckpointError
     from models.data import DataError
     from models.device import add_arguments as add_device_arguments
 
     ap = argparse.ArgumentParser(prog="python -m models.evaluate")
-    ap.add_argument("model_dir")
+    ap.add_argument("model_dir", nargs="+")
+    ap.add_argument("--check-card", action="store_true",
+                    help=f"re-measure each directory's card.json test perplexity; exit 1 unless all agree to {CARD_RTOL:g}")
     ap.add_argument("--split", default="test", choices=["train", "valid", "test"])
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--window", type=int, default=None, help="longest window fed (default: the model's context)")
@@ -212,6 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     dev = dict(device=args.device, dtype=args.dtype)
+    if args.check_card:
+        try:
+            rows = check_cards(args.model_dir, **dev)
+        except (CheckpointError, DataError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for r in rows:
+            print(json.dumps(r) if args.json else
+                  f"{r['model_dir']}: card {r['card']}, measured {r['measured']}, relative error {r['rel_error']}"
+                  f" -> {'ok' if r['ok'] else 'not checked' if r['ok'] is None else 'DIFFERS'}")
+        return 0 if all(r["ok"] is not False for r in rows) else 1
+    if len(args.model_dir) != 1:
+        ap.error("one MODEL_DIR, unless --check-card")
+    args.model_dir = args.model_dir[0]
     try:
         result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window, **dev)
         parent = Path(args.model_dir).resolve().parent
