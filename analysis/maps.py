@@ -7,25 +7,28 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
+from models.mixers import LayerRecord
 from models.mixers.extractor import Extractor
 from models.transformer import evaluating
 
 
 @torch.inference_mode()
-def layer_records(model, ids: list[int], diagnostics: bool | str = True) -> list[dict]:
-    """One inference forward over the text with diagnostics: what each layer recorded ("keep": masks only)."""
+def layer_records(model, ids: list[int], attention_maps: bool = True) -> list[LayerRecord]:
+    """One inference forward over the text with diagnostics: what each layer recorded (attention_maps=False:
+    keep masks only)."""
     model.check_fits(len(ids))
     with evaluating(model):
-        return model(torch.tensor([ids], device=model.wte.weight.device), diagnostics=diagnostics).diagnostics
+        return model(torch.tensor([ids], device=model.wte.weight.device), diagnostics=True,
+                     attention_maps=attention_maps).diagnostics
 
 
 def mixing_maps(model, ids: list[int]) -> tuple[np.ndarray, str]:
     """[layers, heads, T, T] and the kind: 'attention' (probabilities per head) or 'extractor'
     (the lag weights as a causal Toeplitz matrix, channel mean, one 'head' per layer)."""
     records = layer_records(model, ids)
-    if "attn" in records[0]:
-        return np.stack([d["attn"][0].float().cpu().numpy() for d in records]), "attention"
-    return np.stack([d["mixing"][None].float().cpu().numpy() for d in records]), "extractor"
+    if records[0].attn is not None:
+        return np.stack([d.attn[0].float().cpu().numpy() for d in records]), "attention"
+    return np.stack([d.mixing[None].float().cpu().numpy() for d in records]), "extractor"
 
 
 def is_extractor(model) -> bool:

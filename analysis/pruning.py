@@ -49,7 +49,7 @@ def keep_matrices(model, ids: list[int]) -> np.ndarray:
     byte a cell (30 layers x 1,024^2 = 31 MB), no attention probabilities computed."""
     if not model.config.prune:
         raise ValueError("this model has no context pruning")
-    return np.stack([(d["keep"][0] > 0.5).to(torch.uint8).cpu().numpy() for d in layer_records(model, ids, "keep")])
+    return np.stack([(d.keep[0] > 0.5).to(torch.uint8).cpu().numpy() for d in layer_records(model, ids, attention_maps=False)])
 
 
 def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -60,8 +60,8 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     model.check_fits(len(ids))
     x = torch.tensor([ids], device=model.wte.weight.device)
     with torch.inference_mode(), evaluating(model):
-        out = model(x, diagnostics="keep")
-    keeps = np.stack([(d["keep"][0] > 0.5).to(torch.uint8).cpu().numpy() for d in out.diagnostics])
+        out = model(x, diagnostics=True, attention_maps=False)
+    keeps = np.stack([(d.keep[0] > 0.5).to(torch.uint8).cpu().numpy() for d in out.diagnostics])
     lp = target_logprobs(out.logits[0, :-1], x[0, 1:]).cpu().numpy()
     return keeps, lp
 
@@ -69,7 +69,7 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
 def token_table(keeps: np.ndarray, labels: list[str], tags: list[str], dropped_at: np.ndarray | None = None) -> pd.DataFrame:
     """One row per (layer, token): dropped or kept to the end, at which step, by which token (trigger), and the
     share of the later queries of the text that could not see it (hidden_share; NaN for the last token).
-    dropped_at [L,T] (-1: never), when given, says the step (an eviction policy's, see rule_run); otherwise it
+    dropped_at [L,T] (-1: never), when given, says the step (an eviction policy's, see method_run); otherwise it
     is read off the keep masks (the learned rule: the first query that no longer sees the token)."""
     rows = []
     for layer, keep in enumerate(keeps):
@@ -90,29 +90,30 @@ def token_table(keeps: np.ndarray, labels: list[str], tags: list[str], dropped_a
     return pd.DataFrame(rows)
 
 
+# a method decides what each query sees: one of these, or an eviction policy's name (models.pruning.policies)
 LEARNED, NOTHING = "learned", "none"  # the model's own rule; nothing evicted (the same weights, rule off)
 
 
-def rule_run(model, ids: list[int], rule: str, budget: int | None = None, prompt: int | None = None):
-    """What one rule does to a text: (visible [L,T,T] uint8, dropped_at [L,T] or None, log-probabilities [T-1]).
-    rule: LEARNED (a pruned model's own rule, one forward; dropped_at None: read off the masks), NOTHING, or an
+def method_run(model, ids: list[int], method: str, budget: int | None = None, prompt: int | None = None):
+    """What one method does to a text: (visible [L,T,T] uint8, dropped_at [L,T] or None, log-probabilities [T-1]).
+    method: LEARNED (a pruned model's own rule, one forward; dropped_at None: read off the masks), NOTHING, or an
     eviction policy's name run at `budget` tokens (models.pruning.replay: one forward, the model's learned rule
     off, the decisions decoding token by token makes). SnapKV needs the prompt's length."""
-    if rule == LEARNED:
+    if method == LEARNED:
         keeps, lp = keeps_and_logprobs(model, ids)
         return keeps, None, lp
-    run = replay(model, ids, None if rule == NOTHING else policies.make(rule, budget), prompt=prompt)
+    run = replay(model, ids, None if method == NOTHING else policies.make(method, budget), prompt=prompt)
     return run.visible.to(torch.uint8).cpu().numpy(), run.dropped_at.cpu().numpy(), run.logprobs.cpu().numpy()
 
 
-def matched_budget(rule: str, target: float, n: int, prompt: int | None = None) -> int:
+def matched_budget(policy: str, target: float, n: int, prompt: int | None = None) -> int:
     """The policy budget whose sparsity on an n-token text is nearest `target`, a sparsity as sparsity_per_layer
     gives it (averaged over queries 1..n-1: query 0 has nothing earlier)."""
-    return policies.budget_for(rule, target, n, prompt, count_first=False)
+    return policies.budget_for(policy, target, n, prompt, count_first=False)
 
 
 def disagreement(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    """Two token tables of one text (rules a and b) -> per (layer, position): who dropped the token by the end
+    """Two token tables of one text (methods a and b) -> per (layer, position): who dropped the token by the end
     ("both", "a only", "b only", "neither")."""
     m = a[["layer", "position", "token", "pos", "dropped"]].merge(b[["layer", "position", "dropped"]],
                                                                    on=["layer", "position"], suffixes=("_a", "_b"))
@@ -134,7 +135,7 @@ def disagreement_by_layer(d: pd.DataFrame) -> pd.DataFrame:
 
 
 def disputed_tokens(d: pd.DataFrame, n: int = 30) -> pd.DataFrame:
-    """The tokens the two rules disagree on in most layers: position, token, POS and in how many layers
+    """The tokens the two methods disagree on in most layers: position, token, POS and in how many layers
     only a, only b dropped it."""
     g = d.groupby(["position", "token", "pos"])["who"].agg(a_only=lambda w: int((w == "a only").sum()),
                                                            b_only=lambda w: int((w == "b only").sum())).reset_index()
@@ -167,23 +168,23 @@ def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> 
 
 
 def pos_profile(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per rule and POS tag, over all layers: the mean share of later queries that cannot see a token
-    (hidden_share: a rule's sparsity, split by what the hidden token is) and the share dropped by the end."""
+    """Per method and POS tag, over all layers: the mean share of later queries that cannot see a token
+    (hidden_share: a method's sparsity, split by what the hidden token is) and the share dropped by the end."""
     rows = []
-    for rule, t in tables.items():
+    for method, t in tables.items():
         t = t[t["hidden_share"].notna()]
         g = t.groupby("pos").agg(token_layers=("dropped", "size"), hidden_share=("hidden_share", "mean"),
                                  drop_rate=("dropped", "mean")).reset_index()
-        rows.append(g.assign(rule=rule))
-    return pd.concat(rows, ignore_index=True)[["rule", "pos", "token_layers", "hidden_share", "drop_rate"]]
+        rows.append(g.assign(method=method))
+    return pd.concat(rows, ignore_index=True)[["method", "pos", "token_layers", "hidden_share", "drop_rate"]]
 
 
 def pos_profile_figure(profile: pd.DataFrame, title: str, min_count: int = 1) -> go.Figure:
-    """Grouped bars: per POS tag (seen at least min_count times), each rule's mean share of later queries that
+    """Grouped bars: per POS tag (seen at least min_count times), each method's mean share of later queries that
     cannot see such a token."""
     p = profile[profile["token_layers"] >= min_count]
     order = p.groupby("pos")["token_layers"].max().sort_values(ascending=False).index.tolist()
-    fig = px.bar(p, x="pos", y="hidden_share", color="rule", barmode="group", title=title, category_orders={"pos": order},
+    fig = px.bar(p, x="pos", y="hidden_share", color="method", barmode="group", title=title, category_orders={"pos": order},
                  labels={"pos": "part of speech", "hidden_share": "later queries that cannot see it"},
                  hover_data=["token_layers", "drop_rate"])
     fig.update_yaxes(range=[0, 1], tickformat=".0%")

@@ -23,10 +23,10 @@ SAMPLE_TEXT = ("The committee met again on Tuesday. After a long debate about th
                "every town along the river would share its cost.")
 
 
-# what the Pruning and Generate pages call each rule: a pruned model's own, nothing evicted, or an eviction policy
-RULE_TITLES = {"learned": "learned (this model's own rule)", "none": "none (every token kept)",
-               "streamingllm": "StreamingLLM (4 sinks + recent window)", "tova": "TOVA (least attended now)",
-               "h2o": "H2O (heavy hitters + recent)", "snapkv": "SnapKV (prompt compressed once)"}
+# what the Pruning and Generate pages call each method: a pruned model's own rule, nothing evicted, or a policy
+METHOD_TITLES = {"learned": "learned (this model's own rule)", "none": "none (every token kept)",
+                 "streamingllm": "StreamingLLM (4 sinks + recent window)", "tova": "TOVA (least attended now)",
+                 "h2o": "H2O (heavy hitters + recent)", "snapkv": "SnapKV (prompt compressed once)"}
 
 
 def setup(title: str) -> None:

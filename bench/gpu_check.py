@@ -91,7 +91,7 @@ def train_one(config: str, out: Path, steps: int) -> dict:
     return {"config": config, "steps": card["steps"], "status": card["status"], "wall_s": time.perf_counter() - t0,
             "train_tokens_per_s": card["train_tokens_per_s"], "first_loss": first.get("loss"),
             "last_loss": last.get("loss"), "test_perplexity": card["test_perplexity"],
-            "valid_sparsity": card.get("valid_sparsity"), "finite": math.isfinite(card["test_perplexity"])}
+            "valid_sparsity": card.get("final_valid_query_sparsity"), "finite": math.isfinite(card["test_perplexity"])}
 
 
 def generate_one(model_dir: str, tokens: int = 64) -> dict:

@@ -27,25 +27,25 @@ def xavier(*shape: int, fan_in: int, fan_out: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
 
 
-def shared_rule(n: int, std: float = 1e-4) -> nn.Parameter:
+def new_A(n: int, std: float = 1e-4) -> nn.Parameter:
     """The A_i [n, n, n], N(0, 1e-4) as in the reference code."""
     return nn.Parameter(torch.randn(n, n, n) * std)
 
 
 class PHMLinear(nn.Module):
     """k -> d through sum_i A_i (x) B_i; B_i full ([n, k/n, d/n]) or low rank (s_i [n, k/n, r], t_i [n, d/n, r]).
-    `rule` (the A_i) may be a Parameter shared with other layers."""
+    shared_A (the A_i) may be a Parameter shared with other layers (COMPACTER: one for the whole model)."""
 
-    def __init__(self, k: int, d: int, n: int, rank: int | None, rule: nn.Parameter | None = None):
+    def __init__(self, k: int, d: int, n: int, rank: int | None, shared_A: nn.Parameter | None = None):
         super().__init__()
         if k % n or d % n:
             raise ValueError(f"PHM needs n={n} to divide both {k} and {d}")
         self.k, self.d, self.n, self.rank = k, d, n, rank
-        self.shared = rule is not None
-        if rule is None:
-            self.A = shared_rule(n)
+        self.shared = shared_A is not None
+        if shared_A is None:
+            self.A = new_A(n)
         else:
-            object.__setattr__(self, "_rule", rule)  # held, not registered: the model owns the shared tensor
+            object.__setattr__(self, "_shared_A", shared_A)  # held, not registered: the model owns the shared tensor
         if rank is None:
             self.B = xavier(n, k // n, d // n, fan_in=k // n, fan_out=d // n)
         else:
@@ -54,8 +54,9 @@ class PHMLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d))
 
     @property
-    def rule(self) -> torch.Tensor:
-        return self._rule if self.shared else self.A
+    def A_i(self) -> torch.Tensor:
+        """[n, n, n]: this layer's own A or the model's shared one."""
+        return self._shared_A if self.shared else self.A
 
     def factors(self) -> torch.Tensor:
         """B_i [n, k/n, d/n]."""
@@ -63,7 +64,7 @@ class PHMLinear(nn.Module):
 
     def weight(self) -> torch.Tensor:
         """The materialised W [k, d] = sum_i kron(A_i, B_i) (for merging and for tests)."""
-        return sum(torch.kron(self.rule[i], self.factors()[i]) for i in range(self.n))
+        return sum(torch.kron(self.A_i[i], self.factors()[i]) for i in range(self.n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.unflatten(-1, (self.n, self.k // self.n))                          # [..., a, p]
@@ -72,14 +73,14 @@ class PHMLinear(nn.Module):
         else:
             xs = torch.einsum("...ap,ipr->...iar", xb, self.s)                     # X s_i
             z = torch.einsum("...iar,iqr->...iaq", xs, self.t)                     # (X s_i) t_i^T
-        y = torch.einsum("...iaq,iab->...bq", z, self.rule)                        # sum_i A_i^T (.)
+        y = torch.einsum("...iaq,iab->...bq", z, self.A_i)                        # sum_i A_i^T (.)
         return y.flatten(-2) + self.bias
 
 
 class Adapter(nn.Module):
     """x -> U(GeLU(D(x))) + x, with D, U plain linear or PHM/LPHM layers."""
 
-    def __init__(self, k: int, d: int, kind: str, n: int = 4, rank: int = 1, rule: nn.Parameter | None = None):
+    def __init__(self, k: int, d: int, kind: str, n: int = 4, rank: int = 1, shared_A: nn.Parameter | None = None):
         super().__init__()
         if kind == "adapter":
             self.down, self.up = nn.Linear(k, d), nn.Linear(d, k)
@@ -89,7 +90,7 @@ class Adapter(nn.Module):
         elif kind == "phm":
             self.down, self.up = PHMLinear(k, d, n, None), PHMLinear(d, k, n, None)
         else:
-            self.down, self.up = PHMLinear(k, d, n, rank, rule), PHMLinear(d, k, n, rank, rule)
+            self.down, self.up = PHMLinear(k, d, n, rank, shared_A), PHMLinear(d, k, n, rank, shared_A)
         self.merged: tuple[torch.Tensor, ...] | None = None
 
     def adapter_params(self) -> dict[str, nn.Parameter]:

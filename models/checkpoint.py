@@ -144,6 +144,26 @@ def _check_weights(path: Path, tensors: dict, expected: dict, cfg_path: Path) ->
         raise CheckpointError(f"{path} does not match {cfg_path.name}: " + "; ".join(problems))
 
 
+def valid_sparsity(card: dict) -> float | None:
+    """A pruned model's validation sparsity from its card: the query mean the reports use; cards written before
+    2026-11-24 hold the share of all earlier-token pairs instead (final_valid_sparsity), which weighs late queries more."""
+    return card.get("final_valid_query_sparsity", card.get("final_valid_sparsity"))
+
+
+# tensor names that older model directories use -> today's (COMPACTER's shared A_i were once "adapter_rule")
+RENAMED = {"adapter_rule": "adapter_A"}
+
+
+def renamed(path: Path, named: dict) -> dict:
+    """A weights file's tensors (or header shapes) under today's names; a file holding both names of one tensor
+    is refused rather than read with one of them silently dropped."""
+    clash = [old for old, new in RENAMED.items() if old in named and new in named]
+    if clash:
+        raise CheckpointError(f"{path} holds both {clash[0]!r} and {RENAMED[clash[0]]!r} (one tensor under its old "
+                              "and new name): remove one")
+    return {RENAMED.get(k, k): v for k, v in named.items()}
+
+
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "float32"
                    ) -> LoadedModel:
     """Read and check a model directory (a delta one over its base too); the model in eval mode on `device`
@@ -158,6 +178,7 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
         tensors = load_file(str(root / WEIGHTS))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{root / WEIGHTS} is not a readable safetensors file (corrupt or truncated?): {e}") from None
+    tensors = renamed(root / WEIGHTS, tensors)
 
     from models.delta import BASE, merged_tensors
     if (root / BASE).is_file():  # a delta directory: the base's weights, overlaid by this one's
@@ -204,9 +225,10 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from a safetensors header alone (no tensor data is read)."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file (corrupt or truncated?): {e}") from None
+    return renamed(path, shapes)
 
 
 @dataclass

@@ -14,7 +14,6 @@ from typing import Sequence
 import torch
 
 import kernels
-from models.transformer import evaluating
 
 
 def pick_state(model, cache: str) -> str:
@@ -55,7 +54,7 @@ class Decoder:
         else:
             self.state = model.new_cache(batch=batch, capacity=capacity)
         self.lengths = [0] * batch            # tokens fed per row (on the host)
-        self._next = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the same, on the device
+        self._next = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the same, on the device (compacted)
         self.kernel_paths: dict[str, str] = {}  # op -> the path the kernel dispatch took, over all calls
         self._collected = [0] * len(self.state.layers)
 
@@ -67,9 +66,9 @@ class Decoder:
             if self.kind == "compacted":
                 pos = self._next + torch.arange(t, device=self.device)
                 out = self.model(idx, cache=self.state, positions=pos, valid=valid, last_only=last_only)
-            else:
+                self._next = self._next + (t if valid is None else valid.long().sum(1, keepdim=True))
+            else:  # the static cache keeps its own length
                 out = self.model(idx, cache=self.state, last_only=last_only)
-        self._next = self._next + (t if valid is None else valid.long().sum(1, keepdim=True))
         self.kernel_paths.update(paths)
         return out.logits
 

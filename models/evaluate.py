@@ -99,9 +99,9 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
     with evaluating(model):
         for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
             seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
-            out = model(seq[None, :-1], diagnostics="keep")  # masks only: no attention maps
+            out = model(seq[None, :-1], diagnostics=True, attention_maps=False)  # masks only: no attention maps
             logp = target_logprobs(out.logits[0], seq[1:]).double().cpu()
-            keeps = [d.get("keep") for d in out.diagnostics]
+            keeps = [d.keep for d in out.diagnostics]
             k = torch.arange(window)
             if keeps[0] is None:
                 sp = torch.zeros(window, dtype=torch.float64)
@@ -200,23 +200,29 @@ def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, 
 CARD_RTOL = 1e-6  # a card's test perplexity must reproduce to this relative error on the machine that wrote it
 
 
-def check_cards(model_dirs: list[str], rtol: float = CARD_RTOL, **dev) -> list[dict]:
+def check_cards(model_dirs: list[str], rtol: float = CARD_RTOL, evaluate=None, **dev) -> list[dict]:
     """Re-measure every card's test perplexity the way training measured it (its data directory, its eval stride,
-    the model's whole context): one row per directory with the card's value, the new one and whether they agree."""
-    from models.checkpoint import read_json
+    the model's whole context): one row per directory with the card's value, the new one and `ok` (True: they
+    agree to rtol over the same token count; False: they do not, or the directory could not be evaluated, with
+    the reason under `error`; None: the card has no finished result to check)."""
+    from models.checkpoint import CheckpointError, read_json
+    from models.data import DataError
 
+    evaluate = evaluate or evaluate_dir
     rows = []
     for d in tqdm(model_dirs, desc="cards", file=sys.stderr):
-        card = read_json(Path(d) / "card.json")
-        want = card.get("test_perplexity")
-        if card.get("status", "ok") != "ok" or not isinstance(want, (int, float)) or not math.isfinite(want):
-            rows.append({"model_dir": str(d), "card": want, "measured": None, "rel_error": None, "ok": None})
-            continue
-        got = evaluate_dir(d, "test", card.get("eval_stride", 256), progress=True, **dev)
-        rel = abs(got["perplexity"] - want) / want
-        rows.append({"model_dir": str(d), "card": want, "measured": got["perplexity"], "rel_error": rel,
-                     "tokens_match": got["tokens"] == card.get("test_tokens"), "data_matches_card": got["data_matches_card"],
-                     "ok": rel <= rtol and got["tokens"] == card.get("test_tokens")})
+        row = {"model_dir": str(d), "card": None, "measured": None, "rel_error": None, "ok": None}
+        try:  # one directory that cannot be read or evaluated is a row, not the end of the check
+            card = read_json(Path(d) / "card.json")
+            row["card"] = want = card.get("test_perplexity")
+            if card.get("status", "ok") == "ok" and isinstance(want, (int, float)) and math.isfinite(want) and want > 0:
+                got = evaluate(d, "test", card.get("eval_stride", 256), progress=True, **dev)
+                rel = abs(got["perplexity"] - want) / want
+                row |= {"measured": got["perplexity"], "rel_error": rel, "data_matches_card": got["data_matches_card"],
+                        "ok": rel <= rtol and got["tokens"] == card.get("test_tokens")}
+        except (OSError, CheckpointError, DataError, ValueError) as e:
+            row |= {"ok": False, "error": str(e)}
+        rows.append(row)
     return rows
 
 
@@ -228,26 +234,30 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m models.evaluate")
     ap.add_argument("model_dir", nargs="+")
     ap.add_argument("--check-card", action="store_true",
-                    help=f"re-measure each directory's card.json test perplexity; exit 1 unless all agree to {CARD_RTOL:g}")
+                    help=f"re-measure each directory's card.json test perplexity (its data, its stride; on the CPU "
+                         f"unless --device says otherwise); exit 1 unless all agree to {CARD_RTOL:g}")
     ap.add_argument("--split", default="test", choices=["train", "valid", "test"])
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--window", type=int, default=None, help="longest window fed (default: the model's context)")
     ap.add_argument("--data", default=None, help="prepared data directory (default: the one on the model card)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout, logs to stderr")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object on stdout (--check-card: one per directory), logs to stderr")
     add_device_arguments(ap, dtype="float32")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     dev = dict(device=args.device, dtype=args.dtype)
     if args.check_card:
-        try:
-            rows = check_cards(args.model_dir, **dev)
-        except (CheckpointError, DataError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        fixed = [f"--{k}" for k in ("split", "stride", "window", "data") if getattr(args, k) != ap.get_default(k)]
+        if fixed:  # a card is checked against what it was measured on
+            ap.error(f"--check-card takes each card's own split, stride, window and data; drop {', '.join(fixed)}")
+        if args.device == "auto":  # the cards were written on the CPU in float32: a GPU's sums differ beyond 1e-6
+            dev["device"] = "cpu"
+        rows = check_cards(args.model_dir, **dev)
         for r in rows:
-            print(json.dumps(r) if args.json else
-                  f"{r['model_dir']}: card {r['card']}, measured {r['measured']}, relative error {r['rel_error']}"
-                  f" -> {'ok' if r['ok'] else 'not checked' if r['ok'] is None else 'DIFFERS'}")
+            word = "ok" if r["ok"] else "not checked (no finished result)" if r["ok"] is None else \
+                f"FAILED: {r['error']}" if "error" in r else "DIFFERS"
+            print(json.dumps(r) if args.json else f"{r['model_dir']}: card {r['card']}, measured {r['measured']}, "
+                                                   f"relative error {r['rel_error']} -> {word}")
         return 0 if all(r["ok"] is not False for r in rows) else 1
     if len(args.model_dir) != 1:
         ap.error("one MODEL_DIR, unless --check-card")

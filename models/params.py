@@ -11,7 +11,7 @@ from models.mixers.base import Mixer
 from models.pruning import ContextPruning
 
 COMPONENTS = ("embeddings", "mixer", "mixer_out", "pruning", "feed_forward", "norms", "adapters")
-MODEL_LEVEL = {"lm_head": "embeddings", "adapter_rule": "adapters"}  # parameters held by DecoderLM itself
+MODEL_LEVEL = {"lm_head": "embeddings", "adapter_A": "adapters"}  # parameters held by DecoderLM itself
 
 
 def _own_component(module: nn.Module) -> str | None:

@@ -39,7 +39,7 @@ from models.device import describe, resolve
 from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
 from models.params import components, count_trainable
-from models.pruning import alpha_schedule, pair_count, sparsity_loss
+from models.pruning import alpha_schedule, mean_sparsity, pair_count, sparsity_loss
 from models.transformer import DecoderLM
 
 log = logging.getLogger("models.train")
@@ -397,13 +397,13 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
 
     @torch.no_grad()
     def valid_sparsity() -> float:
-        """Share of earlier tokens dropped at inference (step function), over the first valid batch."""
+        """Sparsity at inference (step function) on the first valid batch as the reports and pages average it: per
+        query the share of its earlier tokens dropped, mean over queries 1..T-1, rows and layers."""
         model.eval()
         x, _ = get_batch(valid_tokens, valid_offsets[:tc.batch_size], ctx, dev)
-        keeps = [d["keep"] for d in model(x, diagnostics="keep").diagnostics]
+        keeps = [d.keep for d in model(x, diagnostics=True, attention_maps=False).diagnostics]
         model.train()
-        kept = sum(float(k.float().tril(-1).sum()) for k in keeps)
-        return 1 - kept / (len(keeps) * x.shape[0] * ctx * (ctx - 1) / 2)
+        return float(torch.stack([mean_sparsity(k.float(), count_first=False).mean() for k in keeps]).mean())
 
     def checkpoint() -> None:
         save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
@@ -480,7 +480,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
             if step % tc.eval_interval == 0 or step == tc.steps:
                 entry = {"step": step, "kind": "valid", "loss": valid_loss(), "tokens": tokens_seen}
                 if pruning:
-                    entry["sparsity"] = valid_sparsity()
+                    entry["query_sparsity"] = valid_sparsity()  # (logs before 2026-11-24: "sparsity", a pair share)
                 record(entry)
             if main_proc and step % tc.checkpoint_interval == 0 and step < tc.steps:
                 checkpoint()
@@ -497,7 +497,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
 
     card = {}
     if main_proc:
-        extra = {"final_valid_sparsity": valid_sparsity()} if pruning and status == "ok" else {}
+        extra = {"final_valid_query_sparsity": valid_sparsity()} if pruning and status == "ok" else {}
         if calibration is not None:
             extra["prune_calibration_rms"] = calibration
         card = finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev,

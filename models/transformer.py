@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.adapters import Adapter, shared_rule
+from models.adapters import Adapter, new_A
 from models.cache import DecodeCache
 from models.config import ModelConfig
-from models.mixers import build_mixer
+from models.mixers import LayerRecord, build_mixer
 from models.pruning import CompactCache, CompactDecodeCache
 
 
@@ -49,7 +49,7 @@ def norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, rule: nn.Parameter | None = None):
+    def __init__(self, cfg: ModelConfig, shared_A: nn.Parameter | None = None):
         super().__init__()
         self.ln_1 = norm(cfg)
         self.mixer = build_mixer(cfg)
@@ -59,7 +59,7 @@ class Block(nn.Module):
         self.adapter_mixer = self.adapter_ffn = None
         if cfg.adapter:  # after each sub-layer, before the residual add (COMPACTER++: feed-forward only)
             make = lambda: Adapter(cfg.d_model, cfg.d_model // cfg.adapter_reduction, cfg.adapter,  # noqa: E731
-                                   cfg.phm_n, cfg.phm_rank, rule)
+                                   cfg.phm_n, cfg.phm_rank, shared_A)
             self.adapter_ffn = make()
             if cfg.adapter != "compacter++":
                 self.adapter_mixer = make()
@@ -95,7 +95,7 @@ class ModelOutput:
     logits: torch.Tensor                 # [B,T,vocab]
     loss: torch.Tensor | None = None     # mean next-token cross-entropy, when targets were given
     cache: DecodeCache | None = None
-    diagnostics: list[dict] | None = None  # per layer, only when asked for
+    diagnostics: list[LayerRecord] | None = None  # per layer, only when asked for
     prune_mass: torch.Tensor | None = None  # training with pruning: sum over layers of sum_{j<k} I_{k,j}
 
 
@@ -114,13 +114,13 @@ class DecoderLM(nn.Module):
             self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
         self.drop = nn.Dropout(cfg.dropout)
         # COMPACTER: one set of A_i for every adapter in the model
-        self.adapter_rule = shared_rule(cfg.phm_n) if cfg.adapter in ("compacter", "compacter++") else None
-        self.blocks = nn.ModuleList(Block(cfg, self.adapter_rule) for _ in range(cfg.n_layers))
+        self.adapter_A = new_A(cfg.phm_n) if cfg.adapter in ("compacter", "compacter++") else None
+        self.blocks = nn.ModuleList(Block(cfg, self.adapter_A) for _ in range(cfg.n_layers))
         self.ln_f = norm(cfg)
 
     def adapter_params(self) -> dict[str, nn.Parameter]:
         """COMPACTER's shared A_i belong to the model (see models.adapters.get_adapter_params)."""
-        return {} if self.adapter_rule is None else {"adapter_rule": self.adapter_rule}
+        return {} if self.adapter_A is None else {"adapter_A": self.adapter_A}
 
     def check_fits(self, n: int, what: str = "tokens") -> None:
         """The one context-length check: n positions must fit the context window (learned position tables and
@@ -145,19 +145,21 @@ class DecoderLM(nn.Module):
             raise ValueError(f"an eviction policy ({policy.name}) runs on a softmax model without a fixed pattern; this "
                              f"one attends through a {self.config.pattern} window")
         p = self.wte.weight
+        learned = policy is None and self.config.prune  # the rule decides: its decode constants read once, here
         return CompactDecodeCache([CompactCache(b.mixer.cache_spec(policy is None), batch, capacity, p.dtype, p.device,
-                                                policy)
+                                                policy, b.mixer.pruning.decode_constants(p.dtype) if learned else None)
                                    for b in self.blocks])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
-                diagnostics: bool | str = False, positions: torch.Tensor | None = None,
+                diagnostics: bool = False, positions: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-                last_only: bool = False) -> ModelOutput:
+                last_only: bool = False, attention_maps: bool = True) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
         there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
         and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and valid [B,T] marks
         real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything; None: all real).
-        last_only: logits [B,1,V] for the last position alone (generation, attributions)."""
+        last_only: logits [B,1,V] for the last position alone (generation, attributions). diagnostics: each layer's
+        LayerRecord comes back in ModelOutput.diagnostics (attention_maps=False: without the attention probabilities)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
             if positions is None:
@@ -174,9 +176,9 @@ class DecoderLM(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(positions)
         x = self.drop(x)
-        # diagnostics="keep": the pruning keep masks alone, no [H,T,T] attention probabilities (the Pruning page
+        # attention_maps=False: the pruning keep masks alone, no [H,T,T] attention probabilities (the Pruning page
         # of a 30-layer model over 1,000 tokens would otherwise hold 1 GB of them)
-        records = [{"skip_attn": True} if diagnostics == "keep" else {} for _ in self.blocks] if diagnostics else None
+        records = [LayerRecord(attention_maps) for _ in self.blocks] if diagnostics else None
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions)
         if last_only and targets is not None:

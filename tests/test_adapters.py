@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models.adapters import KINDS, Adapter, PHMLinear, adapter_parameter_formula, freeze_for_adapters, shared_rule
+from models.adapters import KINDS, Adapter, PHMLinear, adapter_parameter_formula, freeze_for_adapters, new_A
 from models.config import ConfigError, ModelConfig
 from models.params import count_parameters
 from models.transformer import DecoderLM
@@ -26,14 +26,14 @@ def test_phm_needs_n_to_divide():
         PHMLinear(10, 4, 4, 1)
 
 
-def test_compacter_shares_one_rule_tensor():
+def test_compacter_shares_one_A_tensor():
     model = DecoderLM(tiny_config("mha", adapter="compacter", adapter_reduction=4, phm_n=2))
-    rules = {id(a.rule) for b in model.blocks for a in (b.adapter_mixer, b.adapter_ffn) for a in (a.down, a.up)}
-    assert rules == {id(model.adapter_rule)}
-    names = [n for n, _ in model.named_parameters() if n.endswith("adapter_rule") or n.endswith(".A")]
-    assert names == ["adapter_rule"]
+    rules = {id(a.A_i) for b in model.blocks for a in (b.adapter_mixer, b.adapter_ffn) for a in (a.down, a.up)}
+    assert rules == {id(model.adapter_A)}
+    names = [n for n, _ in model.named_parameters() if n.endswith("adapter_A") or n.endswith(".A")]
+    assert names == ["adapter_A"]
     phm = DecoderLM(tiny_config("mha", adapter="phm", adapter_reduction=4, phm_n=2))
-    assert len({id(a.down.rule) for b in phm.blocks for a in (b.adapter_mixer, b.adapter_ffn)}) == 4  # not shared
+    assert len({id(a.down.A_i) for b in phm.blocks for a in (b.adapter_mixer, b.adapter_ffn)}) == 4  # not shared
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -52,8 +52,8 @@ def test_parameter_counts_follow_the_paper(kind):
 
 @pytest.mark.parametrize("kind", ["adapter", "phm", "compacter"])
 def test_merged_adapter_equals_unmerged(kind):
-    rule = shared_rule(2).double() if kind == "compacter" else None
-    a = Adapter(16, 4, kind, n=2, rank=1, rule=rule).double().eval()
+    shared = new_A(2).double() if kind == "compacter" else None
+    a = Adapter(16, 4, kind, n=2, rank=1, shared_A=shared).double().eval()
     randomize(a, std=0.4)
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     before = a(x)

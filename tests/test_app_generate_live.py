@@ -98,13 +98,13 @@ def test_dense_model_has_no_pruning_widgets():
     assert len(at.dataframe[0].value) == 8
 
 
-def under_policy(model: str, default: str, rule: str, budget: int, n: int) -> AppTest:
+def under_policy(model: str, default: str, method: str, budget: int, n: int) -> AppTest:
     """The page on `model`, whose eviction selector opens on `default`, generating n greedy tokens under `rule`."""
     at = AppTest.from_file(PAGE, default_timeout=300)
     at.session_state["model"] = model
     at.run()
     assert at.selectbox(key="gen_evict").value == default
-    at.selectbox(key="gen_evict").select(rule).run()
+    at.selectbox(key="gen_evict").select(method).run()
     at.number_input(key="gen_budget").set_value(budget)
     at.number_input(key="gen_n").set_value(n)
     at.checkbox(key="gen_greedy").set_value(True)

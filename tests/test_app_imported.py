@@ -66,11 +66,11 @@ def test_every_policy_runs_on_an_imported_model_with_no_training(imported_zoo):
     at = AppTest.from_file(str(PAGES / "7_Pruning.py"), default_timeout=180).run()
     at.sidebar.selectbox(key="model").select("llama-gqa").run()
     assert not at.exception, at.exception
-    for rule in ("streamingllm", "tova", "h2o", "snapkv"):
-        at.selectbox(key="prune_rule").select(rule).run()
-        assert not at.exception, (rule, at.exception)
-        assert any(f"gqa, {rule} at " in (t or "") for t in titles(at))
+    for method in ("streamingllm", "tova", "h2o", "snapkv"):
+        at.selectbox(key="prune_method").select(method).run()
+        assert not at.exception, (method, at.exception)
+        assert any(f"gqa, {method} at " in (t or "") for t in titles(at))
     at.selectbox(key="prune_compare").select("tova").run()
     at.toggle(key="prune_all").set_value(True).run()
     assert not at.exception, at.exception
-    assert list(at.dataframe[-1].value["rule"])[1:] == ["streamingllm", "tova", "h2o"]
+    assert list(at.dataframe[-1].value["method"])[1:] == ["streamingllm", "tova", "h2o"]

@@ -37,7 +37,7 @@ def test_pruning_page(pruned_zoo):
     at = AppTest.from_file(PAGE, default_timeout=180).run()
     assert at.sidebar.selectbox(key="model").value == "pruned"       # opens on a pruned model, not "base"
     assert not at.exception, at.exception
-    assert at.selectbox(key="prune_rule").value == "learned" and len(at.selectbox(key="prune_rule").options) == 5
+    assert at.selectbox(key="prune_method").value == "learned" and len(at.selectbox(key="prune_method").options) == 5
     t = titles(at)
     assert "mha, learned pruning: tokens dropped per layer" in t and any("part of speech" in x for x in t)
     labels = {m.label for m in at.metric}
@@ -72,24 +72,24 @@ def test_a_dense_model_runs_every_policy_at_its_budget(pruned_zoo):
     at = AppTest.from_file(PAGE, default_timeout=180).run()
     at.sidebar.selectbox(key="model").select("base").run()
     assert not at.exception, at.exception
-    rule = at.selectbox(key="prune_rule")
-    assert [o.split()[0] for o in rule.options] == ["StreamingLLM", "TOVA", "H2O", "SnapKV"]   # no learned rule
+    method = at.selectbox(key="prune_method")
+    assert [o.split()[0] for o in method.options] == ["StreamingLLM", "TOVA", "H2O", "SnapKV"]   # no learned rule
     n = window_length(pruned_zoo)
     for name in ["streamingllm", "tova", "h2o", "snapkv"]:
-        at.selectbox(key="prune_rule").select(name).run()
+        at.selectbox(key="prune_method").select(name).run()
         assert not at.exception, (name, at.exception)
         budget = max(policies.REGISTRY[name].min_budget, round(0.25 * n))
         prompt = max(2, 3 * n // 4) if name == "snapkv" else None
         want = page_sparsity(name, budget, n, prompt)
         assert metric(at, "mean sparsity (all layers)") == f"{want:.1%}", name
         assert f"mha, {name} at {budget} tokens: tokens dropped per layer" in titles(at)
-    at.selectbox(key="prune_rule").select("h2o").run()
+    at.selectbox(key="prune_method").select("h2o").run()
     at.radio(key="prune_budget_unit").set_value("tokens").run()
     at.number_input(key="prune_budget_tok").set_value(10).run()
     assert metric(at, "mean sparsity (all layers)") == f"{page_sparsity('h2o', 10, n):.1%}"
     cache = next(m for m in at.metric if m.label == "cache after the text")     # H2O holds its budget, no more
     assert cache.delta == f"{10 / n - 1:+.0%} vs dense"
-    at.selectbox(key="prune_rule").select("snapkv").run()
+    at.selectbox(key="prune_method").select("snapkv").run()
     at.number_input(key="prune_budget_prompt").set_value(n - 4).run()
     assert metric(at, "mean sparsity (all layers)") == f"{page_sparsity('snapkv', 33, n, n - 4):.1%}"
 
@@ -102,8 +102,8 @@ def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
     at.selectbox(key="prune_compare").select("h2o").run()
     assert not at.exception, at.exception
     summary = at.dataframe[1].value
-    assert list(summary["rule"])[0] == "learned pruning" and list(summary["rule"])[1].startswith("h2o at ")
-    budget = int(list(summary["rule"])[1].split()[2])
+    assert list(summary["method"])[0] == "learned pruning" and list(summary["method"])[1].startswith("h2o at ")
+    budget = int(list(summary["method"])[1].split()[2])
     assert abs(summary["sparsity"][0] - learned) < 1e-3
     assert budget == policies.budget_for("h2o", summary["sparsity"][0] * (n - 1) / n, n)
     assert abs(summary["sparsity"][1] - page_sparsity("h2o", budget, n)) < 1e-6
@@ -116,10 +116,10 @@ def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
     at.toggle(key="prune_all").set_value(True).run()
     assert not at.exception, at.exception
     every = at.dataframe[-1].value
-    assert list(every["rule"]) == ["learned pruning", "streamingllm", "tova", "h2o", "snapkv"]
+    assert list(every["method"]) == ["learned pruning", "streamingllm", "tova", "h2o", "snapkv"]
     for _, r in every.iloc[1:].iterrows():   # matched (a budget is a whole number of tokens), or at its smallest budget
-        assert abs(r["sparsity"] - learned) < 0.05 or r["budget"] == policies.REGISTRY[r["rule"]].min_budget, r["rule"]
-    assert "every rule at matched sparsity: hidden from later queries, by part of speech" in titles(at)
+        assert abs(r["sparsity"] - learned) < 0.05 or r["budget"] == policies.REGISTRY[r["method"]].min_budget, r["method"]
+    assert "every method at matched sparsity: hidden from later queries, by part of speech" in titles(at)
 
 
 def test_an_extractor_is_turned_away_with_the_reason(pruned_zoo):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CheckpointError, file_sha256, load_model_dir, save_model_dir
+from models.checkpoint import CheckpointError, file_sha256, inspect_model_dir, load_model_dir, save_model_dir
 from models.tokenizer import train_bpe
 from models.transformer import DecoderLM
 from tests.helpers import ALL_MIXERS, tiny_config
@@ -39,6 +39,22 @@ def test_round_trip_is_bit_exact(mixer, tmp_path, tokenizer):
     assert loaded.tokenizer.encode("The quick fox").ids == ids
     with torch.no_grad():
         assert torch.equal(model.eval()(torch.tensor([ids])).logits, loaded.model(torch.tensor([ids])).logits)
+
+
+def test_a_directory_written_under_an_older_tensor_name_loads(tmp_path, tokenizer):
+    """COMPACTER's shared A_i were stored as 'adapter_rule' before the rename: such a directory still loads, same A_i."""
+    model = DecoderLM(tiny_config("mha", vocab_size=300, adapter="compacter", adapter_reduction=4, phm_n=2))
+    path = save_model_dir(tmp_path / "old", model, tokenizer, {"steps": 1}) / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["adapter_rule"] = tensors.pop("adapter_A")
+    save_file(tensors, str(path))
+    loaded = load_model_dir(tmp_path / "old")
+    assert torch.equal(loaded.model.adapter_A, model.adapter_A)
+    assert inspect_model_dir(tmp_path / "old").config == model.config   # the Models page reads the header alone
+    tensors["adapter_A"] = tensors["adapter_rule"] + 1                   # both names: which is meant? refused
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match="both 'adapter_rule' and 'adapter_A'"):
+        load_model_dir(tmp_path / "old")
 
 
 def test_wrong_path(tmp_path):

@@ -89,7 +89,7 @@ def assert_drops_match_full_forward(model, seqs: list[list[int]]) -> list[torch.
         got = {(int(b), int(p)): int(t) for b, p, t in cache.layers[layer].drop_table()}
         for r, seq in enumerate(seqs):
             with torch.no_grad():
-                keep = model(torch.tensor([seq]), diagnostics=True).diagnostics[layer]["keep"]
+                keep = model(torch.tensor([seq]), diagnostics=True).diagnostics[layer].keep
             step, dropped = drop_records(keep)
             want = {(r, j): int(step[0, j]) for j in range(n) if dropped[0, j]}
             assert {k: v for k, v in got.items() if k[0] == r} == want

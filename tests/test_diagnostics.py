@@ -31,7 +31,7 @@ def test_attention_probabilities_are_causal_distributions(mixer):
         layers = model(idx, diagnostics=True).diagnostics
     heads = model.blocks[0].mixer.n_heads
     for rec in layers:
-        p = rec["attn"]
+        p = rec.attn
         assert p.shape == (2, heads, 12, 12)
         torch.testing.assert_close(p.sum(-1), torch.ones(2, heads, 12, dtype=p.dtype))
         assert torch.count_nonzero(torch.triu(p, diagonal=1)) == 0
@@ -43,10 +43,10 @@ def test_incremental_probabilities_are_rows_of_the_full_map(mixer):
     model = model_for(mixer)
     idx = torch.randint(0, 61, (1, 10))
     with torch.no_grad():
-        full = model(idx, diagnostics=True).diagnostics[1]["attn"]
+        full = model(idx, diagnostics=True).diagnostics[1].attn
         cache = model.new_cache()
         model(idx[:, :7], cache=cache)
-        step = model(idx[:, 7:], cache=cache, diagnostics=True).diagnostics[1]["attn"]
+        step = model(idx[:, 7:], cache=cache, diagnostics=True).diagnostics[1].attn
     torch.testing.assert_close(step, full[:, :, 7:, :])
 
 
@@ -54,7 +54,7 @@ def test_incremental_probabilities_are_rows_of_the_full_map(mixer):
 def test_extractor_mixing_matrix_is_the_lag_toeplitz(mixer):
     model = model_for(mixer)
     with torch.no_grad():
-        m = model(torch.randint(0, 61, (1, 9)), diagnostics=True).diagnostics[0]["mixing"]
+        m = model(torch.randint(0, 61, (1, 9)), diagnostics=True).diagnostics[0].mixing
     mod = model.blocks[0].mixer
     w = mod.w_ext.reshape(mod.w_ext.shape[0], -1).mean(1)
     assert m.shape == (9, 9)

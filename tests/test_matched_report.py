@@ -11,19 +11,19 @@ from models.pruning import policies
 
 
 def test_windows_cost_and_bootstrap_from_their_definitions():
-    dense, rule = matched.Windows(), matched.Windows()
+    dense, method = matched.Windows(), matched.Windows()
     rng = np.random.default_rng(1)
     for _ in range(5):
         lp = -rng.uniform(1, 5, 150)
         dense.add(np.tril(np.ones((2, 151, 151), dtype=np.uint8)), lp)
-        rule.add(np.tril(np.ones((2, 151, 151), dtype=np.uint8)), lp - rng.uniform(0, 0.2, 150))
+        method.add(np.tril(np.ones((2, 151, 151), dtype=np.uint8)), lp - rng.uniform(0, 0.2, 150))
     every = np.arange(5)
-    want = math.exp((sum(rule.nll) - sum(dense.nll)) / sum(dense.tokens)) - 1
-    assert float(matched.cost(rule, dense, every, late=False)) == pytest.approx(want)
-    assert sum(rule.tokens_late) == 5 * 50 and matched.mean_sparsity(rule, late=False) == 0.0
-    rows = {r["rule"]: r for r in matched.summary({"dense": dense, "rule": rule}, "dense", "rule", late=True)}
-    lo, hi = rows["rule"]["cost_ci"]
-    assert 0 < lo <= rows["rule"]["cost"] <= hi  # every window costs more: the whole interval is above 0
+    want = math.exp((sum(method.nll) - sum(dense.nll)) / sum(dense.tokens)) - 1
+    assert float(matched.cost(method, dense, every, late=False)) == pytest.approx(want)
+    assert sum(method.tokens_late) == 5 * 50 and matched.pooled_sparsity(method, late=False) == 0.0
+    rows = {r["method"]: r for r in matched.summary({"dense": dense, "method": method}, "dense", "method", late=True)}
+    lo, hi = rows["method"]["cost_ci"]
+    assert 0 < lo <= rows["method"]["cost"] <= hi  # every window costs more: the whole interval is above 0
     assert rows["dense"]["cost"] == 0.0
 
 
@@ -87,7 +87,7 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
     dense = load_model_dir("assets/models/mha-1024").model
     learned = load_model_dir("assets/models/mha-1024-pruned").model
     from analysis import pruning
-    runs = [pruning.rule_run(learned, w, pruning.LEARNED) for w in windows]
+    runs = [pruning.method_run(learned, w, pruning.LEARNED) for w in windows]
     # query k (65..128) sees (row sum - 1) of its k earlier tokens; mean over layers, queries and windows
     sp = float(np.mean([(1 - (v[:, 65:129].astype(float).sum(-1) - 1) / np.arange(65, 129)).mean() for v, _, _ in runs]))
     for name, prefill in (("tova", 1), ("snapkv", 65)):
@@ -115,8 +115,8 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
 
 
 def test_the_verdict_needs_every_policy_interval_above_zero():
-    def row(rule, lo, sparsity=0.6, windows=24):
-        return {"rule": rule, "sparsity": sparsity, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": windows,
+    def row(method, lo, sparsity=0.6, windows=24):
+        return {"method": method, "sparsity": sparsity, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": windows,
                 "vs_match": lo + 0.01, "vs_match_ci": (lo, lo + 0.02)}
 
     def results(*rows, budgets=("streamingllm", "tova")):
@@ -137,8 +137,8 @@ def test_the_verdict_needs_every_policy_interval_above_zero():
 
 
 def test_the_bar_also_needs_the_prompt_reading():
-    def row(rule, lo, windows=24):
-        return {"rule": rule, "sparsity": 0.6, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": windows,
+    def row(method, lo, windows=24):
+        return {"method": method, "sparsity": 0.6, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": windows,
                 "vs_match": lo + 0.01, "vs_match_ci": (lo, lo + 0.02)}
 
     def results(snapkv_lo):
@@ -154,8 +154,8 @@ def test_the_bar_also_needs_the_prompt_reading():
 
 
 def test_a_policy_that_cannot_reach_the_sparsity_is_reported_not_counted():
-    def row(rule, lo, sparsity):
-        return {"rule": rule, "sparsity": sparsity, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": 24,
+    def row(method, lo, sparsity):
+        return {"method": method, "sparsity": sparsity, "cost": 0.05, "cost_ci": (0.04, 0.06), "windows": 24,
                 "vs_match": lo + 0.01, "vs_match_ci": (lo, lo + 0.02)}
 
     gen = [row("m", 0.0, 0.87), row("tova", 0.02, 0.874), row("snapkv", -0.01, 0.79)]  # snapkv: its smallest budget

@@ -60,7 +60,7 @@ def brute(name: str, budget: int, att_row: torch.Tensor, sinks: int = 4) -> list
 
 @pytest.mark.parametrize("name", ["streamingllm", "tova", "h2o"])
 @pytest.mark.parametrize("budget", [5, 8, 13])
-def test_step_policies_keep_what_the_rule_says(name, budget):
+def test_step_policies_keep_what_the_policy_says(name, budget):
     att = random_attention(3, seed=budget)
     got = run_vectorised(policies.make(name, budget), att)
     for r in range(3):
@@ -134,7 +134,7 @@ def spy(policy):
 
 
 @pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o", 8)])
-def test_in_the_model_every_layer_evicts_by_the_rule(name, budget):
+def test_in_the_model_every_layer_evicts_by_the_policy(name, budget):
     from models import trace
     from models.generate import generate
     from tests.test_compact_cache import model_for
@@ -227,8 +227,8 @@ def test_token_by_token_scores_equal_the_full_forward_and_count_what_queries_saw
         assert got["nll"] != pytest.approx(full, rel=1e-6)
     pruned = model_for("mha", context=64, seed=3).float()      # the learned rule: the full forward's keep masks
     with torch.no_grad():
-        out = pruned(torch.tensor([ids[:-1]]), targets=torch.tensor([ids[1:]]), diagnostics="keep")
-    want = float(torch.stack([sparsity(r["keep"]) for r in out.diagnostics]).mean())
+        out = pruned(torch.tensor([ids[:-1]]), targets=torch.tensor([ids[1:]]), diagnostics=True, attention_maps=False)
+    want = float(torch.stack([sparsity(r.keep) for r in out.diagnostics]).mean())
     got = score_token_by_token(pruned, ids)
     assert got["sparsity"] == pytest.approx(want, abs=1e-6) and 0 < want < 1
     assert got["nll"] == pytest.approx(out.loss.item() * n, rel=1e-4)
@@ -271,7 +271,7 @@ def test_eviction_report_pools_what_token_by_token_scoring_gives(tmp_path):
     ppl = math.exp(sum(r["nll"] for r in tova) / sum(r["tokens"] for r in tova))
     row = re.search(rf"\| tova \| mha-1024 \| {b} \| [\d.]+% \| ([\d.]+) \|", whole)
     assert row and float(row.group(1)) == pytest.approx(ppl, rel=1e-5)
-    pos_table = text.split("## What each rule hides, by part of speech")[1]
+    pos_table = text.split("## What each method hides, by part of speech")[1]
     assert all(name in pos_table for name in ("learned pruning", "streamingllm (", "tova (", "h2o ("))
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit):

@@ -165,7 +165,7 @@ def test_incremental_decode_equals_full_forward_with_the_step_mask(mixer, chunks
         full = model(idx, diagnostics=True)
         steps, cache = cached_logits(model, idx, chunks)
     torch.testing.assert_close(steps, full.logits, rtol=1e-6, atol=1e-6)
-    keep = full.diagnostics[0]["keep"]
+    keep = full.diagnostics[0].keep
     assert torch.equal(cache.layers[0].alive[:, :14], keep[:, -1].bool())
     assert 0 < keep.tril(-1).sum() < 3 * 14 * 13 / 2
 
@@ -222,7 +222,7 @@ def test_fixed_sparse_baselines(pattern, k):
         full = model(idx, diagnostics=True)
         steps, _ = cached_logits(model, idx)
     torch.testing.assert_close(steps, full.logits, rtol=1e-6, atol=1e-6)
-    p = full.diagnostics[0]["attn"]
+    p = full.diagnostics[0].attn
     mask = pattern_mask(13, 13, pattern, k).tril()
     assert torch.count_nonzero(p[..., ~mask]) == 0
 

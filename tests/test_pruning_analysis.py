@@ -139,9 +139,9 @@ def test_keep_only_diagnostics_skip_the_attention_probabilities():
     idx = torch.randint(0, 61, (1, 20))
     with torch.no_grad():
         full = model(idx, diagnostics=True).diagnostics
-        keep = model(idx, diagnostics="keep").diagnostics
-    assert all("attn" in f for f in full) and not any("attn" in k for k in keep)
-    assert all(torch.equal(f["keep"], k["keep"]) for f, k in zip(full, keep))
+        keep = model(idx, diagnostics=True, attention_maps=False).diagnostics
+    assert all(f.attn is not None for f in full) and all(k.attn is None for k in keep)
+    assert all(torch.equal(f.keep, k.keep) for f, k in zip(full, keep))
     assert pruning.keep_matrices(model, idx[0].tolist()).dtype.name == "uint8"
 
 
@@ -178,7 +178,7 @@ def test_hidden_share_disagreement_and_pos_profile_from_hand_made_masks():
     by_layer = pruning.disagreement_by_layer(d)
     assert by_layer[["both", "a only", "b only", "neither"]].values.tolist() == [[0, 1, 1, 1]] and by_layer["overlap"][0] == 0
     assert pruning.disputed_tokens(d)["token"].tolist() == ["x", "y"]
-    prof = pruning.pos_profile({"a": ta, "b": tb}).set_index(["rule", "pos"])
+    prof = pruning.pos_profile({"a": ta, "b": tb}).set_index(["method", "pos"])
     assert prof.loc[("a", "NOUN"), "hidden_share"] == 0.5 and prof.loc[("b", "VERB"), "hidden_share"] == 1.0
     assert prof.loc[("a", "NOUN"), "token_layers"] == 1                  # the last token is left out
     fig = pruning.disagreement_figure(d, ("a", "b"), "t")

@@ -79,7 +79,7 @@ def test_no_policy_is_the_dense_forward_and_a_pruned_model_runs_with_its_rule_of
     missing = pruned.load_state_dict(dense.state_dict(), strict=False).missing_keys
     assert missing and all(".pruning." in k for k in missing)
     with torch.no_grad():
-        assert (pruned(x, diagnostics="keep").diagnostics[0]["keep"] < 0.5).any()   # its rule would drop tokens
+        assert (pruned(x, diagnostics=True, attention_maps=False).diagnostics[0].keep < 0.5).any()   # its rule would drop tokens
     assert torch.allclose(replay(pruned, IDS).logprobs, run.logprobs, atol=1e-10)
     tova = replay(pruned, IDS, policies.make("tova", 7))
     assert torch.equal(tova.dropped_at, replay(dense, IDS, policies.make("tova", 7)).dropped_at)

@@ -232,7 +232,7 @@ def test_pruning_fine_tune_starts_from_the_dense_model(tmp_path, data_dir):
     assert all(torch.allclose(dense[k], pruned[k], atol=1e-6) for k in dense)   # lr ~ 0: the dense weights carried over
     train_lines = [e for e in curve(tmp_path / "pruned") if e["kind"] == "train"]
     assert train_lines[0]["alpha"] == pytest.approx(1.0) and 0 < train_lines[-1]["kept_fraction_soft"] <= 1
-    assert 0 <= card["final_valid_sparsity"] <= 1 and [e for e in curve(tmp_path / "pruned") if "sparsity" in e]
+    assert 0 <= card["final_valid_query_sparsity"] <= 1 and [e for e in curve(tmp_path / "pruned") if "query_sparsity" in e]
     raw["model"]["d_model"] = 32
     (tmp_path / "bad.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"differs in d_ff .*d_model \(16 vs 32\)"):

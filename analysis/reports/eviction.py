@@ -10,7 +10,7 @@ the pruned model through its own full forward (what its decode makes, tests/test
 
 1. The whole window read as it arrives: the step policies (StreamingLLM, TOVA, H2O) at the budgets whose sparsity
    is nearest the pruned model's own and each --targets value (the sparsity a budget gives follows from the window
-   length alone). A per-POS profile of what each rule drops at the pruned model's sparsity goes in one figure.
+   length alone). A per-POS profile of what each method drops at the pruned model's sparsity goes in one figure.
 2. Prompt, then generation: the first --prompt-share of each window is a prompt and only the queries after it
    are scored, so SnapKV (which compresses a prompt once) can take part; every policy's budget is matched to the
    pruned model's sparsity over those queries.
@@ -32,11 +32,11 @@ from analysis.text import from_ids
 from models.checkpoint import load_model_dir
 from models.data.corpus import load_tokens
 from models.device import add_arguments as add_device_arguments
-from models.pruning import policies, sparsity
+from models.pruning import mean_sparsity, policies
 
 
 class Pool:
-    """Pooled log-likelihood and query sparsity of one rule over windows: the queries that predict a token (all
+    """Pooled log-likelihood and query sparsity of one method over windows: the queries that predict a token (all
     but the last), from query `first` on."""
 
     def __init__(self):
@@ -45,9 +45,11 @@ class Pool:
     def add(self, visible, logprobs, first: int = 0):
         """visible [L,T,T] (uint8 or bool), logprobs [T-1] (query i predicts token i+1)."""
         import torch
-        s = sparsity(torch.as_tensor(visible).float())[:, first:-1]        # [L, queries]
-        self.hidden += float(s.mean(0).sum())
-        self.queries += s.shape[1]
+        v = torch.as_tensor(visible).float()
+        queries = v.shape[-1] - 1 - first
+        # the queries first..T-2 (query 0 counted as 0 when first is 0, as perplexity pools it), mean over layers
+        self.hidden += float(mean_sparsity(v, count_first=True, start=first, stop=-1).mean()) * queries
+        self.queries += queries
         lp = logprobs[first:]
         self.nll -= float(lp.sum())
         self.tokens += len(lp)
@@ -59,7 +61,7 @@ class Pool:
 
 def figure(table: pd.DataFrame, title: str, dense: float | None = None) -> go.Figure:
     fig = go.Figure()
-    for name, part in table.groupby("rule", sort=False):
+    for name, part in table.groupby("method", sort=False):
         fig.add_trace(go.Scatter(x=part["sparsity"], y=part["perplexity"], mode="lines+markers", name=str(name)))
     if dense is not None:
         fig.add_hline(y=dense, line_dash="dot", annotation_text=f"dense {dense:.2f}", annotation_position="bottom right")
@@ -69,12 +71,12 @@ def figure(table: pd.DataFrame, title: str, dense: float | None = None) -> go.Fi
 
 
 def table_md(table: pd.DataFrame, dense: float) -> list[str]:
-    lines = ["| rule | model | budget | sparsity | perplexity | vs dense |", "|---|---|---:|---:|---:|---:|"]
+    lines = ["| method | model | budget | sparsity | perplexity | vs dense |", "|---|---|---:|---:|---:|---:|"]
     for _, r in table.iterrows():
         budget = "-" if pd.isna(r["budget"]) else f"{int(r['budget'])}"
-        if budget != "-" and int(r["budget"]) == policies.REGISTRY[r["rule"]].min_budget:
+        if budget != "-" and int(r["budget"]) == policies.REGISTRY[r["method"]].min_budget:
             budget += " (its smallest)"
-        lines.append(f"| {r['rule']} | {r['model']} | {budget} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
+        lines.append(f"| {r['method']} | {r['model']} | {budget} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
                      f"{r['perplexity'] / dense - 1:+.2%} |")
     return lines
 
@@ -86,19 +88,19 @@ def render(command: str, whole: pd.DataFrame, split: pd.DataFrame, profile: pd.D
              "each window in one forward (the decisions token-by-token decoding makes); perplexity pooled over tokens, "
              "sparsity (share of its earlier tokens a query cannot see) averaged over queries and layers.", "",
              "## The whole window, read as it arrives", ""]
-    lines += table_md(whole, float(whole.loc[whole["rule"] == "dense", "perplexity"].iloc[0]))
+    lines += table_md(whole, float(whole.loc[whole["method"] == "dense", "perplexity"].iloc[0]))
     if figures.get("curve"):
         lines += ["", f"![perplexity against sparsity]({figures['curve']})"]
     lines += ["", "## Prompt, then generation", "",
               f"The first {prompt} tokens of each window are the prompt; only the {window - prompt - 1} queries after it "
               "are scored and counted. SnapKV compresses the prompt once (its last 32 queries vote); the other policies "
               "evict at every step. Budgets matched to the pruned model's sparsity over those queries.", ""]
-    lines += table_md(split, float(split.loc[split["rule"] == "dense", "perplexity"].iloc[0]))
-    lines += ["", "## What each rule hides, by part of speech", "",
+    lines += table_md(split, float(split.loc[split["method"] == "dense", "perplexity"].iloc[0]))
+    lines += ["", "## What each method hides, by part of speech", "",
               "At the pruned model's sparsity (each policy at the budget matched to it, in brackets): for tokens of each part of "
               "speech (spaCy, coarse tags), the mean share of the later queries in the window that cannot see them, over "
-              "all layers: each rule's sparsity, split by what it hides.", ""]
-    wide = profile.pivot(index="pos", columns="rule", values="hidden_share")
+              "all layers: each method's sparsity, split by what it hides.", ""]
+    wide = profile.pivot(index="pos", columns="method", values="hidden_share")
     counts = profile.groupby("pos")["token_layers"].max()
     wide = wide.loc[counts.sort_values(ascending=False).index[:12]]
     lines += ["| POS | " + " | ".join(wide.columns) + " |", "|---|" + "---:|" * len(wide.columns)]
@@ -147,8 +149,8 @@ def main(argv=None) -> int:
     # the pruned model and the dense one, every window (their runs give the targets of both readings)
     base = {"dense": [], "learned": []}
     for ids in tqdm(windows, desc="dense and pruned", leave=False):
-        base["dense"].append(pruning.rule_run(dense.model, ids, pruning.NOTHING))
-        base["learned"].append(pruning.rule_run(pruned.model, ids, pruning.LEARNED))
+        base["dense"].append(pruning.method_run(dense.model, ids, pruning.NOTHING))
+        base["learned"].append(pruning.method_run(pruned.model, ids, pruning.LEARNED))
     pools = {}
     for key in ("dense", "learned"):
         whole, gen = Pool(), Pool()
@@ -158,10 +160,10 @@ def main(argv=None) -> int:
         pools[key] = (whole.row(), gen.row())
     learned_whole, learned_gen = pools["learned"][0]["sparsity"], pools["learned"][1]["sparsity"]
 
-    rows = [dict(rule="dense", model=dense.path.name, budget=None, **pools["dense"][0]),
-            dict(rule="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][0])]
-    split = [dict(rule="dense", model=dense.path.name, budget=None, **pools["dense"][1]),
-             dict(rule="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][1])]
+    rows = [dict(method="dense", model=dense.path.name, budget=None, **pools["dense"][0]),
+            dict(method="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][0])]
+    split = [dict(method="dense", model=dense.path.name, budget=None, **pools["dense"][1]),
+             dict(method="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][1])]
     nlp = pruning.tagger()
     tagged = []
     for ids in windows:
@@ -176,11 +178,11 @@ def main(argv=None) -> int:
         for b in sorted(set(budgets)):
             pool, parts = Pool(), []
             for i, ids in enumerate(tqdm(windows, desc=f"{name} {b}", leave=False)):
-                vis, dropped_at, lp = pruning.rule_run(dense.model, ids, name, b)
+                vis, dropped_at, lp = pruning.method_run(dense.model, ids, name, b)
                 pool.add(vis, lp)
                 if b == budgets[0]:
                     parts.append(pruning.token_table(vis, *tagged[i], dropped_at).assign(window=i))
-            rows.append(dict(rule=name, model=dense.path.name, budget=b, **pool.row()))
+            rows.append(dict(method=name, model=dense.path.name, budget=b, **pool.row()))
             if parts:
                 tables[f"{name} ({b})"] = pd.concat(parts)
             print(f"{name} budget {b}: sparsity {rows[-1]['sparsity']:.1%}, perplexity {rows[-1]['perplexity']:.3f}",
@@ -189,9 +191,9 @@ def main(argv=None) -> int:
         b = policies.budget_for(name, learned_gen, n - 1, prompt, first=prompt)
         pool = Pool()
         for ids in tqdm(windows, desc=f"{name} {b} after a prompt", leave=False):
-            vis, _, lp = pruning.rule_run(dense.model, ids, name, b, prompt)
+            vis, _, lp = pruning.method_run(dense.model, ids, name, b, prompt)
             pool.add(vis, lp, first=prompt)
-        split.append(dict(rule=name, model=dense.path.name, budget=b, **pool.row()))
+        split.append(dict(method=name, model=dense.path.name, budget=b, **pool.row()))
         print(f"{name} budget {b} after a {prompt}-token prompt: sparsity {split[-1]['sparsity']:.1%}, "
               f"perplexity {split[-1]['perplexity']:.3f}", file=sys.stderr)
 
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
     from analysis.export import figure_bytes
     if args.figure:
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-        curves = whole[whole["rule"] != "dense"].sort_values(["rule", "sparsity"])
+        curves = whole[whole["method"] != "dense"].sort_values(["method", "sparsity"])
         fig = figure(curves, f"{dense.path.name}: perplexity against sparsity", rows[0]["perplexity"])
         Path(args.figure).write_bytes(figure_bytes(fig, "png"))
         figs["curve"] = Path(args.figure).name

@@ -15,7 +15,7 @@ source, the sparsity the `--match` model measured there. A second reading, promp
 SnapKV (which compresses a prompt once) takes part beside the step policies, each matched to the `--match`
 model's sparsity over those queries. Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
 over queries and layers. Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where two
-rules are compared (the same resampled windows for both).
+methods are compared (the same resampled windows for both).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ SOURCE_NAME = re.compile(r"\w[\w.-]*")  # goes into markdown headings and table 
 
 @dataclass
 class Windows:
-    """Per-window sums of one rule on one source: summed NLL and token counts, all positions and >= LATE, and
+    """Per-window sums of one method on one source: summed NLL and token counts, all positions and >= LATE, and
     the summed query sparsity over the same queries. Queries before `first` (a prompt) are neither scored nor
     counted."""
     first: int = 0
@@ -61,7 +61,9 @@ class Windows:
 
     def add(self, visible, logprobs) -> None:
         """visible [L,T,T] (uint8 or bool), logprobs [T-1] (query i predicts token i+1)."""
-        s = sparsity(torch.as_tensor(visible).float())[:, :-1].mean(0).numpy()[self.first:]  # query i's mean over layers
+        # query i's sparsity, mean over layers: summed per window here, so the window's mean is
+        # models.pruning.mean_sparsity(count_first=True) over the same queries (query 0 counted as 0)
+        s = sparsity(torch.as_tensor(visible).float())[:, :-1].mean(0).numpy()[self.first:]
         lp = np.asarray(logprobs, dtype=np.float64)[self.first:]
         late = max(0, LATE - self.first)
         self.nll.append(-lp.sum())
@@ -91,15 +93,16 @@ def source_windows(spec: str, window: int, count: int) -> list[list[int]]:
     return [[int(t) for t in tokens[i * window:(i + 1) * window]] for i in picks]
 
 
-def cost(rule: Windows, dense: Windows, idx: np.ndarray, late: bool) -> np.ndarray:
+def cost(method: Windows, dense: Windows, idx: np.ndarray, late: bool) -> np.ndarray:
     """Perplexity relative to the dense base, pooled over the windows idx ([R, W] resamples or [W]) -> [R] or []."""
-    nll, tok, _ = rule.arrays(late)
+    nll, tok, _ = method.arrays(late)
     dnll, _, _ = dense.arrays(late)
     return np.exp((nll[idx].sum(-1) - dnll[idx].sum(-1)) / tok[idx].sum(-1)) - 1
 
 
-def mean_sparsity(rule: Windows, late: bool) -> float:
-    _, tok, hidden = rule.arrays(late)
+def pooled_sparsity(method: Windows, late: bool) -> float:
+    """The queries' sparsity pooled over windows (each query weighs the same), as the table reports it."""
+    _, tok, hidden = method.arrays(late)
     return float(hidden.sum() / tok.sum())
 
 
@@ -113,15 +116,15 @@ def interval(x: np.ndarray) -> tuple[float, float]:
 
 
 def summary(runs: dict[str, Windows], dense: str, match: str, late: bool, resamples: int = 2000) -> list[dict]:
-    """One row per rule: sparsity, perplexity cost vs the dense run with its interval, and (for rules other than
-    `match`) the paired difference cost(rule) - cost(match) with its interval: above 0, `match` costs less."""
+    """One row per method: sparsity, perplexity cost vs the dense run with its interval, and (for methods other than
+    `match`) the paired difference cost(method) - cost(match) with its interval: above 0, `match` costs less."""
     n = len(runs[dense].tokens)
     idx, every = bootstrap(n, resamples), np.arange(n)
     base = runs[dense]
     _, tok, _ = base.arrays(late)
     rows = []
     for name, run in runs.items():
-        row = {"rule": name, "sparsity": mean_sparsity(run, late), "tokens": int(tok.sum()), "windows": n,
+        row = {"method": name, "sparsity": pooled_sparsity(run, late), "tokens": int(tok.sum()), "windows": n,
                "perplexity": float(np.exp(run.arrays(late)[0].sum() / tok.sum())),
                "cost": float(cost(run, base, every, late)), "cost_ci": interval(cost(run, base, idx, late))}
         if name not in (dense, match):
@@ -154,14 +157,14 @@ def _standing(rows: list[dict], budgets: dict, match: str) -> dict:
     """match's row against the policies among rows: beats every matched one (each paired interval above 0; None
     when there is none or too few windows to call), the strongest matched one (lowest bound on match's lead),
     and the policies that could not reach match's sparsity (at their smallest budget they see more)."""
-    m, others = next(r for r in rows if r["rule"] == match), [r for r in rows if r["rule"] in budgets]
+    m, others = next(r for r in rows if r["method"] == match), [r for r in rows if r["method"] in budgets]
     matched = [r for r in others if r["sparsity"] >= m["sparsity"] - MATCH_GAP]
     callable_ = bool(matched) and m["windows"] >= MIN_VERDICT_WINDOWS
     strongest = min(matched, key=lambda r: r["vs_match_ci"][0]) if matched else None
     return {"row": m, "beats_all": all(r["vs_match_ci"][0] > 0 for r in matched) if callable_ else None,
-            "strongest": strongest["rule"] if strongest else "-",
+            "strongest": strongest["method"] if strongest else "-",
             "strongest_lead": (strongest["vs_match"], strongest["vs_match_ci"]) if strongest else None,
-            "unmatched": [(r["rule"], r["sparsity"], r["vs_match"], r["vs_match_ci"]) for r in others if r not in matched]}
+            "unmatched": [(r["method"], r["sparsity"], r["vs_match"], r["vs_match_ci"]) for r in others if r not in matched]}
 
 
 def verdict(results: dict[str, dict], match: str) -> list[dict]:
@@ -196,13 +199,13 @@ def verdict(results: dict[str, dict], match: str) -> list[dict]:
 
 def _table(title: str, rows: list[dict], budgets: dict, match: str) -> list[str]:
     lines = [f"## {title} ({rows[0]['windows']} windows, {rows[0]['tokens']:,} scored tokens)", "",
-             f"| rule | budget | sparsity | perplexity | cost vs dense [95 % CI] | {match} ahead by [95 % CI] | windows won |",
+             f"| method | budget | sparsity | perplexity | cost vs dense [95 % CI] | {match} ahead by [95 % CI] | windows won |",
              "|---|---:|---:|---:|---|---|---:|"]
     for r in rows:
         ahead = (f"{r['vs_match']:+.2%} [{r['vs_match_ci'][0]:+.2%}, {r['vs_match_ci'][1]:+.2%}]"
                  if "vs_match" in r else "-")
         won = f"{r['wins']}/{r['windows']}" if "wins" in r else "-"
-        lines.append(f"| {r['rule']} | {budgets.get(r['rule'], '-')} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
+        lines.append(f"| {r['method']} | {budgets.get(r['method'], '-')} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
                      f"{r['cost']:+.2%} [{r['cost_ci'][0]:+.2%}, {r['cost_ci'][1]:+.2%}] | {ahead} | {won} |")
     return lines + [""]
 
@@ -235,32 +238,32 @@ def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: lis
     for source, windows in sources.items():
         runs, gen = {"dense": Windows()}, {"dense": Windows(first=prompt or 0)}
         for ids in tqdm(windows, desc=f"{source}: dense and pruned", file=sys.stderr):
-            for name, model, rule in [("dense", base.model, pruning.NOTHING)] + [
+            for name, model, method in [("dense", base.model, pruning.NOTHING)] + [
                     (p.path.name, p.model, pruning.LEARNED if p.config.prune else pruning.NOTHING) for p in models]:
-                vis, _, lp = pruning.rule_run(model, ids, rule)
+                vis, _, lp = pruning.method_run(model, ids, method)
                 runs.setdefault(name, Windows()).add(vis, lp)
                 gen.setdefault(name, Windows(first=prompt or 0)).add(vis, lp)   # the same forward, its later queries
-        target, budgets = mean_sparsity(runs[match], late=False), {}
+        target, budgets = pooled_sparsity(runs[match], late=False), {}
         for name in names:
             if policies.REGISTRY[name].at_prompt_end:
                 continue
             budgets[name] = b = policies.budget_for(name, target, window - 1)
             for ids in tqdm(windows, desc=f"{source}: {name} at {b}", file=sys.stderr):
-                vis, _, lp = pruning.rule_run(base.model, ids, name, b)
+                vis, _, lp = pruning.method_run(base.model, ids, name, b)
                 runs.setdefault(name, Windows()).add(vis, lp)
         results[source] = {"budgets": budgets, "all": summary(runs, "dense", match, False),
                            "late": summary(runs, "dense", match, True)}
         if prompt:
-            target, gen_budgets = mean_sparsity(gen[match], late=False), {}
+            target, gen_budgets = pooled_sparsity(gen[match], late=False), {}
             for name in names:
                 gen_budgets[name] = b = policies.budget_for(name, target, window - 1, prompt, first=prompt)
                 for ids in tqdm(windows, desc=f"{source}: {name} at {b} after a {prompt}-token prompt", file=sys.stderr):
-                    vis, _, lp = pruning.rule_run(base.model, ids, name, b, prompt)
+                    vis, _, lp = pruning.method_run(base.model, ids, name, b, prompt)
                     gen.setdefault(name, Windows(first=prompt)).add(vis, lp)
             results[source]["prompt"] = {"length": prompt, "budgets": gen_budgets,
                                          "rows": summary(gen, "dense", match, False)}
         for r in results[source]["all"]:
-            print(f"{source} {r['rule']}: sparsity {r['sparsity']:.1%}, cost {r['cost']:+.2%}", file=sys.stderr)
+            print(f"{source} {r['method']}: sparsity {r['sparsity']:.1%}, cost {r['cost']:+.2%}", file=sys.stderr)
     return results
 
 

@@ -77,12 +77,12 @@ def render(command: str, cards: dict, buckets: pd.DataFrame, layers: pd.DataFram
                   f"policy: the one {match} leads by least.", ""]
         head = ("| source | windows | sparsity | cost vs dense [95 % CI] | beats every policy | strongest policy: lead "
                 "[95 % CI] |")
-        rule = "|---|---:|---:|---|---|---|"
+        sep = "|---|---:|---:|---|---|---|"
         if prompt:
             head += " after the prompt: sparsity, cost | beats every policy | strongest policy: lead [95 % CI] |"
-            rule += "---|---|---|"
+            sep += "---|---|---|"
         lines += [head + " bar met | paper's regime | policies short of its sparsity (their smallest budget): sparsity, "
-                  "lead [95 % CI] |", rule + "---|---|---|"]
+                  "lead [95 % CI] |", sep + "---|---|---|"]
         word = {True: "yes", False: "no", None: "n/a"}
 
         def lead(name, value):

@@ -15,7 +15,7 @@ import streamlit as st  # noqa: E402
 
 from analysis import live  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
-from app.common import RULE_TITLES, dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
+from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
 from models import trace as traces  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
@@ -58,13 +58,13 @@ seed = s1.number_input("Seed", 0, 2**31 - 1, 0, key="gen_seed")
 policy = None
 if compactable and cfg.pattern == "dense":
     e1, e2 = s2.columns(2)
-    rule = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.REGISTRY], format_func=RULE_TITLES.get,
+    method = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.REGISTRY], format_func=METHOD_TITLES.get,
                         key="gen_evict")
-    if rule in policies.REGISTRY:
-        low = policies.REGISTRY[rule].min_budget
+    if method in policies.REGISTRY:
+        low = policies.REGISTRY[method].min_budget
         budget = int(e2.number_input(f"Budget (tokens held per layer, at least {low})", low, cfg.context, max(low, 32),
                                      key="gen_budget", help="SnapKV keeps this many prompt tokens and every generated one"))
-        policy = policies.make(rule, budget)
+        policy = policies.make(method, budget)
 elif not compactable:
     s2.caption("KV-cache eviction policies need a per-token cache to evict from; an Extractor mixes its past inputs "
                "by lag and keeps none.")
@@ -76,8 +76,8 @@ beside = {"dense twin": "its dense twin", "learned rule": "the same model under 
 with_twin = pruned and st.checkbox(f"Beside {beside} (same prompt and seed, generated in turn)", value=True,
                                    key="gen_twin")
 if policy is not None:
-    st.caption(f"{RULE_TITLES[policy.name]} at {policy.budget} tokens per layer: it generates through the compacted "
-               "cache and evicts as the rule says" + (" (this model's learned rule is off)." if cfg.prune else ".")
+    st.caption(f"{METHOD_TITLES[policy.name]} at {policy.budget} tokens per layer: it generates through the compacted "
+               "cache and evicts as the policy says" + (" (this model's learned rule is off)." if cfg.prune else ".")
                + " The strip shows, per layer, which earlier tokens are still held.")
 elif pruned:
     st.caption("Context-pruned model: it generates through the compacted cache, so what a layer drops is freed; "

@@ -1,6 +1,6 @@
-"""Pruning: which tokens a rule drops, per layer and part of speech, and what it costs. The rule is a model's own
-learned context pruning or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at a budget, on
-any softmax attention model; two rules can be put side by side on one text at matched sparsity."""
+"""Pruning: which tokens a method drops, per layer and part of speech, and what it costs. The method is a model's
+own learned context pruning (its rule) or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at
+a budget, on any softmax attention model; two methods can be put side by side on one text at matched sparsity."""
 import sys
 from pathlib import Path
 
@@ -11,14 +11,14 @@ import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
 from analysis.pruning import LEARNED, NOTHING  # noqa: E402
-from app.common import RULE_TITLES, dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
-from models.checkpoint import CheckpointError, read_json  # noqa: E402
+from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
+from models.checkpoint import CheckpointError, read_json, valid_sparsity  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
 from models.generate import layer_bytes_per_token  # noqa: E402
 from models.pruning import policies  # noqa: E402
 
-RULES = {r: RULE_TITLES[r] for r in (LEARNED, *policies.REGISTRY)}
-POLICIES = [r for r in RULES if r != LEARNED]
+METHODS = {r: METHOD_TITLES[r] for r in (LEARNED, *policies.REGISTRY)}
+POLICIES = [r for r in METHODS if r != LEARNED]
 
 
 def prunable(loaded):
@@ -46,7 +46,7 @@ def first_pruned() -> str | None:
                 continue
             card = read_json(path / "card.json") if (path / "card.json").is_file() else {}
             # the largest model; among equals, the one that drops most (its card's validation sparsity)
-            size = (cfg.get("n_layers", 0) * cfg.get("d_model", 0), card.get("final_valid_sparsity") or 0.0)
+            size = (cfg.get("n_layers", 0) * cfg.get("d_model", 0), valid_sparsity(card) or 0.0)
             if best is None or size > best[0]:
                 best = (size, path.name)
         except (OSError, CheckpointError):
@@ -58,14 +58,14 @@ MAX_VIEW = 1024  # tokens per analysed window: masks grow with its square (30 la
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
-def cached_rule(path: str, ids: tuple[int, ...], rule: str, budget: int | None, prompt: int | None):
-    """(visible masks, drop steps, log-probabilities) of one rule on one window: one forward."""
-    return pruning.rule_run(load(path).model, list(ids), rule, budget, prompt)
+def cached_method(path: str, ids: tuple[int, ...], method: str, budget: int | None, prompt: int | None):
+    """(visible masks, drop steps, log-probabilities) of one method on one window: one forward."""
+    return pruning.method_run(load(path).model, list(ids), method, budget, prompt)
 
 
-def run_rule(path, ids, rule, budget=None, prompt=None):
-    with st.spinner(f"{RULES.get(rule, 'nothing evicted')}: one forward over {len(ids)} tokens…"):
-        return cached_rule(path, ids, rule, budget, prompt)
+def run_method(path, ids, method, budget=None, prompt=None):
+    with st.spinner(f"{METHODS.get(method, 'nothing evicted')}: one forward over {len(ids)} tokens…"):
+        return cached_method(path, ids, method, budget, prompt)
 
 
 @st.cache_data(max_entries=32, show_spinner="Tagging parts of speech (spaCy)…")
@@ -83,9 +83,9 @@ def default_prompt(n: int) -> int:
     return max(2, 3 * n // 4)
 
 
-def budget_controls(rule: str, n: int, key: str, where) -> tuple[int, int | None]:
+def budget_controls(method: str, n: int, key: str, where) -> tuple[int, int | None]:
     """(budget in tokens, SnapKV's prompt length or None) from a share of the window or a token count."""
-    low = min(policies.REGISTRY[rule].min_budget, n)
+    low = min(policies.REGISTRY[method].min_budget, n)
     a, b, c = where.columns(3)
     unit = a.radio("Budget as", ["share of the window", "tokens"], horizontal=True, key=f"{key}_unit")
     if unit == "tokens":
@@ -95,7 +95,7 @@ def budget_controls(rule: str, n: int, key: str, where) -> tuple[int, int | None
         budget = max(low, min(n, round(share * n)))
         b.caption(f"= {budget} tokens")
     prompt = None
-    if policies.REGISTRY[rule].at_prompt_end:
+    if policies.REGISTRY[method].at_prompt_end:
         prompt = int(c.number_input("SnapKV: the prompt ends after token", 2, n, default_prompt(n), key=f"{key}_prompt",
                                     help="SnapKV compresses the prompt once, from its last 32 queries; the tokens after "
                                          "it are read as generated and all kept."))
@@ -129,26 +129,26 @@ a, b = view.offsets[0][0], view.offsets[-1][1]
 tags = cached_tags(text[a:b], tuple((x - a, y - a) for x, y in view.offsets))
 
 options = ([LEARNED] if cfg.prune else []) + POLICIES
-rule = st.selectbox("Rule", options, format_func=RULES.get, key="prune_rule")
+method = st.selectbox("Method", options, format_func=METHODS.get, key="prune_method")
 budget = prompt = None
-if rule != LEARNED:
-    budget, prompt = budget_controls(rule, n, "prune_budget", st)
+if method != LEARNED:
+    budget, prompt = budget_controls(method, n, "prune_budget", st)
     if cfg.prune:
         st.caption("The policy runs on this model's own weights with its learned rule switched off.")
-run = run_rule(path, ids, rule, budget, prompt)
+run = run_method(path, ids, method, budget, prompt)
 table = table_for(run, view.labels, tags)
 keeps, lp = run[0], run[2]
-nothing_lp = run_rule(path, ids, NOTHING)[2]
-settings = {"window_start": start, "tokens": n, "rule": rule, "budget": budget, "prompt": prompt}
+nothing_lp = run_method(path, ids, NOTHING)[2]
+settings = {"window_start": start, "tokens": n, "method": method, "budget": budget, "prompt": prompt}
 
 sp = pruning.sparsity_per_layer(keeps)
-held_bytes, dense_bytes = cache_bytes(loaded.model, table, rule == LEARNED)
+held_bytes, dense_bytes = cache_bytes(loaded.model, table, method == LEARNED)
 ppl, ppl0 = tokens.perplexity(lp), tokens.perplexity(nothing_lp)
 m = st.columns(5)
 m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
 m[1].metric("cache after the text", f"{held_bytes / 1024:.1f} KiB", f"{held_bytes / dense_bytes - 1:+.0%} vs dense",
             delta_color="inverse")
-m[2].metric(f"perplexity ({'pruned' if rule == LEARNED else rule})", f"{ppl:.2f}", f"{ppl / ppl0 - 1:+.2%} vs nothing evicted",
+m[2].metric(f"perplexity ({'pruned' if method == LEARNED else method})", f"{ppl:.2f}", f"{ppl / ppl0 - 1:+.2%} vs nothing evicted",
             delta_color="inverse")
 m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a pruned "
             "model's rule switched off).")
@@ -166,7 +166,7 @@ if base_dir and not ask:
 elif cfg.prune and not base_dir:
     m[4].caption("no dense base recorded on this model's card")
 
-name = "learned pruning" if rule == LEARNED else f"{rule} at {budget} tokens"
+name = "learned pruning" if method == LEARNED else f"{method} at {budget} tokens"
 layer = st.selectbox("Layer", range(cfg.n_layers), key="prune_layer")
 st.markdown(pruning.struck_text_html(table, layer), unsafe_allow_html=True)
 st.caption("Struck through: dropped by this layer before the end of the text (hover for when and at which token's "
@@ -184,7 +184,7 @@ export_buttons(heat, rates, "pruning_pos_by_layer", loaded.path, text, settings,
 counts = pruning.trigger_counts(table)
 if not len(counts):
     st.info("No token is dropped in this text.")
-elif rule == LEARNED:
+elif method == LEARNED:
     trig = pruning.triggers_figure(counts, "which parts of speech trigger drops")
     st.plotly_chart(trig, width="stretch")
     export_buttons(trig, counts, "pruning_triggers", loaded.path, text, settings, key="trig")
@@ -193,25 +193,25 @@ else:
                "arrives.")
 st.dataframe(sp.style.format({"sparsity": "{:.1%}"}), hide_index=True)
 
-# ---- two rules side by side at matched sparsity ---------------------------------------------------------------------
+# ---- two methods side by side at matched sparsity -------------------------------------------------------------------
 st.subheader("Side by side at matched sparsity")
 target = float(sp["sparsity"].mean())
-others = [p for p in POLICIES if p != rule]
+others = [p for p in POLICIES if p != method]
 c1, c2 = st.columns([2, 3])
-other = c1.selectbox("Compare with", ["-"] + others, format_func=lambda r: RULES.get(r, "nothing (pick a policy)"),
+other = c1.selectbox("Compare with", ["-"] + others, format_func=lambda r: METHODS.get(r, "nothing (pick a policy)"),
                      key="prune_compare")
 if other != "-":
     prompt_b = prompt
     if policies.REGISTRY[other].at_prompt_end and prompt_b is None:
         prompt_b = int(c2.number_input("SnapKV: the prompt ends after token", 2, n, default_prompt(n), key="prune_prompt_b"))
     budget_b = pruning.matched_budget(other, target, n, prompt_b)
-    run_b = run_rule(path, ids, other, budget_b, prompt_b)
+    run_b = run_method(path, ids, other, budget_b, prompt_b)
     table_b = table_for(run_b, view.labels, tags)
     sp_b = float(pruning.sparsity_per_layer(run_b[0])["sparsity"].mean())
     ppl_b = tokens.perplexity(run_b[2])
     name_b = f"{other} at {budget_b} tokens"
-    summary = pd.DataFrame([{"rule": name, "sparsity": target, "perplexity": ppl, "vs nothing evicted": ppl / ppl0 - 1},
-                            {"rule": name_b, "sparsity": sp_b, "perplexity": ppl_b, "vs nothing evicted": ppl_b / ppl0 - 1}])
+    summary = pd.DataFrame([{"method": name, "sparsity": target, "perplexity": ppl, "vs nothing evicted": ppl / ppl0 - 1},
+                            {"method": name_b, "sparsity": sp_b, "perplexity": ppl_b, "vs nothing evicted": ppl_b / ppl0 - 1}])
     st.dataframe(summary.style.format({"sparsity": "{:.1%}", "perplexity": "{:.2f}", "vs nothing evicted": "{:+.2%}"}),
                  hide_index=True)
     st.caption(f"{other}'s budget is the one whose sparsity on a {n}-token text is nearest {target:.1%} "
@@ -236,13 +236,13 @@ if other != "-":
 
 if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"):
     prompt_all = prompt or default_prompt(n)
-    rows, tables = [{"rule": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
+    rows, tables = [{"method": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
     bar = st.progress(0.0, text="running the policies…")
     for i, p in enumerate(others):
         bp = pruning.matched_budget(p, target, n, prompt_all)
-        r = run_rule(path, ids, p, bp, prompt_all if policies.REGISTRY[p].at_prompt_end else None)
+        r = run_method(path, ids, p, bp, prompt_all if policies.REGISTRY[p].at_prompt_end else None)
         tables[f"{p} at {bp}"] = table_for(r, view.labels, tags)
-        rows.append({"rule": p, "budget": bp, "sparsity": float(pruning.sparsity_per_layer(r[0])["sparsity"].mean()),
+        rows.append({"method": p, "budget": bp, "sparsity": float(pruning.sparsity_per_layer(r[0])["sparsity"].mean()),
                      "perplexity": tokens.perplexity(r[2])})
         bar.progress((i + 1) / len(others), text=f"{p} done")
     bar.empty()
@@ -250,12 +250,12 @@ if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"
     every["budget"] = every["budget"].astype("Int64")  # tokens (none for the learned rule)
     st.dataframe(every.style.format({"sparsity": "{:.1%}", "perplexity": "{:.2f}", "vs_nothing_evicted": "{:+.2%}"}),
                  hide_index=True)
-    off = [r["rule"] for r in rows[1:] if abs(r["sparsity"] - target) > 0.02]
+    off = [r["method"] for r in rows[1:] if abs(r["sparsity"] - target) > 0.02]
     if off:
         st.caption(f"Not matched (their smallest or largest budget is as near as they get): {', '.join(off)}.")
     if any(policies.REGISTRY[p].at_prompt_end for p in others):
         st.caption(f"SnapKV reads the first {prompt_all} tokens as its prompt.")
     allprof = pruning.pos_profile(tables)
-    all_fig = pruning.pos_profile_figure(allprof, "every rule at matched sparsity: hidden from later queries, by part of speech")
+    all_fig = pruning.pos_profile_figure(allprof, "every method at matched sparsity: hidden from later queries, by part of speech")
     st.plotly_chart(all_fig, width="stretch")
     export_buttons(all_fig, allprof, "pruning_pos_profile_all", loaded.path, text, settings, key="profall")

@@ -5,9 +5,9 @@ its `attend(mixer, x, q, k, v, record)`:
 
 full.py        FULL, no state: a whole sequence (training, scoring) under the causal mask, a fixed local /
                strided pattern, or context pruning's learned log I
-static.py      StaticAttention over models.cache.LayerCache: gpt-fast's preallocated decode cache, with the
+static.py      attend over models.cache.LayerCache: gpt-fast's preallocated decode cache, with the
                learned rule's step mask when the model prunes
-compacted.py   CompactAttention over models.pruning.CompactCache: context pruning's compacted cache, where the
+compacted.py   attend over models.pruning.CompactCache: context pruning's compacted cache, where the
                learned rule or a heuristic eviction policy (models.pruning.policies) frees what it drops
 models.pruning.replay.LayerReplay   an eviction policy over a whole text in one forward
 

@@ -13,8 +13,9 @@ from models.pruning.compact_cache import ALIGN
 
 
 def rule_constants(mixer, cache, dtype) -> dict:
-    """What the decode kernels read of the learned rule (beta, lambda, sinks, [W^Qint | W^Kint]), computed once
-    per cache and held there: nothing is written to the (shared) model during inference."""
+    """What the decode kernels read of the learned rule (beta, lambda, sinks, [W^Qint | W^Kint]): the cache's,
+    read when DecoderLM.new_compact_cache built it (computed here for a cache built by hand); nothing is written
+    to the (shared) model during inference."""
     if cache.rule_constants is None:
         cache.rule_constants = mixer.pruning.decode_constants(dtype)
     return cache.rule_constants
@@ -66,7 +67,7 @@ def attend(mixer, cache, x, q, k, v, record):
             raise ValueError("SnapKV selects after a prompt of real tokens only (no padding rows)")
         select_after_prompt(mixer, cache, q, kk, vv, q_pos)
     if record is not None:
-        record["slot_pos"] = slot_pos
+        record.slot_pos = slot_pos
     return out
 
 

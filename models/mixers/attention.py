@@ -121,14 +121,14 @@ class Attention(Mixer):
 
     def attend(self, q, k, v, bias, record, keep=None, causal=True):
         """softmax(q k^T * scale + bias) v through the kernel dispatch, then W_O; fills `record` when asked."""
-        want = record is not None and not record.get("skip_attn")
+        want = record is not None and record.attention_maps
         o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=want, causal=causal,
                                      **self.head_maps())
         if record is not None:
             if want:
-                record["attn"] = probs
+                record.attn = probs
             if keep is not None:
-                record["keep"] = keep
+                record.keep = keep
         return self.output(o)
 
     def forward(self, x, cache=None, record=None, positions=None):

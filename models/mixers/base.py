@@ -1,6 +1,8 @@
 """What every token mixer provides, and the registry that picks one by name."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -17,13 +19,24 @@ def register(name: str):
     return add
 
 
+@dataclass
+class LayerRecord:
+    """What one layer shows the app during a diagnostic forward (DecoderLM.forward(diagnostics=True)); a field the
+    layer's mixer has no such thing for stays None."""
+    attention_maps: bool = True            # False: keep masks only (30 layers x 1k tokens of maps would be 1 GB)
+    attn: torch.Tensor | None = None       # softmax attention probabilities [B,H,T,S]
+    keep: torch.Tensor | None = None       # context pruning's visibility [B,T,S] (1: the query sees the key)
+    mixing: torch.Tensor | None = None     # an Extractor's lag weights as a [T,S] mixing matrix
+    slot_pos: torch.Tensor | None = None   # over a compacted cache: the position each key slot holds [B,S]
+
+
 class Mixer(nn.Module):
     """A token mixer. forward(x, cache, record, positions):
 
     x [B,T,d_m] is the layer-normed input. Without a cache it is the whole sequence; with one,
     x holds the T new positions, which are appended to the cache and mixed with the past.
-    `record` is None unless diagnostics were asked for; then the mixer writes into it what the
-    app shows ("attn": probabilities [B,H,T,S], or "mixing": an Extractor's [T,S] weights).
+    `record` is None unless diagnostics were asked for; then it is the layer's LayerRecord and the mixer
+    fills in what the app shows (attention probabilities and keep masks, or an Extractor's mixing matrix).
     `positions` ([T] or [B,T]) are the new tokens' positions, for rotary embeddings.
     """
 

@@ -65,7 +65,7 @@ class Extractor(Mixer):
             if hasattr(self, "W_out"):
                 y = y @ self.W_out
         if record is not None:
-            record["mixing"] = self.mixing_matrix(src.shape[1], start)
+            record.mixing = self.mixing_matrix(src.shape[1], start)
         return y
 
     def lag_profile(self) -> dict[str, torch.Tensor]:

@@ -29,7 +29,8 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
 
 
 class CompactCache:
-    def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device, policy=None):
+    def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device, policy=None,
+                 rule_constants: dict | None = None):
         self.batch, self.device = batch, device
         self.capacity = _round_up(capacity)
         self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device) for n, s in spec.items()}
@@ -47,7 +48,8 @@ class CompactCache:
         # set by the model before each call: positions [B,T] and validity [B,T] of the new tokens
         self.q_pos: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
-        self.rule_constants: dict | None = None  # the learned rule's decode constants, once (models.backends.compacted)
+        # the learned rule's decode constants (ContextPruning.decode_constants), held here, never on the model
+        self.rule_constants = rule_constants
 
     def attend(self, mixer, x, q, k, v, record):
         """The attention backend over this cache (models.backends.compacted)."""

@@ -2,9 +2,9 @@
 
 Each policy keeps at most `budget` cached tokens per layer (the current token always kept) and decides, per
 layer and decode step, which slots of the compacted cache to let go. The cache's slots are not in position
-order, so every rule reads the slot positions `pos` [B,S] (-1: unused) and the live mask `live` [B,S]; one new
-token per row sits at position `q_pos` [B]. Rules that look at attention take the current query's attention
-over the slots, `probs` [B,H,S] (per head; each rule reduces over heads as its paper does). Positions are kept
+order, so every policy reads the slot positions `pos` [B,S] (-1: unused) and the live mask `live` [B,S]; one new
+token per row sits at position `q_pos` [B]. Policies that look at attention take the current query's attention
+over the slots, `probs` [B,H,S] (per head; each policy reduces over heads as its paper does). Positions are kept
 as they were (no re-numbering inside the cache, which StreamingLLM does for RoPE models).
 
 A cache built with a policy (DecoderLM.new_compact_cache(policy=...), models.generate.stream(policy=...)) runs

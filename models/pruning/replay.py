@@ -103,8 +103,8 @@ def evict(policy, t: int, scores: torch.Tensor | None, prompt: int | None, devic
 
 
 @dataclass
-class RuleRun:
-    """What a rule did to one text: per layer the visible masks [L,T,T] (bool), the step that dropped each
+class MethodRun:
+    """What a method (the learned rule, nothing, or a policy) did to one text: per layer the visible masks [L,T,T] (bool), the step that dropped each
     token [L,T] (-1: never; for the learned rule and StreamingLLM the query at that step no longer sees it, for
     TOVA, H2O and SnapKV it still did), and the log-probabilities of ids[1:] [T-1]."""
     visible: torch.Tensor
@@ -113,7 +113,7 @@ class RuleRun:
 
 
 @torch.inference_mode()
-def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> RuleRun:
+def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> MethodRun:
     """One forward over ids with `policy` in every attention layer (learned pruning off; None: nothing evicted)."""
     if not model.blocks[0].mixer.replays_policies:
         raise ValueError(f"eviction policies run on softmax attention, not {model.config.mixer}")
@@ -131,4 +131,4 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Rul
     with evaluating(model):
         logits = model(x, cache=cache).logits
     lp = target_logprobs(logits[0, :-1], x[0, 1:])
-    return RuleRun(torch.stack([c.visible for c in cache.layers]), torch.stack([c.dropped_at for c in cache.layers]), lp)
+    return MethodRun(torch.stack([c.visible for c in cache.layers]), torch.stack([c.dropped_at for c in cache.layers]), lp)
