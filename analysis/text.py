@@ -17,6 +17,9 @@ def decode_upload(name: str, data: bytes, max_chars: int = MAX_CHARS) -> str:
     suffix = PurePath(name).suffix.lower()
     if suffix not in ALLOWED_SUFFIXES:
         raise TextError(f"{name}: only {' and '.join(ALLOWED_SUFFIXES)} files are accepted")
+    if len(data) > 4 * max_chars + 3:  # refused before decoding: UTF-8 takes at most 4 bytes a character (+ a BOM)
+        raise TextError(f"{name} is {len(data):,} bytes, more than {max_chars:,} characters of text can take; "
+                        "use a shorter excerpt")
     if data.startswith((b"\xff\xfe", b"\xfe\xff")) and _utf16_text(data):
         raise TextError(f"{name} is UTF-16 text; save it as UTF-8 and upload it again")
     if b"\x00" in data[:8192]:

@@ -6,7 +6,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 import streamlit as st  # noqa: E402
 
-from app.common import add_path, export_buttons, model_paths, setup  # noqa: E402
+from app.common import MAX_PATH, add_path, export_buttons, model_paths, setup  # noqa: E402
 
 from analysis.zoo import efficiency_figure, models_root, zoo_table  # noqa: E402
 
@@ -14,7 +14,10 @@ setup("Models")
 st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SKV, EL-ATT, MHE-ADD, MHE-MUL "
            "or an Extractor (SHE, HE, WE, ME). Pick a page on the left to look inside one.")
 
-st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir", on_change=add_path)
+st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir", on_change=add_path,
+              max_chars=MAX_PATH)
+if st.session_state.get("extra_path_problem"):
+    st.error(f"Not added: {st.session_state['extra_path_problem']}.")
 if st.session_state.get("added_paths"):
     st.caption("Added this session: " + ", ".join(st.session_state["added_paths"]))
 paths = model_paths()

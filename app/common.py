@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import streamlit as st
 import torch
@@ -39,12 +39,28 @@ def load(path: str):
     return load_for_app(path)  # on the GPU (bf16) when there is one
 
 
+MAX_PATH = 1024  # characters of a path typed on the Models page
+
+
+def path_problem(path: str) -> str | None:
+    """Why a typed path cannot be a model directory's, before the filesystem sees it (None: it may be)."""
+    if len(path) > MAX_PATH:
+        return f"a path has at most {MAX_PATH:,} characters"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return "a path holds no control characters (NUL, newlines, tabs)"
+    if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in PurePath(path).parts):
+        return "each name in a path has at most 255 bytes"
+    return None
+
+
 def add_path() -> None:
     """Models page callback: remember a directory added by path (plain session state, not the widget's,
-    which Streamlit forgets when another page runs)."""
+    which Streamlit forgets when another page runs); a path that cannot be one is refused with the reason."""
     path = st.session_state.get("extra_path", "").strip()
+    problem = path_problem(path)
+    st.session_state["extra_path_problem"] = problem
     added = st.session_state.setdefault("added_paths", [])
-    if path and path not in added:
+    if path and problem is None and path not in added:
         added.append(path)
 
 
@@ -52,9 +68,12 @@ def model_paths() -> list[Path]:
     paths = find_model_dirs(models_root())
     known = {p.resolve() for p in paths}
     for extra in st.session_state.get("added_paths", []):
-        p = Path(extra).expanduser()
-        if p.resolve() not in known:
-            paths.append(p)
+        try:
+            p = Path(extra).expanduser()
+            if p.resolve() not in known:
+                paths.append(p)
+        except (OSError, ValueError, RuntimeError):  # an unusable path lists nothing, on any page
+            continue
     return paths
 
 
@@ -86,8 +105,9 @@ def text_input(key: str = "text") -> str | None:
     """Paste or upload; returns usable text, or None after showing why not. Shared by all pages."""
     mode = st.radio("Text", ["paste", "upload a .txt or .md file"], horizontal=True, key=f"{key}_mode")
     if mode == "paste":
+        # max_chars: the browser stops typing and pasting there, before anything reaches the server
         text = st.text_area(f"Paste text (at most {MAX_CHARS:,} characters)", value=st.session_state.get("shared_text", SAMPLE_TEXT),
-                            height=140, key=f"{key}_area")
+                            height=140, key=f"{key}_area", max_chars=MAX_CHARS)
         try:
             text = check_text(text)
         except TextError as e:

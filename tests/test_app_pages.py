@@ -51,6 +51,12 @@ def test_models_page_table_and_efficiency_view(zoo):
     at.text_input(key="extra_path").input("/nonexistent/model").run()
     assert any("does not exist" in e.value for e in at.error)
     assert len(at.dataframe[0].value) == len(table)   # the others keep working
+    for bad, why in [("/tmp/a\x00b", "no control characters"), ("/tmp/" + "n" * 300, "at most 255 bytes")]:
+        at.text_input(key="extra_path").input(bad).run()   # refused before the filesystem sees it; nothing breaks
+        assert not at.exception and any(why in e.value for e in at.error)
+        assert len(at.dataframe[0].value) == len(table)
+    at.switch_page("pages/2_Attention.py").run()
+    assert not at.exception
 
 
 def test_a_model_added_by_path_reaches_the_other_pages(tmp_path):

@@ -25,6 +25,7 @@ TEXTS = [
     ("empty", b"", "", "is empty"),
     ("whitespace only", b" \n\t \r\n", " \n\t ", "is empty"),
     ("one over the limit", b"a" * (MAX_CHARS + 1), "a" * (MAX_CHARS + 1), f"{MAX_CHARS + 1:,} characters; the limit is"),
+    ("more bytes than the limit's characters can take", b"a" * (4 * MAX_CHARS + 4), None, "bytes, more than"),
     ("binary", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", None, "binary file"),
     ("UTF-16", "UTF-16 text".encode("utf-16"), None, "UTF-16 text; save it as UTF-8"),
     ("Latin-1", "café crème".encode("latin-1"), None, "not UTF-8 text"),

@@ -15,6 +15,7 @@ import streamlit as st  # noqa: E402
 
 from analysis import live  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
+from analysis.text import MAX_CHARS  # noqa: E402
 from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
 from models import trace as traces  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
@@ -46,7 +47,7 @@ if loaded is None:
 cfg = loaded.config
 compactable = loaded.model.blocks[0].mixer.decodes_compacted
 
-prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt")
+prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt", max_chars=MAX_CHARS)
 c1, c2, c3, c4, c5 = st.columns(5)
 max_new = c1.number_input("New tokens", 1, cfg.context, min(64, cfg.context - 1), key="gen_n")
 greedy = c2.checkbox("Greedy", value=False, key="gen_greedy")
