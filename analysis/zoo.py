@@ -30,6 +30,24 @@ def find_model_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.json").exists())
 
 
+def model_id(path: Path, root: Path | None = None) -> str:
+    """A model's unique id: its path relative to the models root (a shipped model: its folder name), or, for one
+    added by path, that path as given. `?model=` takes it."""
+    root = models_root() if root is None else root
+    try:
+        return str(Path(path).resolve().relative_to(Path(root).resolve()))
+    except (ValueError, OSError, RuntimeError):
+        return str(path)
+
+
+def model_labels(paths: list[Path], root: Path | None = None) -> dict[str, str]:
+    """id -> what a selector shows: the folder name, or, when two models share it, the name and where it lives."""
+    ids = [model_id(p, root) for p in paths]
+    names = [Path(p).name for p in paths]
+    return {i: n if names.count(n) == 1 else f"{n} ({'shipped' if i == n else Path(i).parent})"
+            for i, n in zip(ids, names)}
+
+
 def describe(path: Path, loaded=None) -> dict:
     """One table row for a model directory, from its config, card and safetensors headers alone (a
     30-layer model costs no more than a small one; models.checkpoint.inspect_model_dir), or from `loaded`.
@@ -86,13 +104,15 @@ def _card_data(model_dir: Path) -> str | None:
 
 def zoo_table(paths: list[Path], loader=None, root: Path | None = None) -> pd.DataFrame:
     rows = []
+    labels = model_labels(paths, root)
     for p in paths:
+        label = labels[model_id(p, root)]
         try:
             loaded = loader(p) if loader else None
         except CheckpointError as e:
-            rows.append({"model": p.name, "path": str(p), "error": str(e)})
+            rows.append({"model": label, "path": str(p), "error": str(e)})
             continue
-        rows.append(describe(p, loaded))
+        rows.append(describe(p, loaded) | {"model": label})
     table = pd.DataFrame(rows)
     if "error" not in table:
         table["error"] = None

@@ -11,7 +11,7 @@ import torch
 
 from analysis import export
 from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
-from analysis.zoo import find_model_dirs, models_root
+from analysis.zoo import find_model_dirs, model_id, model_labels, models_root
 from models.checkpoint import CheckpointError, load_for_app
 
 # Threads for the models, set once for the server: all cores by default (MIXSCOPE_THREADS to share the machine).
@@ -84,11 +84,12 @@ def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accep
     if not paths:
         where.info(f"No models in {models_root()}: add a model directory by path on the Models page.")
         return None
-    names = [p.name for p in paths]
-    wanted = st.query_params.get(key, default)  # ?model=NAME (and ?model2=NAME) open a page on that model
-    index = names.index(wanted) if wanted in names else names.index(default) if default in names else 0
-    name = where.selectbox(label, names, index=index, key=key)
-    path = paths[names.index(name)]
+    labels = model_labels(paths)  # id -> name (with where it lives when two models share a name)
+    ids = list(labels)
+    wanted = st.query_params.get(key, default)  # ?model=ID (and ?model2=ID) open a page on that model
+    index = ids.index(wanted) if wanted in ids else ids.index(default) if default in ids else 0
+    chosen = where.selectbox(label, ids, index=index, key=key, format_func=labels.get)
+    path, name = paths[ids.index(chosen)], labels[chosen]
     try:
         loaded = load(str(path))
     except CheckpointError as e:

@@ -69,6 +69,20 @@ def test_a_model_added_by_path_reaches_the_other_pages(tmp_path):
     assert "my-model" in at.sidebar.selectbox(key="model").options
 
 
+def test_two_models_with_one_name_both_open(tmp_path):
+    """A run called `mha` beside the shipped `mha`: both are listed, told apart by where they live, and each opens."""
+    import shutil
+    shutil.copytree(models_root() / "me", tmp_path / "mha")   # an Extractor under the shipped MHA's name
+    at = page("Models.py").run()
+    at.text_input(key="extra_path").input(str(tmp_path / "mha")).run()
+    assert {"mha (shipped)", f"mha ({tmp_path})"} <= set(at.dataframe[0].value["model"])
+    at.switch_page("pages/4_Extractors.py").run()
+    at.sidebar.selectbox(key="model").select(str(tmp_path / "mha")).run()
+    assert not at.exception and not any("(me):" in i.value for i in at.info)        # the Extractor opened
+    at.sidebar.selectbox(key="model").select("mha").run()
+    assert any(i.value.startswith("mha (shipped) (mha):") for i in at.info)       # the shipped MHA, refused here
+
+
 def test_generate_streams_and_reports_speed():
     at = page("1_Generate.py").run()
     at.number_input(key="gen_n").set_value(8)
