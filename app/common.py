@@ -11,7 +11,7 @@ import torch
 
 from analysis import export
 from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
-from analysis.zoo import find_model_dirs, model_id, model_labels, models_root
+from analysis.zoo import find_model_dirs, model_labels, models_root
 from models.checkpoint import CheckpointError, load_for_app
 
 # Threads for the models, set once for the server: all cores by default (MIXSCOPE_THREADS to share the machine).
