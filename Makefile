@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-all install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
+.PHONY: run serve test test-all install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
 
 install: $(STAMP)
 
@@ -33,6 +33,15 @@ run: $(STAMP)
 	@echo "mixscope: open http://$(HOST):$(PORT) in your browser (Ctrl-C stops the server)"
 	PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Models.py --server.headless true --server.address $(HOST) \
 		--server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false --client.toolbarMode viewer
+
+# A server a lab shares (docs/deployment.md): serve mode (models by path only inside MIXSCOPE_PATH_ROOTS, weights
+# files capped, no server paths in messages), bound to HOST (HOST=0.0.0.0 for the lab's network, behind a proxy).
+serve: $(STAMP)
+	-@PYTHONPATH=$(CURDIR) $(PY) -m models.delta fetch assets/models
+	@echo "mixscope (serve mode): http://$(HOST):$(PORT)"
+	MIXSCOPE_SERVE=1 PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Models.py --server.headless true \
+		--server.address $(HOST) --server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false \
+		--client.toolbarMode viewer --server.maxUploadSize 1
 
 test: $(STAMP) chromium
 	$(PY) -m pytest

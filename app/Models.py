@@ -6,6 +6,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 import streamlit as st  # noqa: E402
 
+from app import access  # noqa: E402
 from app.common import MAX_PATH, add_path, export_buttons, model_paths, setup  # noqa: E402
 
 from analysis.zoo import efficiency_figure, models_root, zoo_table  # noqa: E402
@@ -14,25 +15,29 @@ setup("Models")
 st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SKV, EL-ATT, MHE-ADD, MHE-MUL "
            "or an Extractor (SHE, HE, WE, ME). Pick a page on the left to look inside one.")
 
-st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir", on_change=add_path,
-              max_chars=MAX_PATH)
+if access.adding_by_path():
+    st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir", on_change=add_path,
+                  max_chars=MAX_PATH)
+    if access.serving():
+        st.caption(f"This server opens models from {len(access.path_roots())} directory(ies) its administrator named.")
 if st.session_state.get("extra_path_problem"):
     st.error(f"Not added: {st.session_state['extra_path_problem']}.")
 if st.session_state.get("added_paths"):
     st.caption("Added this session: " + ", ".join(st.session_state["added_paths"]))
 paths = model_paths()
 if not paths:
-    st.info(f"No models found in {models_root()}. Train one (see README), or add a model directory by path above.")
+    st.info(access.public(f"No models found in {models_root()}.") + " Train one (see README), or add a model directory by path above.")
     st.stop()
 
 table = zoo_table(paths)  # configs, cards and weight headers only: no model is loaded to list it
+table["model"] = table["model"].map(access.public)
 good = table[table["error"].isna()].drop(columns=["error", "path"])
 first = ["model", "mixer", "test ppl", "PRR", "PEoP", "attention params", "total params", "KV-cache bytes/token",
          "adapter", "trainable %"]
 good = good[[c for c in first if c in good] + [c for c in good if c not in first]]
 st.subheader(f"{len(good)} model(s) found")
 for _, row in table[table["error"].notna()].iterrows():
-    st.error(f"{row['model']}: {row['error']}")
+    st.error(access.public(f"{row['model']}: {row['error']}"))
 if len(good):
     st.dataframe(good, hide_index=True, width="stretch")
     st.caption("attention params: the token mixer without its output projection. PRR vs the MHA model, PEoP vs the SHA "

@@ -10,6 +10,7 @@ import streamlit as st
 import torch
 
 from analysis import export
+from app import access
 from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
 from models.checkpoint import CheckpointError, load_for_app
@@ -36,7 +37,7 @@ def setup(title: str) -> None:
 
 @st.cache_resource(max_entries=16, show_spinner="Loading model…")
 def load(path: str):
-    return load_for_app(path)  # on the GPU (bf16) when there is one
+    return load_for_app(path, access.max_weight_bytes())  # on the GPU (bf16) when there is one
 
 
 MAX_PATH = 1024  # characters of a path typed on the Models page
@@ -57,7 +58,7 @@ def add_path() -> None:
     """Models page callback: remember a directory added by path (plain session state, not the widget's,
     which Streamlit forgets when another page runs); a path that cannot be one is refused with the reason."""
     path = st.session_state.get("extra_path", "").strip()
-    problem = path_problem(path)
+    problem = path_problem(path) or (access.outside_roots(path) if path else None)
     st.session_state["extra_path_problem"] = problem
     added = st.session_state.setdefault("added_paths", [])
     if path and problem is None and path not in added:
@@ -82,9 +83,9 @@ def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accep
     accept(loaded) -> None or a reason string filters models a page cannot show."""
     paths = model_paths()
     if not paths:
-        where.info(f"No models in {models_root()}: add a model directory by path on the Models page.")
+        where.info(access.public(f"No models in {models_root()}: add a model directory by path on the Models page."))
         return None
-    labels = model_labels(paths)  # id -> name (with where it lives when two models share a name)
+    labels = {i: access.public(n) for i, n in model_labels(paths).items()}  # id -> name (+ where, if names collide)
     ids = list(labels)
     wanted = st.query_params.get(key, default)  # ?model=ID (and ?model2=ID) open a page on that model
     index = ids.index(wanted) if wanted in ids else ids.index(default) if default in ids else 0
@@ -93,7 +94,7 @@ def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accep
     try:
         loaded = load(str(path))
     except CheckpointError as e:
-        where.error(str(e))
+        where.error(access.public(str(e)))
         return None
     reason = accept(loaded) if accept else None
     if reason:
@@ -114,6 +115,8 @@ def text_input(key: str = "text") -> str | None:
         except TextError as e:
             st.warning(str(e))
             return None
+        if len(text) == MAX_CHARS:  # the widget keeps the first MAX_CHARS characters of a longer paste
+            st.warning(f"The text is at the {MAX_CHARS:,}-character limit: anything pasted beyond it was cut off.")
     else:
         upload = st.file_uploader("Upload", type=["txt", "md"], key=f"{key}_upload")
         if upload is None:

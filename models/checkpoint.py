@@ -166,15 +166,19 @@ def renamed(path: Path, named: dict) -> dict:
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "float32",
-                   fetch: bool = True) -> LoadedModel:
+                   fetch: bool = True, max_weight_bytes: int | None = None) -> LoadedModel:
     """Read and check a model directory (a delta one over its base too); the model in eval mode on `device`
     ('auto': CUDA when present) in `dtype` ('auto': bfloat16 on a GPU, float32 on the CPU). fetch False: a delta
-    whose registry base is missing is refused with the command that fetches it (the app never fetches)."""
+    whose registry base is missing is refused with the command that fetches it (the app never fetches).
+    max_weight_bytes: a directory whose weights file is larger is refused before a byte of it is read."""
     from models.device import inference_dtype, resolve
     dev = resolve(device)
     dt = inference_dtype(dev, dtype)
     root = Path(path)
     cfg, card = _config_and_card(root)
+    if max_weight_bytes is not None and (size := (root / WEIGHTS).stat().st_size) > max_weight_bytes:
+        raise CheckpointError(f"{root / WEIGHTS} is {size / 2**20:,.0f} MiB; this server opens weights files of at most "
+                              f"{max_weight_bytes / 2**20:,.0f} MiB")
 
     try:
         tensors = load_file(str(root / WEIGHTS))
@@ -271,14 +275,14 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
     return ModelInfo(cfg, card, root, source, missing)
 
 
-def load_for_app(path: str | Path) -> LoadedModel:
+def load_for_app(path: str | Path, max_weight_bytes: int | None = None) -> LoadedModel:
     """How the app (and `make gpu-check`, which has no streamlit) opens a model: on the GPU in bfloat16 when
     there is one, else the CPU in float32; MIXSCOPE_DEVICE / MIXSCOPE_DTYPE override (cpu, cuda:1, float32...).
     Parameters without gradients: sessions share the model, and attributions take gradients at the embeddings.
     Never fetches: a browser request must not run a download (a missing base is refused with its command)."""
     import os
     loaded = load_model_dir(path, device=os.environ.get("MIXSCOPE_DEVICE", "auto"),
-                            dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"), fetch=False)
+                            dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"), fetch=False, max_weight_bytes=max_weight_bytes)
     loaded.model.requires_grad_(False)
     return loaded
 

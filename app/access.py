@@ -1,0 +1,62 @@
+"""What a browser user may reach on this server: `make run` (one user, this machine) or `make serve` (a shared box).
+
+In serve mode (MIXSCOPE_SERVE=1) adding a model by path is off unless MIXSCOPE_PATH_ROOTS names directories
+(separated by ':'), and then a typed path must resolve (symlinks and '..' followed) to a directory inside one of
+them; a model's weights file over MIXSCOPE_MAX_WEIGHTS_MB (default 2,048 in serve mode, no cap otherwise) is
+refused before it is read; messages shown in the browser name server directories by label, not by path.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from analysis.zoo import REPO, models_root
+
+
+def serving() -> bool:
+    return os.environ.get("MIXSCOPE_SERVE") == "1"
+
+
+def path_roots() -> list[Path]:
+    """The directories a typed path may lead into (serve mode); empty: adding by path is off."""
+    raw = os.environ.get("MIXSCOPE_PATH_ROOTS", "")
+    return [Path(r).expanduser().resolve() for r in raw.split(os.pathsep) if r.strip()]
+
+
+def max_weight_bytes() -> int | None:
+    mb = os.environ.get("MIXSCOPE_MAX_WEIGHTS_MB") or ("2048" if serving() else "")
+    return int(float(mb) * 2**20) if mb else None
+
+
+def adding_by_path() -> bool:
+    return not serving() or bool(path_roots())
+
+
+def outside_roots(path: str) -> str | None:
+    """Why serve mode will not open this typed path (None: it may): it must lead into one of the roots once
+    symlinks and '..' are resolved. Outside serve mode every path may be tried."""
+    if not serving():
+        return None
+    roots = path_roots()
+    if not roots:
+        return "adding models by path is off on this server"
+    try:
+        real = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):
+        return "that path cannot be resolved"
+    if not any(real == r or r in real.parents for r in roots):
+        return "that path is outside the directories this server opens models from"
+    return None
+
+
+def public(message: str) -> str:
+    """A message as a browser user may see it: the server's directories named by label."""
+    places = [(models_root().resolve(), "<models>"), (REPO.resolve(), "<app>"), (Path.home().resolve(), "~")]
+    cache = os.environ.get("MIXSCOPE_CACHE")
+    if cache:
+        places.append((Path(cache).expanduser().resolve(), "$MIXSCOPE_CACHE"))
+    places += [(r, f"<root {i + 1}>") for i, r in enumerate(path_roots())]
+    for place, label in sorted(places, key=lambda p: -len(str(p[0]))):   # the most specific first
+        if str(place) not in ("/", ""):
+            message = message.replace(str(place), label)
+    return message

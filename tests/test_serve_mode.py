@@ -1,0 +1,74 @@
+"""make serve: what a browser user of a shared server may reach (app/access.py)."""
+import os
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from analysis.zoo import models_root
+from app import access
+
+APP = Path(__file__).resolve().parent.parent / "app"
+
+
+@pytest.fixture
+def serve(monkeypatch, tmp_path):
+    root = tmp_path / "lab"
+    root.mkdir()
+    monkeypatch.setenv("MIXSCOPE_SERVE", "1")
+    monkeypatch.setenv("MIXSCOPE_PATH_ROOTS", str(root))
+    monkeypatch.delenv("MIXSCOPE_MAX_WEIGHTS_MB", raising=False)
+    return root
+
+
+def test_outside_serve_mode_any_path_may_be_tried(monkeypatch):
+    monkeypatch.delenv("MIXSCOPE_SERVE", raising=False)
+    assert access.outside_roots("/etc") is None and access.adding_by_path() and access.max_weight_bytes() is None
+
+
+def test_serve_mode_opens_typed_paths_only_inside_its_roots(serve, tmp_path):
+    (serve / "m").mkdir()
+    (tmp_path / "secret").mkdir()
+    os.symlink(tmp_path / "secret", serve / "link")          # a link out of the root
+    assert access.outside_roots(str(serve / "m")) is None
+    for path in ["/etc", str(tmp_path / "secret"), str(serve / ".." / "secret"), str(serve / "link")]:
+        assert "outside the directories" in access.outside_roots(path), path
+    assert access.max_weight_bytes() == 2048 * 2**20
+
+
+def test_serve_mode_without_roots_turns_adding_by_path_off(monkeypatch):
+    monkeypatch.setenv("MIXSCOPE_SERVE", "1")
+    monkeypatch.delenv("MIXSCOPE_PATH_ROOTS", raising=False)
+    assert not access.adding_by_path() and "off" in access.outside_roots("/anything")
+    at = AppTest.from_file(str(APP / "Models.py"), default_timeout=120).run()
+    assert not at.exception and not at.text_input        # no box to type a path into
+
+
+def test_the_models_page_in_serve_mode(serve, tmp_path):
+    import shutil
+    shutil.copytree(models_root() / "mha", serve / "lab-mha")
+    at = AppTest.from_file(str(APP / "Models.py"), default_timeout=120).run()
+    at.text_input(key="extra_path").input("/etc").run()
+    assert any("outside the directories" in e.value for e in at.error)
+    at.text_input(key="extra_path").input(str(serve / "lab-mha")).run()
+    assert "lab-mha" in list(at.dataframe[0].value["model"])
+    text = " ".join(str(e.value) for e in at.error) + " ".join(at.dataframe[0].value["model"])
+    assert str(models_root().resolve()) not in text
+
+
+def test_an_oversized_weights_file_is_refused_unread(tmp_path, monkeypatch):
+    from models import checkpoint
+    from models.checkpoint import CheckpointError, load_for_app, save_model_dir
+    from models.tokenizer import train_bpe
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    d = save_model_dir(tmp_path / "big", DecoderLM(tiny_config("mha", vocab_size=300)),
+                       train_bpe(["a b c"] * 5, vocab_size=280, min_frequency=1), {"steps": 0})
+    monkeypatch.setattr(checkpoint, "load_file", lambda *a, **k: pytest.fail("the weights were read"))
+    with pytest.raises(CheckpointError, match="this server opens weights files of at most"):
+        load_for_app(d, max_weight_bytes=1024)
+
+
+def test_messages_name_server_directories_by_label(serve):
+    msg = access.public(f"{models_root().resolve() / 'mha'} is broken; see {serve / 'x'} and {Path.home() / 'y'}")
+    assert msg == "<models>/mha is broken; see <root 1>/x and ~/y" or Path.home() == Path("/")
