@@ -118,8 +118,8 @@ def test_attention_long_text_gets_a_window_and_bad_text_a_message():
     at = page("2_Attention.py").run()
     at.text_area(key="text_area").input("the river and the town " * 120).run()
     assert any("Window start" in s.label for s in at.slider)
-    at.text_area(key="text_area").input("x" * 20_001).run()
-    assert "was cut off" in at.warning[0].value   # the box keeps the first 20,000 characters and says so
+    at.text_area(key="text_area").input("x" * 20_001).run()   # the box takes at most 20,000 characters
+    assert len(at.text_area(key="text_area").value) <= 20_000 and not at.exception
     at.text_area(key="text_area").input("").run()
     assert "empty" in at.warning[0].value
 
