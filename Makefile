@@ -41,7 +41,7 @@ serve: $(STAMP)
 	@echo "mixscope (serve mode): http://$(HOST):$(PORT)"
 	MIXSCOPE_SERVE=1 PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Models.py --server.headless true \
 		--server.address $(HOST) --server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false \
-		--client.toolbarMode viewer --server.maxUploadSize 1
+		--client.toolbarMode viewer --server.maxUploadSize 1 --client.showErrorDetails none
 
 test: $(STAMP) chromium
 	$(PY) -m pytest

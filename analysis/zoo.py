@@ -32,19 +32,20 @@ def find_model_dirs(root: Path) -> list[Path]:
 
 def model_id(path: Path, root: Path | None = None) -> str:
     """A model's unique id: its path relative to the models root (a shipped model: its folder name), or, for one
-    added by path, that path as given. `?model=` takes it."""
+    added by path, "path:" and that path as given (never equal to a shipped one's). `?model=` takes it."""
     root = models_root() if root is None else root
     try:
         return str(Path(path).resolve().relative_to(Path(root).resolve()))
     except (ValueError, OSError, RuntimeError):
-        return str(path)
+        return f"path:{path}"
 
 
 def model_labels(paths: list[Path], root: Path | None = None) -> dict[str, str]:
     """id -> what a selector shows: the folder name, or, when two models share it, the name and where it lives."""
     ids = [model_id(p, root) for p in paths]
     names = [Path(p).name for p in paths]
-    return {i: n if names.count(n) == 1 else f"{n} ({'shipped' if i == n else Path(i).parent})"
+    where = {i: Path(i.removeprefix("path:")).parent if i.startswith("path:") else "shipped" for i in ids}
+    return {i: n if names.count(n) == 1 else f"{n} ({where[i]})"
             for i, n in zip(ids, names)}
 
 

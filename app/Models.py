@@ -30,7 +30,9 @@ if not paths:
     st.stop()
 
 table = zoo_table(paths)  # configs, cards and weight headers only: no model is loaded to list it
-table["model"] = table["model"].map(access.public)
+for col in ("model", "note", "data"):  # what the browser sees names server directories by label
+    if col in table:
+        table[col] = table[col].map(lambda v: access.public(v) if isinstance(v, str) else v)
 good = table[table["error"].isna()].drop(columns=["error", "path"])
 first = ["model", "mixer", "test ppl", "PRR", "PEoP", "attention params", "total params", "KV-cache bytes/token",
          "adapter", "trainable %"]

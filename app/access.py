@@ -49,8 +49,43 @@ def outside_roots(path: str) -> str | None:
     return None
 
 
+MEMBERS = ("config.json", "model.safetensors", "tokenizer.json", "card.json", "base.json")
+
+
+def _inside(real: Path, places: list[Path]) -> bool:
+    return any(real == p or p in real.parents for p in places)
+
+
+def model_dir_problem(path: str | Path) -> str | None:
+    """Why serve mode will not open this model directory now (None: it may), checked when it is opened, not only
+    when it was added: the directory and each of its files must resolve inside the models folder or a root (no
+    symlink out), and a base it is stored over must be the registry cache's or lie inside them too. A card's
+    init_from (a pruned model's dense twin) is opened through here as well. Outside serve mode: None."""
+    if not serving():
+        return None
+    from models.delta import base_cache, base_dir_for, read_base_spec
+    places = [models_root().resolve(), *path_roots()]
+    try:
+        real = Path(path).expanduser().resolve()
+        if not _inside(real, places):
+            return "it is outside the directories this server opens models from"
+        if any((real / m).exists() and not _inside((real / m).resolve(), [real]) for m in MEMBERS):
+            return "a file in it links outside the directory"
+        if (real / "base.json").is_file():
+            source = read_base_spec(real)["source"]
+            base = base_dir_for(source, real).resolve()
+            if not (source.startswith("pypi:") and _inside(base, [base_cache().resolve()])) and not _inside(base, places):
+                return "the base its base.json names is outside the directories this server opens models from"
+    except Exception as e:  # noqa: BLE001 - an unreadable directory or base.json is refused, whatever the reason
+        return f"it cannot be checked ({type(e).__name__})"
+    return None
+
+
 def public(message: str) -> str:
-    """A message as a browser user may see it: the server's directories named by label."""
+    """A message as a browser user of a shared server may see it: the server's directories named by label
+    (serve mode; `make run`'s one local user sees the paths)."""
+    if not serving():
+        return message
     places = [(models_root().resolve(), "<models>"), (REPO.resolve(), "<app>"), (Path.home().resolve(), "~")]
     cache = os.environ.get("MIXSCOPE_CACHE")
     if cache:

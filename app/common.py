@@ -37,6 +37,9 @@ def setup(title: str) -> None:
 
 @st.cache_resource(max_entries=16, show_spinner="Loading model…")
 def load(path: str):
+    problem = access.model_dir_problem(path)  # serve mode: the roots, checked again when the model is opened
+    if problem:
+        raise CheckpointError(access.public(f"{path}: {problem}"))
     return load_for_app(path, access.max_weight_bytes())  # on the GPU (bf16) when there is one
 
 
@@ -172,7 +175,7 @@ def export_buttons(fig, table, name: str, model_dir=None, text: str | None = Non
                             file_name=f"{name}.csv", mime="text/csv",
                             on_click="ignore", key=f"dl_{key}_csv")
     meta = export.sidecar(model_dir, text, settings or {}, name)
-    cols[4].download_button("JSON", data=json.dumps(meta, indent=2), file_name=f"{name}.json", mime="application/json",
+    cols[4].download_button("JSON", data=access.public(json.dumps(meta, indent=2)), file_name=f"{name}.json", mime="application/json",
                             on_click="ignore", key=f"dl_{key}_json")
 
 

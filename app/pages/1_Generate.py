@@ -16,6 +16,7 @@ import streamlit as st  # noqa: E402
 from analysis import live  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
 from analysis.text import MAX_CHARS  # noqa: E402
+from app import access  # noqa: E402
 from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
 from models import trace as traces  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
@@ -32,12 +33,14 @@ def twin_for(loaded):
     path = dense_base_path(loaded)
     if not path:
         return None, "no dense base is recorded on this model's card"
+    if access.model_dir_problem(path):  # serve mode: a card's init_from may point anywhere; say nothing of it
+        return None, "its dense base is not one this server opens"
     if not Path(path).is_dir() or unfetched_base(loaded.path):
-        return None, f"its dense base {path} is not on this machine (`make run` fetches registry bases)"
+        return None, access.public(f"its dense base {path} is not on this machine (`make run` fetches registry bases)")
     try:
         return load(str(Path(path))), None
     except CheckpointError as e:
-        return None, f"its dense base {path} does not load: {e}"
+        return None, access.public(f"its dense base {path} does not load: {e}")
 
 
 setup("Generate")
@@ -227,6 +230,7 @@ if saved and saved["model"] == str(loaded.path):
         files = traces.files(tr)
         d = st.columns(3)
         for col, (suffix, body) in zip(d, files.items()):
+            body = access.public(body) if isinstance(body, str) else body  # serve mode: no server paths in files
             col.download_button(f"trace{suffix}", body, file_name=f"trace{suffix}", on_click="ignore", key=f"dl_trace{suffix}",
                                 mime="application/json" if suffix == ".json" else "text/csv")
     else:

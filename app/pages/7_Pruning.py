@@ -11,6 +11,7 @@ import streamlit as st  # noqa: E402
 
 from analysis import pruning, tokens  # noqa: E402
 from analysis.pruning import LEARNED, NOTHING  # noqa: E402
+from app import access  # noqa: E402
 from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json, valid_sparsity  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
@@ -161,8 +162,8 @@ if base_dir and not ask:
     try:
         base_lp = cached_logprobs(str(Path(base_dir)), ids)
         m[4].metric("perplexity (dense base)", f"{tokens.perplexity(base_lp):.2f}")
-    except (CheckpointError, ValueError) as e:
-        m[4].caption(f"dense base {base_dir}: {e}")
+    except (CheckpointError, ValueError) as e:  # (load() refuses, in serve mode, a base outside its roots)
+        m[4].caption(access.public(f"dense base {base_dir}: {e}"))
 elif cfg.prune and not base_dir:
     m[4].caption("no dense base recorded on this model's card")
 
