@@ -10,7 +10,7 @@ import streamlit as st
 import torch
 
 from analysis import export
-from app import access
+from app import access, model_cache
 from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
 from models.checkpoint import CheckpointError, load_for_app
@@ -35,12 +35,16 @@ def setup(title: str) -> None:
     st.title(title)
 
 
-@st.cache_resource(max_entries=16, show_spinner="Loading model…")
+MODELS = model_cache.from_env()  # shared by every session of this server; bounded by bytes and idle time
+
+
 def load(path: str):
-    problem = access.model_dir_problem(path)  # serve mode: the roots, checked again when the model is opened
-    if problem:
-        raise CheckpointError(access.public(f"{path}: {problem}"))
-    return load_for_app(path, access.max_weight_bytes())  # on the GPU (bf16) when there is one
+    def fresh():
+        problem = access.model_dir_problem(path)  # serve mode: the roots, checked again when the model is opened
+        if problem:
+            raise CheckpointError(access.public(f"{path}: {problem}"))
+        return load_for_app(path, access.max_weight_bytes())  # on the GPU (bf16) when there is one
+    return MODELS.get(path, fresh)
 
 
 MAX_PATH = 1024  # characters of a path typed on the Models page
@@ -95,7 +99,8 @@ def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accep
     chosen = where.selectbox(label, ids, index=index, key=key, format_func=labels.get)
     path, name = paths[ids.index(chosen)], labels[chosen]
     try:
-        loaded = load(str(path))
+        with st.spinner(f"Loading {name}…"):
+            loaded = load(str(path))
     except CheckpointError as e:
         where.error(access.public(str(e)))
         return None

@@ -1,0 +1,74 @@
+"""The loaded models every browser session shares, bounded by bytes and idle time rather than by count.
+
+Streamlit's cache_resource bounds entries by number: 16 models of 500 MB each would hold 8 GB. Here the least
+recently used models are let go once the total passes the budget (MIXSCOPE_MODEL_CACHE_MB, default 4,096), and
+any model unused for MIXSCOPE_MODEL_IDLE_S seconds (default 1,800) is let go at the next request. A model just
+loaded is kept even when it alone passes the budget (a page needs it); one that a running computation still
+holds stays in memory until that computation ends, as Python frees it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+
+
+def nbytes(loaded) -> int:
+    """Bytes of a loaded model's parameters and buffers."""
+    model = loaded.model
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+class ModelCache:
+    def __init__(self, budget_bytes: int, idle_s: float, clock=time.monotonic, size=nbytes):
+        self.budget, self.idle_s, self.clock, self.size = budget_bytes, idle_s, clock, size
+        self._items: OrderedDict[str, list] = OrderedDict()   # key -> [value, bytes, last used]; oldest first
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}          # one load per key at a time
+
+    def get(self, key: str, load):
+        with self._lock:
+            self._drop_idle()
+            if key in self._items:
+                item = self._items[key]
+                item[2] = self.clock()
+                self._items.move_to_end(key)
+                return item[0]
+            gate = self._loading.setdefault(key, threading.Lock())
+        with gate:  # a second session asking for the same model waits for the first load, then shares it
+            with self._lock:
+                if key in self._items:
+                    self._items[key][2] = self.clock()
+                    return self._items[key][0]
+            value = load()  # raises: nothing cached
+            with self._lock:
+                self._items[key] = [value, self.size(value), self.clock()]
+                self._loading.pop(key, None)
+                self._drop_over_budget(keep=key)
+            return value
+
+    def _drop_idle(self) -> None:
+        now = self.clock()
+        for key in [k for k, (_, _, used) in self._items.items() if now - used > self.idle_s]:
+            del self._items[key]
+
+    def _drop_over_budget(self, keep: str) -> None:
+        while self.total() > self.budget and len(self._items) > 1:
+            oldest = next(k for k in self._items if k != keep)
+            del self._items[oldest]
+
+    def total(self) -> int:
+        return sum(b for _, b, _ in self._items.values())
+
+    def keys(self) -> list[str]:
+        return list(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+def from_env() -> ModelCache:
+    return ModelCache(int(float(os.environ.get("MIXSCOPE_MODEL_CACHE_MB", "4096")) * 2**20),
+                      float(os.environ.get("MIXSCOPE_MODEL_IDLE_S", "1800")))
