@@ -44,7 +44,7 @@ def outside_roots(path: str) -> str | None:
         real = Path(path).expanduser().resolve()
     except (OSError, RuntimeError, ValueError):
         return "that path cannot be resolved"
-    if not any(real == r or r in real.parents for r in roots):
+    if not _inside(real, roots):
         return "that path is outside the directories this server opens models from"
     return None
 
@@ -74,7 +74,8 @@ def model_dir_problem(path: str | Path) -> str | None:
         if (real / "base.json").is_file():
             source = read_base_spec(real)["source"]
             base = base_dir_for(source, real).resolve()
-            if not (source.startswith("pypi:") and _inside(base, [base_cache().resolve()])) and not _inside(base, places):
+            registry = source.startswith("pypi:") and _inside(base, [base_cache().resolve()])
+            if not registry and not _inside(base, places):
                 return "the base its base.json names is outside the directories this server opens models from"
     except Exception as e:  # noqa: BLE001 - an unreadable directory or base.json is refused, whatever the reason
         return f"it cannot be checked ({type(e).__name__})"

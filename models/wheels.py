@@ -11,7 +11,6 @@ MIXSCOPE_CACHE/wheels (default ~/.cache/mixscope/wheels), beside the bases, neve
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -50,14 +49,6 @@ def wheel_cache() -> Path:
     return Path(os.environ.get("MIXSCOPE_CACHE", Path.home() / ".cache" / "mixscope")) / "wheels"
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @contextmanager
 def locked(path: Path):
     """An exclusive lock held on `path` (created if missing) for the block: one fetch of a thing at a time."""
@@ -76,7 +67,8 @@ def _normal(name: str) -> str:
 
 def cached_wheel(name: str, version: str, cache: Path) -> Path | None:
     """The cached wheel of exactly this name and version (not any version of the name)."""
-    found = [p for p in cache.glob("*.whl") if [_normal(x) for x in p.name.split("-")[:2]] == [_normal(name), _normal(version)]]
+    want = [_normal(name), _normal(version)]
+    found = [p for p in cache.glob("*.whl") if [_normal(x) for x in p.name.split("-")[:2]] == want]
     return sorted(found)[-1] if found else None
 
 
@@ -116,7 +108,8 @@ def download(spec: str, cache: Path | None = None, sha256: str | None = None, ru
 
 
 def _check_pin(wheel: Path, sha256: str | None) -> None:
-    if sha256 is not None and (got := sha256_of(wheel)) != sha256:
+    from models.checkpoint import file_sha256
+    if sha256 is not None and (got := file_sha256(wheel)) != sha256:
         raise WheelError(f"{wheel.name} has sha256 {got[:16]}..., not the pinned {sha256[:16]}...: not the wheel this "
                          "model was made from; remove it from the wheel cache and fetch again")
 

@@ -4,7 +4,6 @@ documents, and the user's own text files."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from models.data import rdata
-from models.data.corpus import DataError, Doc
+from models.data.corpus import DataError, Doc, sha256_bytes
 
 log = logging.getLogger("models.data")
 DEFAULT_SOURCES = ("austen", "sotu", "wiki_vital")
@@ -224,7 +223,7 @@ def fetch(src: Source, downloads: Path) -> Path:
 def _pinned(src: Source, archive: Path, fresh: bool = False) -> Path:
     """The archive, once its sha256 is the pinned one (a fresh download that is not is removed)."""
     if src.sha256:
-        got = hashlib.sha256(archive.read_bytes()).hexdigest()
+        got = sha256_bytes(archive.read_bytes())
         if got != src.sha256:
             if fresh:
                 archive.unlink(missing_ok=True)
