@@ -67,24 +67,30 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def token_table(keeps: np.ndarray, labels: list[str], tags: list[str], dropped_at: np.ndarray | None = None) -> pd.DataFrame:
-    """One row per (layer, token): dropped or kept to the end, at which step, by which token (trigger), and the
-    share of the later queries of the text that could not see it (hidden_share; NaN for the last token).
-    dropped_at [L,T] (-1: never), when given, says the step (an eviction policy's, see method_run); otherwise it
-    is read off the keep masks (the learned rule: the first query that no longer sees the token)."""
+    """One row per (layer, token): dropped (by every row of the layer: its K/V gone from the layer), the share of
+    rows that dropped it (drop_share: rows are the KV groups under a per-group policy, else the layer alone), at
+    which step it left the layer, by which token (trigger), and the share of the later queries of the text that
+    could not see it (hidden_share, averaged over rows; NaN for the last token).
+    keeps [L,R,T,T] (or [L,T,T]: one row); dropped_at [L,R,T] (-1: never), when given, says the steps (an eviction
+    policy's, see method_run); otherwise they are read off the keep masks (the learned rule: the first query that
+    no longer sees the token)."""
+    if keeps.ndim == 3:
+        keeps = keeps[:, None]
+        dropped_at = None if dropped_at is None else dropped_at[:, None]
     rows = []
     for layer, keep in enumerate(keeps):
-        t = keep.shape[0]
-        later = np.tril(keep, -1).sum(0)                            # how many later queries saw each token
+        t = keep.shape[-1]
+        later = np.tril(keep, -1).sum(1)                            # [R,T]: how many later queries saw each token
         hidden = np.full(t, np.nan)
-        hidden[:-1] = 1 - later[:-1] / (t - 1 - np.arange(t - 1))
-        if dropped_at is None:
-            step = drop_records(torch.from_numpy(keep)[None])[0][0].numpy()
-        else:
-            step = dropped_at[layer]
-        for j in range(keep.shape[0]):
-            s = int(step[j])
+        hidden[:-1] = (1 - later[:, :-1] / (t - 1 - np.arange(t - 1))).mean(0)
+        step = drop_records(torch.from_numpy(keep))[0].numpy() if dropped_at is None else dropped_at[layer]
+        gone = step >= 0                                               # [R,T]
+        left = np.where(gone.all(0), step.max(0), -1)                  # the step its last row let it go
+        share = gone.mean(0)
+        for j in range(t):
+            s = int(left[j])
             rows.append({"layer": layer, "position": j, "token": labels[j], "pos": tags[j], "dropped": s >= 0,
-                         "dropped_at": s, "trigger_token": labels[s] if s >= 0 else None,
+                         "drop_share": float(share[j]), "dropped_at": s, "trigger_token": labels[s] if s >= 0 else None,
                          "trigger_pos": tags[s] if s >= 0 else None, "lifetime": (s - j) if s >= 0 else None,
                          "hidden_share": hidden[j]})
     return pd.DataFrame(rows)
@@ -95,13 +101,14 @@ LEARNED, NOTHING = "learned", "none"  # the model's own rule; nothing evicted (t
 
 
 def method_run(model, ids: list[int], method: str, budget: int | None = None, prompt: int | None = None):
-    """What one method does to a text: (visible [L,T,T] uint8, dropped_at [L,T] or None, log-probabilities [T-1]).
-    method: LEARNED (a pruned model's own rule, one forward; dropped_at None: read off the masks), NOTHING, or an
-    eviction policy's name run at `budget` tokens (models.pruning.replay: one forward, the model's learned rule
-    off, the decisions decoding token by token makes). SnapKV needs the prompt's length."""
+    """What one method does to a text: (visible [L,R,T,T] uint8, dropped_at [L,R,T] or None, log-probabilities
+    [T-1]); R rows per layer: its KV groups under a per-group policy, else one. method: LEARNED (a pruned model's
+    own rule, one forward; dropped_at None: read off the masks), NOTHING, or an eviction policy's method id run at
+    `budget` tokens (models.pruning.replay: one forward, the model's learned rule off, the decisions decoding
+    token by token makes). A policy in prompt mode needs the prompt's length."""
     if method == LEARNED:
         keeps, lp = keeps_and_logprobs(model, ids)
-        return keeps, None, lp
+        return keeps[:, None], None, lp
     run = replay(model, ids, None if method == NOTHING else policies.make(method, budget), prompt=prompt)
     return run.visible.to(torch.uint8).cpu().numpy(), run.dropped_at.cpu().numpy(), run.logprobs.cpu().numpy()
 
@@ -174,7 +181,7 @@ def pos_profile(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     for method, t in tables.items():
         t = t[t["hidden_share"].notna()]
         g = t.groupby("pos").agg(token_layers=("dropped", "size"), hidden_share=("hidden_share", "mean"),
-                                 drop_rate=("dropped", "mean")).reset_index()
+                                 drop_rate=("drop_share", "mean")).reset_index()
         rows.append(g.assign(method=method))
     return pd.concat(rows, ignore_index=True)[["method", "pos", "token_layers", "hidden_share", "drop_rate"]]
 
@@ -195,7 +202,7 @@ def pos_drop_rates(table: pd.DataFrame) -> pd.DataFrame:
     """Per layer and POS tag: tokens, share dropped, and keep probability. The last token (nobody after
     it could drop it) is left out."""
     t = table[table["position"] < table["position"].max()]
-    g = t.groupby(["layer", "pos"])["dropped"].agg(["size", "mean"]).reset_index()
+    g = t.groupby(["layer", "pos"])["drop_share"].agg(["size", "mean"]).reset_index()
     g.columns = ["layer", "pos", "tokens", "drop_rate"]
     g["keep_probability"] = 1 - g["drop_rate"]
     return g
@@ -207,9 +214,12 @@ def trigger_counts(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def sparsity_per_layer(keeps: np.ndarray) -> pd.DataFrame:
-    """Mean over the queries that have earlier tokens of the share of them dropped, per layer."""
-    s = mean_sparsity(torch.from_numpy(keeps).float(), count_first=False).numpy() if keeps.shape[-1] > 1 else 0.0
-    return pd.DataFrame({"layer": np.arange(len(keeps)), "sparsity": s})
+    """Mean over the queries that have earlier tokens of the share of them dropped, per layer (keeps [L,R,T,T]:
+    the mean over the layer's rows, its KV groups under per-group eviction; or [L,T,T])."""
+    if keeps.shape[-1] < 2:
+        return pd.DataFrame({"layer": np.arange(len(keeps)), "sparsity": 0.0})
+    s = mean_sparsity(torch.from_numpy(keeps).float(), count_first=False)
+    return pd.DataFrame({"layer": np.arange(len(keeps)), "sparsity": (s.mean(1) if s.dim() == 2 else s).numpy()})
 
 
 def pos_heatmap(rates: pd.DataFrame, title: str) -> go.Figure:
@@ -223,12 +233,13 @@ def pos_heatmap(rates: pd.DataFrame, title: str) -> go.Figure:
 
 
 def token_layer_figure(table: pd.DataFrame, title: str) -> go.Figure:
-    """Tokens x layers: dropped (1) or kept (0) by the end of the text."""
-    pivot = table.pivot(index="layer", columns="position", values="dropped").astype(float)
+    """Tokens x layers: the share of the layer's rows (KV groups under per-group eviction) that dropped the token
+    by the end of the text (1: dropped, 0: kept)."""
+    pivot = table.pivot(index="layer", columns="position", values="drop_share").astype(float)
     labels = table[table["layer"] == 0].sort_values("position")["token"].tolist()
     fig = go.Figure(go.Heatmap(z=pivot.values, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]], zmin=0, zmax=1, showscale=False,
                                customdata=np.array([labels] * len(pivot)), hovertemplate="%{customdata} (pos %{x}), layer %{y}: "
-                               "%{z}<extra>1 = dropped</extra>"))
+                               "%{z:.2f}<extra>1 = dropped (by every group)</extra>"))
     step = max(1, len(labels) // 60)
     fig.update_xaxes(tickvals=list(range(0, len(labels), step)), ticktext=labels[::step], tickangle=-60)
     fig.update_yaxes(title="layer", autorange="reversed")
@@ -251,6 +262,9 @@ def struck_text_html(table: pd.DataFrame, layer: int) -> str:
         if r["dropped"]:
             out.append(f'<s title="dropped at position {r["dropped_at"]} by {html.escape(str(r["trigger_token"]))}" '
                        f'style="color:#c0392b">{tok}</s>')
+        elif r["drop_share"] > 0:  # some KV groups of the layer dropped it, others hold it
+            out.append(f'<u title="dropped by {r["drop_share"]:.0%} of this layer\'s KV groups" '
+                       f'style="text-decoration-style:dotted;color:#a04000">{tok}</u>')
         else:
             out.append(f"<span>{tok}</span>")
     return '<div style="white-space:pre-wrap;line-height:1.7">' + "".join(out) + "</div>"

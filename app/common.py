@@ -14,6 +14,7 @@ from app import access, model_cache
 from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
 from models.checkpoint import CheckpointError, load_for_app
+from models.pruning import policies
 
 # Threads for the models, set once for the server: all cores by default (MIXSCOPE_THREADS to share the machine).
 # Sessions share them: two sessions computing at once split the cores rather than each taking them all.
@@ -25,13 +26,17 @@ SAMPLE_TEXT = ("The committee met again on Tuesday. After a long debate about th
 
 
 # what the Pruning and Generate pages call each method: a pruned model's own rule, nothing evicted, or a policy
-METHOD_TITLES = {"learned": "learned (this model's own rule)", "none": "none (every token kept)",
-                 "streamingllm": "StreamingLLM (4 sinks + recent window)", "tova": "TOVA (least attended now)",
-                 "h2o": "H2O (heavy hitters + recent)", "snapkv": "SnapKV (prompt compressed once)"}
+METHOD_TITLES = {"learned": "learned (this model's own rule)", "none": "none (every token kept)"}
+
+
+def method_title(method: str) -> str:
+    """The learned rule, nothing, or an eviction policy's method id (models.pruning.policies.title)."""
+    return METHOD_TITLES.get(method) or policies.title(method)
 
 
 def setup(title: str) -> None:
     st.set_page_config(page_title=f"mixscope · {title}", layout="wide")
+    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own eviction policies (docs/policies.md)
     st.title(title)
 
 

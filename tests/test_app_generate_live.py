@@ -114,17 +114,17 @@ def under_policy(model: str, default: str, method: str, budget: int, n: int) -> 
 
 
 def test_a_dense_model_under_a_policy_streams_its_evictions_beside_itself_with_nothing_evicted():
-    at = under_policy("mha", "none", "h2o", 12, 20)
+    at = under_policy("mha", "none", "h2o-layer", 12, 20)
     (path, res, tr), (_, twin, _) = at.session_state["gen_result"]["runs"]
-    assert at.session_state["gen_result"]["labels"] == ["h2o", "nothing evicted"]
+    assert at.session_state["gen_result"]["labels"] == ["h2o-layer", "nothing evicted"]
     assert res.cache_kind == "compacted" and twin.cache_kind == "static"
     assert max(res.events[-1].live) == 12 and any(e.drops for e in res.events)   # held to the budget, drops recorded
     labels = {m.label for m in at.metric}
-    assert {"cache memory saved", "latency h2o / nothing evicted"} <= labels
+    assert {"cache memory saved", "latency h2o-layer / nothing evicted"} <= labels
     import numpy as np
     strip = heat(at)
     assert (np.nan_to_num(strip, nan=1) == 0).any()                             # the strip shows evicted tokens
-    assert any(s.value == "h2o vs nothing evicted" for s in at.subheader)
+    assert any(s.value == "h2o-layer vs nothing evicted" for s in at.subheader)
 
 
 def test_a_pruned_model_under_a_policy_runs_beside_its_own_rule():

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from models.pruning import policies
 from streamlit.testing.v1 import AppTest
 
 from analysis.zoo import models_root
@@ -37,7 +39,7 @@ def test_pruning_page(pruned_zoo):
     at = AppTest.from_file(PAGE, default_timeout=180).run()
     assert at.sidebar.selectbox(key="model").value == "pruned"       # opens on a pruned model, not "base"
     assert not at.exception, at.exception
-    assert at.selectbox(key="prune_method").value == "learned" and len(at.selectbox(key="prune_method").options) == 5
+    assert at.selectbox(key="prune_method").value == "learned" and len(at.selectbox(key="prune_method").options) == 1 + len(policies.REGISTRY)
     t = titles(at)
     assert "mha, learned pruning: tokens dropped per layer" in t and any("part of speech" in x for x in t)
     labels = {m.label for m in at.metric}
@@ -73,12 +75,13 @@ def test_a_dense_model_runs_every_policy_at_its_budget(pruned_zoo):
     at.sidebar.selectbox(key="model").select("base").run()
     assert not at.exception, at.exception
     method = at.selectbox(key="prune_method")
-    assert [o.split()[0] for o in method.options] == ["StreamingLLM", "TOVA", "H2O", "SnapKV"]   # no learned rule
+    assert [o.split()[0] for o in method.options] == ["StreamingLLM", "TOVA", "TOVA", "H2O", "H2O", "SnapKV", "SnapKV",
+                                                      "Oracle"]   # no learned rule; per layer and per KV group
     n = window_length(pruned_zoo)
     for name in ["streamingllm", "tova", "h2o", "snapkv"]:
         at.selectbox(key="prune_method").select(name).run()
         assert not at.exception, (name, at.exception)
-        budget = max(policies.REGISTRY[name].min_budget, round(0.25 * n))
+        budget = max(policies.min_budget(name), round(0.25 * n))
         prompt = max(2, 3 * n // 4) if name == "snapkv" else None
         want = page_sparsity(name, budget, n, prompt)
         assert metric(at, "mean sparsity (all layers)") == f"{want:.1%}", name
@@ -116,9 +119,10 @@ def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
     at.toggle(key="prune_all").set_value(True).run()
     assert not at.exception, at.exception
     every = at.dataframe[-1].value
-    assert list(every["method"]) == ["learned pruning", "streamingllm", "tova", "h2o", "snapkv"]
+    assert list(every["method"]) == ["learned pruning", "streamingllm", "tova", "tova-group", "h2o", "h2o-layer", "snapkv",
+                                     "snapkv-layer", "oracle"]
     for _, r in every.iloc[1:].iterrows():   # matched (a budget is a whole number of tokens), or at its smallest budget
-        assert abs(r["sparsity"] - learned) < 0.05 or r["budget"] == policies.REGISTRY[r["method"]].min_budget, r["method"]
+        assert abs(r["sparsity"] - learned) < 0.05 or r["budget"] == policies.min_budget(r["method"]), r["method"]
     assert "every method at matched sparsity: hidden from later queries, by part of speech" in titles(at)
 
 

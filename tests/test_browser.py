@@ -210,7 +210,7 @@ def test_pruning_page_puts_the_learned_rule_beside_a_policy(server, browser):
     page.goto(f"{server}/Pruning?model=mha-1024-pruned")
     wait_idle(page)
     open_selectbox(page, "Compare with")
-    page.get_by_role("option", name="H2O (heavy hitters + recent)").click(timeout=60_000)
+    page.get_by_role("option", name="H2O per KV group (heavy hitters + recent), step by step").click(timeout=60_000)
     page.wait_for_selector("text=Tokens they disagree on", timeout=180_000)
     wait_idle(page)
     assert page.locator("[data-testid='stException']").count() == 0

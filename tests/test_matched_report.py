@@ -79,7 +79,7 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
     out = tmp_path / "m.md"
     assert matched.main(["assets/models/mha-1024-pruned", "--base", "assets/models/mha-1024",
                          "--source", f"held={tmp_path}:test", "--window", "130", "--windows", "2",
-                         "--policies", "tova,snapkv", "--prompt-share", "0.5", "--out", str(out)]) == 0
+                         "--policies", "tova,snapkv-layer", "--prompt-share", "0.5", "--out", str(out)]) == 0
     text = out.read_text()
     assert "--prompt-share 0.5" in text and "after a prompt: the first 65 tokens" in text.lower()
     table = text.split("## held: after a 65-token prompt (2 windows, 128 scored tokens)")[1]
@@ -89,8 +89,8 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
     from analysis import pruning
     runs = [pruning.method_run(learned, w, pruning.LEARNED) for w in windows]
     # query k (65..128) sees (row sum - 1) of its k earlier tokens; mean over layers, queries and windows
-    sp = float(np.mean([(1 - (v[:, 65:129].astype(float).sum(-1) - 1) / np.arange(65, 129)).mean() for v, _, _ in runs]))
-    for name, prefill in (("tova", 1), ("snapkv", 65)):
+    sp = float(np.mean([(1 - (v[:, 0, 65:129].astype(float).sum(-1) - 1) / np.arange(65, 129)).mean() for v, _, _ in runs]))
+    for name, prefill in (("tova", 1), ("snapkv-layer", 65)):   # (decoding evicts per layer: per group is replay's)
         b = policies.budget_for(name, sp, 129, 65, first=65)
         row = re.search(rf"\| {name} \| {b} \| [\d.]+% \| ([\d.]+) \|", table)
         assert row, (name, b, table)
@@ -107,7 +107,7 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
     ap = matched.argparse.ArgumentParser()
     matched.add_arguments(ap)
     args = ap.parse_args(["--source", f"held={tmp_path}:test", "--prompt-share", "0"])  # the default policies
-    assert matched.parse(ap, args, 130)[1:] == (["streamingllm", "tova", "h2o"], None)
+    assert matched.parse(ap, args, 130)[1:] == ([m for m in matched.DEFAULT_POLICIES if not policies.once(m)], None)
     for share in ("1", "0.001"):
         with pytest.raises(SystemExit):
             matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", f"held={tmp_path}:test",

@@ -76,7 +76,7 @@ def test_streamingllm_holds_the_sinks_and_the_recent_window():
 
 def brute_snapkv(budget, window, pool, n_prompt, probs):  # probs [H, W, n_prompt]
     earlier = list(range(n_prompt - window))
-    vote = {j: float(probs[:, :, j].sum()) for j in earlier}
+    vote = {j: float(probs[:, :, j].sum(1).sum(0)) for j in earlier}  # over the window, then the heads, as summed
     pooled = {j: max(vote[i] for i in range(max(0, j - pool // 2), min(len(earlier), j + pool // 2 + 1)))
               for j in earlier}
     best = sorted(earlier, key=lambda j: (-pooled[j], -vote[j], j))[:max(0, budget - window)]
@@ -98,7 +98,7 @@ def test_snapkv_keeps_the_observation_window_and_the_pooled_top(budget, window, 
     for r in range(rows):
         probs[r][:, :, perm[r, :n_prompt]] = by_pos[r]
     pol = policies.make("snapkv", budget, window=window, pool=pool)
-    keep = pol.select(live, pos, torch.full((rows,), n_prompt), probs)
+    keep = pol.compress(live, pos, torch.full((rows,), n_prompt), probs.sum(2))
     for r in range(rows):
         got = {int(pos[r, i]) for i in range(s) if keep[r, i]}
         assert got == brute_snapkv(budget, window, pool, n_prompt, by_pos[r])
@@ -133,7 +133,7 @@ def spy(policy):
     return calls
 
 
-@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o", 8)])
+@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o-layer", 8)])
 def test_in_the_model_every_layer_evicts_by_the_policy(name, budget):
     from models import trace
     from models.generate import generate
@@ -159,7 +159,7 @@ def test_in_the_model_every_layer_evicts_by_the_policy(name, budget):
                 for slot in range(pos.shape[1]):
                     if pos[0, slot] >= 0:
                         att[t, :, int(pos[0, slot])] = probs[0, :, slot] + 1e-30
-        want = brute_heads(name, budget, att, total)
+        want = brute_heads(name.removesuffix("-layer"), budget, att, total)
         got = [{p for p in range(len(row)) if row[p]} for row in (trace.held_at(tr, s)[layer] for s in range(len(res.events)))]
         # held_at(s) is the cache after step s: the prompt's last token was fed at step 0
         assert got == [want[len(prompt) - 1 + s] for s in range(len(res.events))]
@@ -181,7 +181,7 @@ def test_snapkv_in_the_model_keeps_its_selection_and_everything_after():
     from tests.test_compact_cache import model_for
     model = model_for("mha", prune=False, context=64, seed=3).float()
     prompt = list(range(3, 33))                                   # 30 tokens
-    res = generate(model, prompt, 10, greedy=True, policy=policies.make("snapkv", 16, window=4))
+    res = generate(model, prompt, 10, greedy=True, policy=policies.make("snapkv-layer", 16, window=4))
     first, last = res.events[0].live, res.events[-1].live
     assert all(n == 16 for n in first)                            # 12 chosen + the 4-token window
     assert all(n == 16 + 9 for n in last)                          # then every generated token is kept
@@ -189,7 +189,8 @@ def test_snapkv_in_the_model_keeps_its_selection_and_everything_after():
         model_for("mha", prune=False, context=64, pattern="local", pattern_k=4).new_compact_cache(policy=policies.make("tova", 8))
 
 
-@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o", 8), ("snapkv", 12)])
+@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o-layer", 8), ("snapkv-layer", 12),
+                                          ("h2o-layer:prompt", 8)])
 def test_a_pruned_model_under_a_policy_decodes_with_its_rule_off(name, budget):
     """Its own weights, the policy deciding: the same tokens, drops and cache as the same weights without a rule,
     and no K_int kept."""
@@ -199,7 +200,7 @@ def test_a_pruned_model_under_a_policy_decodes_with_its_rule_off(name, budget):
     pruned = model_for("mha", prune=True, context=64, seed=3).float()
     pruned.load_state_dict(dense.state_dict(), strict=False)
     prompt = list(range(3, 23))
-    kw = {"window": 4} if name == "snapkv" else {}
+    kw = {"window": 4} if name.startswith("snapkv") else {}
     a = generate(dense, prompt, 15, greedy=True, policy=policies.make(name, budget, **kw))
     b = generate(pruned, prompt, 15, greedy=True, policy=policies.make(name, budget, **kw))
     assert b.new_ids == a.new_ids
@@ -220,7 +221,7 @@ def test_token_by_token_scores_equal_the_full_forward_and_count_what_queries_saw
         full = dense(torch.tensor([ids[:-1]]), targets=torch.tensor([ids[1:]])).loss.item() * n
     got = score_token_by_token(dense, ids)
     assert got["nll"] == pytest.approx(full, rel=1e-5) and got["sparsity"] == 0.0 and got["tokens"] == n
-    for name, budget, sees in (("streamingllm", 6, 5), ("tova", 6, 6), ("h2o", 6, 6)):
+    for name, budget, sees in (("streamingllm", 6, 5), ("tova", 6, 6), ("h2o-layer", 6, 6)):
         # StreamingLLM evicts before the query attends (it sees budget - 1 earlier tokens); TOVA and H2O after
         got = score_token_by_token(dense, ids, policies.make(name, budget, **({"sinks": 2} if name == "streamingllm" else {})))
         assert got["sparsity"] == pytest.approx(sum(1 - min(i, sees) / i for i in range(1, n)) / n)

@@ -14,8 +14,12 @@ IDS = [int(i) for i in torch.randint(0, 61, (40,), generator=torch.Generator().m
 KW = {"streamingllm": {"sinks": 2}, "snapkv": {"window": 4}}
 
 
+def make(method, budget):
+    return policies.make(method, budget, **KW.get(method.split(":")[0].removesuffix("-layer"), {}))
+
+
 def decoded(model, ids, policy, prompt=None):
-    """Token by token over the compacted cache (SnapKV: the prompt in one call, as generation feeds it):
+    """Token by token over the compacted cache (prompt mode: the prompt in one call, as generation feeds it):
     log-probabilities of ids[1:] and, per layer, the step that evicted each position (-1: never)."""
     dec = Decoder(model, 1, "compacted", policy)
     x = torch.tensor([ids])
@@ -31,40 +35,46 @@ def decoded(model, ids, policy, prompt=None):
 CASES = [("mha", {}), ("mqa", {}), ("mhe-mul", {}), ("mhe-add", {}), ("gqa", {"n_kv_heads": 2, "positions": "rope"})]
 
 
+STEP = [("streamingllm", 9), ("tova", 7), ("h2o-layer", 8), ("snapkv-layer:step", 12)]
+ONCE = [("streamingllm:prompt", 9), ("tova:prompt", 7), ("h2o-layer:prompt", 8), ("snapkv-layer", 12)]
+
+
 @pytest.mark.parametrize("mixer, extra", CASES)
-@pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o", 8), ("snapkv", 12)])
+@pytest.mark.parametrize("name, budget", STEP + ONCE)
 def test_replay_evicts_what_token_by_token_decoding_evicts(mixer, extra, name, budget):
     model = model_for(mixer, prune=False, context=64, seed=3, **extra)
-    prompt = 24 if name == "snapkv" else None
-    run = replay(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt=prompt)
-    lp, dropped = decoded(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt)
-    assert torch.equal(run.dropped_at, dropped)
+    prompt = 24 if policies.once(name) else None
+    run = replay(model, IDS, make(name, budget), prompt=prompt)
+    lp, dropped = decoded(model, IDS, make(name, budget), prompt)
+    assert run.visible.shape[1] == 1 and torch.equal(run.dropped_at[:, 0], dropped)   # per layer: one row
     assert (run.dropped_at >= 0).sum() > 0                             # it did evict
     assert torch.allclose(run.logprobs.double(), lp.double(), atol=1e-9, rtol=1e-9)
     # never more visible than the budget (the query itself included), and causal
-    vis = run.visible
+    vis = run.visible[:, 0]
     assert not vis.triu(1).any() and vis.diagonal(dim1=1, dim2=2).all()
-    limit = budget if name != "snapkv" else budget + (len(IDS) - prompt)
-    assert int(vis.sum(-1).max()) <= limit + (0 if policies.REGISTRY[name].before_attending else 1)
+    limit = budget if prompt is None else budget + (len(IDS) - prompt)
+    assert int(vis.sum(-1).max()) <= limit + (0 if policies.parse(name)[0].before_attending else 1)
     got = float(sparsity(vis.double()).mean())
     assert got == pytest.approx(policies.expected_sparsity(name, budget, len(IDS), prompt), abs=1e-6)
 
 
 def test_visibility_follows_the_drop_steps():
-    """The learned rule and StreamingLLM hide a token from the query that drops it; TOVA, H2O and SnapKV evict
-    after that query attended."""
-    model = model_for("mha", prune=False, context=64, seed=3)
-    for name, budget in (("streamingllm", 9), ("tova", 7), ("h2o", 8), ("snapkv", 12)):
-        run = replay(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt=24)
-        after = 0 if policies.REGISTRY[name].before_attending else 1
+    """StreamingLLM in step mode hides a token from the query that drops it; the others evict after that query
+    attended (in prompt mode: the last prompt query), in every row (KV group) of every layer."""
+    model = model_for("gqa", prune=False, context=64, seed=3, n_kv_heads=2)
+    for name, budget in STEP + ONCE + [("h2o", 8), ("snapkv", 12), ("oracle", 7), ("oracle:prompt", 7)]:
+        run = replay(model, IDS, make(name, budget), prompt=24)
+        after = 0 if policies.parse(name)[0].before_attending and not policies.once(name) else 1
         t = len(IDS)
+        assert run.visible.shape[1] == (2 if policies.parse(name)[0].per_group else 1)
         for layer in range(model.config.n_layers):
-            for j in range(t):
-                s = int(run.dropped_at[layer, j])
-                end = t if s < 0 else s + after
-                want = torch.zeros(t, dtype=torch.bool)
-                want[j:end] = True
-                assert torch.equal(run.visible[layer, :, j], want), (name, layer, j)
+            for r in range(run.visible.shape[1]):
+                for j in range(t):
+                    s = int(run.dropped_at[layer, r, j])
+                    end = t if s < 0 else s + after
+                    want = torch.zeros(t, dtype=torch.bool)
+                    want[j:end] = True
+                    assert torch.equal(run.visible[layer, r, :, j], want), (name, layer, r, j)
 
 
 def test_no_policy_is_the_dense_forward_and_a_pruned_model_runs_with_its_rule_off():
@@ -74,7 +84,7 @@ def test_no_policy_is_the_dense_forward_and_a_pruned_model_runs_with_its_rule_of
         want = dense(x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1)
     run = replay(dense, IDS)
     assert torch.allclose(run.logprobs.double(), want.double(), atol=1e-10)
-    assert (run.dropped_at == -1).all() and torch.equal(run.visible[0], torch.ones(40, 40, dtype=torch.bool).tril())
+    assert (run.dropped_at == -1).all() and torch.equal(run.visible[0, 0], torch.ones(40, 40, dtype=torch.bool).tril())
     pruned = model_for("mha", prune=True, context=64, seed=3)   # the dense model's weights plus a rule
     missing = pruned.load_state_dict(dense.state_dict(), strict=False).missing_keys
     assert missing and all(".pruning." in k for k in missing)
@@ -94,7 +104,7 @@ def test_expected_sparsity_and_matched_budgets():
         b = policies.budget_for(name, 0.3, 200, prompt=150)
         err = abs(policies.expected_sparsity(name, b, 200, 150) - 0.3)
         assert all(err <= abs(policies.expected_sparsity(name, c, 200, 150) - 0.3)
-                   for c in range(policies.REGISTRY[name].min_budget, 201))
+                   for c in range(policies.min_budget(name), 201))
     with pytest.raises(ValueError, match="prompt"):
         policies.expected_sparsity("snapkv", 40, 100)
 
@@ -105,7 +115,7 @@ def test_one_averaging_with_or_without_the_first_query(name, budget, prompt):
     """mean_sparsity of a replay's masks equals the policy's expected sparsity under both conventions (query 0
     counted as 0, or left out) and over a later range of queries; the two conventions differ by (n-1)/n."""
     model = model_for("mha", prune=False, context=64, seed=3)
-    vis = replay(model, IDS, policies.make(name, budget, **KW.get(name, {})), prompt=prompt).visible.double()
+    vis = replay(model, IDS, make(name, budget), prompt=prompt).visible.double()
     n = len(IDS)
     for count_first in (True, False):
         got = float(mean_sparsity(vis, count_first).mean())
@@ -113,8 +123,8 @@ def test_one_averaging_with_or_without_the_first_query(name, budget, prompt):
     assert float(mean_sparsity(vis, True).mean()) == pytest.approx(float(mean_sparsity(vis, False).mean()) * (n - 1) / n)
     late = float(mean_sparsity(vis, False, start=30).mean())
     assert late == pytest.approx(policies.expected_sparsity(name, budget, n, prompt, first=30), abs=1e-6)
-    want = sum((1 - (float(vis[0, k].sum()) - 1) / k) for k in range(30, n)) / (n - 30)  # layer 0, by hand
-    assert float(mean_sparsity(vis[0], True, start=30)) == pytest.approx(want)
+    want = sum((1 - (float(vis[0, 0, k].sum()) - 1) / k) for k in range(30, n)) / (n - 30)  # layer 0, by hand
+    assert float(mean_sparsity(vis[0, 0], True, start=30)) == pytest.approx(want)
 
 
 def test_refusals_say_why():

@@ -1,7 +1,7 @@
 """Learned context pruning against heuristic KV-cache eviction (papers.md sections 3 and 5): docs/eviction.md.
 
     python -m analysis.reports.eviction --dense DIR --pruned DIR [--data data] [--window 512] [--windows 8]
-        [--policies streamingllm,tova,h2o,snapkv] [--targets 0.5,0.8] [--prompt-share 0.75]
+        [--policies METHOD,...] [--targets 0.5,0.8] [--prompt-share 0.75]
         [--out docs/eviction.md] [--figure docs/eviction.png] [--pos-figure docs/eviction_pos.png]
 
 Every model reads the same consecutive windows of the test split. Each policy runs on the dense model through
@@ -18,6 +18,7 @@ the pruned model through its own full forward (what its decode makes, tests/test
 from __future__ import annotations
 
 import argparse
+import os
 import math
 import shlex
 import sys
@@ -43,7 +44,7 @@ class Pool:
         self.nll = self.tokens = self.hidden = self.queries = 0.0
 
     def add(self, visible, logprobs, first: int = 0):
-        """visible [L,T,T] (uint8 or bool), logprobs [T-1] (query i predicts token i+1)."""
+        """visible [L,R,T,T] (uint8 or bool; R: KV groups or 1), logprobs [T-1] (query i predicts token i+1)."""
         import torch
         v = torch.as_tensor(visible).float()
         queries = v.shape[-1] - 1 - first
@@ -74,7 +75,7 @@ def table_md(table: pd.DataFrame, dense: float) -> list[str]:
     lines = ["| method | model | budget | sparsity | perplexity | vs dense |", "|---|---|---:|---:|---:|---:|"]
     for _, r in table.iterrows():
         budget = "-" if pd.isna(r["budget"]) else f"{int(r['budget'])}"
-        if budget != "-" and int(r["budget"]) == policies.REGISTRY[r["method"]].min_budget:
+        if budget != "-" and int(r["budget"]) == policies.min_budget(r["method"]):
             budget += " (its smallest)"
         lines.append(f"| {r['method']} | {r['model']} | {budget} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
                      f"{r['perplexity'] / dense - 1:+.2%} |")
@@ -93,8 +94,11 @@ def render(command: str, whole: pd.DataFrame, split: pd.DataFrame, profile: pd.D
         lines += ["", f"![perplexity against sparsity]({figures['curve']})"]
     lines += ["", "## Prompt, then generation", "",
               f"The first {prompt} tokens of each window are the prompt; only the {window - prompt - 1} queries after it "
-              "are scored and counted. SnapKV compresses the prompt once (its last 32 queries vote); the other policies "
-              "evict at every step. Budgets matched to the pruned model's sparsity over those queries.", ""]
+              "are scored and counted. A policy in prompt mode (`:prompt`, and SnapKV by default) compresses the prompt once "
+              "and keeps what follows (SnapKV: its last 32 queries vote, pooled over 7 positions); in step mode it evicts "
+              "at every step. Per KV group unless the name says `-layer` (TOVA: per layer unless `-group`); the oracle "
+              "reads the full model's later attention, a bound no causal rule reaches. Budgets matched to the pruned "
+              "model's sparsity over those queries.", ""]
     lines += table_md(split, float(split.loc[split["method"] == "dense", "perplexity"].iloc[0]))
     lines += ["", "## What each method hides, by part of speech", "",
               "At the pruned model's sparsity (each policy at the budget matched to it, in brackets): for tokens of each part of "
@@ -118,7 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="data")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--policies", default="streamingllm,tova,h2o,snapkv")
+    ap.add_argument("--policies", default="streamingllm,tova,tova-group,h2o,h2o-layer,oracle,h2o:prompt,snapkv,snapkv-layer,"
+                                          "oracle:prompt", help="method ids (models.pruning.policies); step-mode ones run "
+                                          "in both readings, prompt-mode ones in the second")
     ap.add_argument("--targets", default="0.5,0.8", help="sparsities besides the pruned model's own (whole windows)")
     ap.add_argument("--prompt-share", type=float, default=0.75, help="the prompt's share of a window (second table)")
     ap.add_argument("--out", default="docs/eviction.md")
@@ -126,11 +132,14 @@ def main(argv=None) -> int:
     ap.add_argument("--pos-figure", default="docs/eviction_pos.png")
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
+    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     names = [n for n in args.policies.split(",") if n]
-    unknown = [n for n in names if n not in policies.REGISTRY]
-    if unknown:
-        ap.error(f"--policies: {unknown} (choose from {', '.join(policies.REGISTRY)})")
-    step_names = [n for n in names if not policies.REGISTRY[n].at_prompt_end]
+    for name in names:
+        try:
+            policies.parse(name)
+        except ValueError as e:
+            ap.error(f"--policies: {e}")
+    step_names = [n for n in names if not policies.once(n)]
     prompt = round(args.prompt_share * args.window)
     if not 2 <= prompt < args.window - 1:
         ap.error("--prompt-share leaves no prompt or no query after it")

@@ -2,7 +2,7 @@
 docs/real.md (analysis.reports.real runs it beside the rest of that report; this command writes its tables alone).
 
     python -m analysis.reports.matched --base DIR PRUNED_DIR [PRUNED_DIR ...] --source test=data/smollm2:test
-        --source kjv=data/heldout_kjv:all [--window 512] [--windows 24] [--policies streamingllm,tova,h2o,snapkv]
+        --source kjv=data/heldout_kjv:all [--window 512] [--windows 24] [--policies METHOD,...]
         [--prompt-share 0.75] [--match PRUNED_NAME] [--out docs/real_matched.md]
 
 The protocol (the held-out issue's): for each source, `windows` windows of `window` tokens spread evenly over its
@@ -12,14 +12,16 @@ model runs its own rule (any other model runs dense: a fine-tune's control); eac
 (models.pruning.replay: the decisions token-by-token decoding makes) at the budget whose sparsity matches, on that
 source, the sparsity the `--match` model measured there. A second reading, prompt then generation: the first
 --prompt-share of each window is a prompt read in full and only the queries after it are scored and counted, so
-SnapKV (which compresses a prompt once) takes part beside the step policies, each matched to the `--match`
-model's sparsity over those queries. Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
+the policies in prompt mode (compressing the prompt once: SnapKV's form, and every other policy's `:prompt`) take
+part beside the step policies, each matched to the `--match` model's sparsity over those queries. Per KV group
+unless a name says `-layer`; the oracle (hindsight) is a bound, not a rule. Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
 over queries and layers. Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where two
 methods are compared (the same resampled windows for both).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
@@ -38,6 +40,9 @@ from models.pruning import policies, sparsity
 
 LATE = 100  # positions from here on are reported apart: every query there has at least 100 earlier tokens
 SPLITS = ("train", "valid", "test")
+# every policy per KV group and per layer, in step mode and compressing a prompt once, and the hindsight bound
+DEFAULT_POLICIES = ("streamingllm", "tova", "tova-group", "h2o", "h2o-layer", "snapkv:step", "oracle",
+                    "streamingllm:prompt", "tova:prompt", "h2o:prompt", "snapkv", "snapkv-layer", "oracle:prompt")
 BAR_SPARSITY = 0.5            # the held-out issue's bar: at least this share dropped, below every policy's cost
 REGIME = (0.6, 0.03)          # the paper's regime: at least 60 % dropped for at most +3 %
 MIN_VERDICT_WINDOWS = 10      # fewer windows give intervals too narrow to call (one window: a point)
@@ -60,10 +65,12 @@ class Windows:
     hidden_late: list = field(default_factory=list)
 
     def add(self, visible, logprobs) -> None:
-        """visible [L,T,T] (uint8 or bool), logprobs [T-1] (query i predicts token i+1)."""
-        # query i's sparsity, mean over layers: summed per window here, so the window's mean is
+        """visible [L,R,T,T] (uint8 or bool; R rows per layer: its KV groups under a per-group policy, else one),
+        logprobs [T-1] (query i predicts token i+1)."""
+        # query i's sparsity, mean over layers and rows: summed per window here, so the window's mean is
         # models.pruning.mean_sparsity(count_first=True) over the same queries (query 0 counted as 0)
-        s = sparsity(torch.as_tensor(visible).float())[:, :-1].mean(0).numpy()[self.first:]
+        v = torch.as_tensor(visible).float()
+        s = sparsity(v.reshape(-1, *v.shape[-2:]))[:, :-1].mean(0).numpy()[self.first:]
         lp = np.asarray(logprobs, dtype=np.float64)[self.first:]
         late = max(0, LATE - self.first)
         self.nll.append(-lp.sum())
@@ -147,9 +154,9 @@ def preamble(match: str, window: int, prompt: int | None = None) -> str:
             f"less); \"windows won\": windows where the policy costs more than {match}.")
     if prompt:
         text += (f" After a prompt: the first {prompt} tokens of each window are a prompt read in full, and only the "
-                 f"{window - prompt - 1} queries after it are scored and counted; SnapKV compresses the prompt once (its "
-                 f"last 32 queries vote, pooling 7) and keeps what follows; the step policies evict as before; every "
-                 f"policy's budget is matched to {match}'s sparsity over those queries.")
+                 f"{window - prompt - 1} queries after it are scored and counted; a policy in prompt mode compresses the "
+                 f"prompt once and keeps what follows (SnapKV: its last 32 queries vote, max-pooled over 7 positions); "
+                 f"the step policies evict as before; every policy's budget is matched to {match}'s sparsity over those queries.")
     return text
 
 
@@ -245,7 +252,7 @@ def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: lis
                 gen.setdefault(name, Windows(first=prompt or 0)).add(vis, lp)   # the same forward, its later queries
         target, budgets = pooled_sparsity(runs[match], late=False), {}
         for name in names:
-            if policies.REGISTRY[name].at_prompt_end:
+            if policies.once(name):
                 continue
             budgets[name] = b = policies.budget_for(name, target, window - 1)
             for ids in tqdm(windows, desc=f"{source}: {name} at {b}", file=sys.stderr):
@@ -271,8 +278,9 @@ def add_arguments(ap: argparse.ArgumentParser, default_source: str | None = None
     ap.add_argument("--source", action="append", default=None, required=default_source is None,
                     help="NAME=DIR:SPLIT or NAME=DIR:all (repeat)" + (f"; default {default_source}" if default_source else ""))
     ap.add_argument("--windows", type=int, default=24, help="windows per source (the protocol)")
-    ap.add_argument("--policies", default="streamingllm,tova,h2o,snapkv",
-                    help="step policies run in both readings, SnapKV (decides once, after a prompt) in the second")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help="method ids (models.pruning.policies: a name, ':prompt' or ':step' for the other mode); "
+                         "step-mode ones run in both readings, prompt-mode ones (compress once) in the second")
     ap.add_argument("--prompt-share", type=float, default=0.75,
                     help="the prompt's share of a window in the prompt-then-generation reading (0: no such reading)")
     ap.add_argument("--match", default=None, help="the pruned model whose sparsity the policies match (default: the first)")
@@ -284,13 +292,18 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
     if args.windows < 1:
         ap.error(f"--windows must be at least 1, got {args.windows}")
     names = [n for n in args.policies.split(",") if n]
-    bad = [n for n in names if n not in policies.REGISTRY]
+    bad = []
+    for n in names:
+        try:
+            policies.parse(n)
+        except ValueError as e:
+            bad.append(str(e))
     if bad:
-        ap.error(f"--policies: {bad} (choose from {', '.join(policies.REGISTRY)})")
+        ap.error(f"--policies: {'; '.join(bad)}")
     prompt = round(args.prompt_share * window) if args.prompt_share else None
     if prompt is not None and not (0 < args.prompt_share < 1 and 2 <= prompt < window - 1):
         ap.error(f"--prompt-share {args.prompt_share} leaves no prompt or no query after it in {window}-token windows")
-    once = [n for n in names if policies.REGISTRY[n].at_prompt_end]
+    once = [n for n in names if policies.once(n)]
     if once and prompt is None and args.policies == ap.get_default("policies"):  # no prompt reading: not there
         names, once = [n for n in names if n not in once], []
     if once and prompt is None:
@@ -338,6 +351,7 @@ def main(argv=None) -> int:
     add_arguments(ap)
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
+    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     sources, names, prompt = parse(ap, args, args.window)
     base = load_model_dir(args.base, device=args.device)
     pruned = [load_model_dir(p, device=args.device) for p in args.pruned]

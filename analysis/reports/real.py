@@ -1,7 +1,7 @@
 """Real pretrained models pruned with our methods: docs/real.md and its POS figure, from the runs and their base.
 
     python -m analysis.reports.real --base assets/models/smollm2-135m RUN_DIR [RUN_DIR ...] [--data data/smollm2]
-        [--source NAME=DIR:SPLIT|all ...] [--windows 24] [--policies streamingllm,tova,h2o,snapkv]
+        [--source NAME=DIR:SPLIT|all ...] [--windows 24] [--policies METHOD,...]
         [--prompt-share 0.75] [--match RUN_NAME]
         [--window 512] [--max-windows N] [--pos-docs 6] [--out docs/real.md] [--figure docs/real_pos.png]
 
@@ -16,6 +16,7 @@ come from the first `pos-docs` test documents, each cut to one window, tagged wi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from models.checkpoint import load_model_dir
 from analysis.reports.pruning import model_buckets
 from models.data import load_documents
 from models.device import add_arguments as add_device_arguments
+from models.pruning import policies
 
 
 def pos_view(loaded, docs: list[str], size: int) -> pd.DataFrame:
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     matched.add_arguments(ap, default_source="test=DATA:test")
     add_device_arguments(ap, dtype=None)  # perplexity in float32 on any device
     args = ap.parse_args(argv)
+    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     args.source = args.source or [f"test={args.data}:test"]
     sources, names, prompt = matched.parse(ap, args, args.window)
     docs_text = load_documents(args.data, "test")

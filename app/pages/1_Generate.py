@@ -17,7 +17,7 @@ from analysis import live  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
 from analysis.text import MAX_CHARS  # noqa: E402
 from app import access  # noqa: E402
-from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, pick_model, setup  # noqa: E402
+from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, setup  # noqa: E402
 from models import trace as traces  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
@@ -62,12 +62,17 @@ seed = s1.number_input("Seed", 0, 2**31 - 1, 0, key="gen_seed")
 policy = None
 if compactable and cfg.pattern == "dense":
     e1, e2 = s2.columns(2)
-    method = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.REGISTRY], format_func=METHOD_TITLES.get,
-                        key="gen_evict")
-    if method in policies.REGISTRY:
-        low = policies.REGISTRY[method].min_budget
+    groups = loaded.model.blocks[0].mixer.n_groups
+    method = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.methods(decoding=True, groups=groups)],
+                          format_func=method_title, key="gen_evict",
+                          help="Per-KV-group policies and the hindsight oracle run on the Pruning page (a replay over "
+                               "a text); decoding evicts per layer" + (f" (this model has {groups} KV groups)."
+                                                                        if groups > 1 else "."))
+    if method not in METHOD_TITLES:
+        low = policies.min_budget(method)
         budget = int(e2.number_input(f"Budget (tokens held per layer, at least {low})", low, cfg.context, max(low, 32),
-                                     key="gen_budget", help="SnapKV keeps this many prompt tokens and every generated one"))
+                                     key="gen_budget", help="Prompt mode keeps this many prompt tokens and every "
+                                                            "generated one"))
         policy = policies.make(method, budget)
 elif not compactable:
     s2.caption("KV-cache eviction policies need a per-token cache to evict from; an Extractor mixes its past inputs "
@@ -80,7 +85,7 @@ beside = {"dense twin": "its dense twin", "learned rule": "the same model under 
 with_twin = pruned and st.checkbox(f"Beside {beside} (same prompt and seed, generated in turn)", value=True,
                                    key="gen_twin")
 if policy is not None:
-    st.caption(f"{METHOD_TITLES[policy.name]} at {policy.budget} tokens per layer: it generates through the compacted "
+    st.caption(f"{method_title(policy.method)} at {policy.budget} tokens per layer: it generates through the compacted "
                "cache and evicts as the policy says" + (" (this model's learned rule is off)." if cfg.prune else ".")
                + " The strip shows, per layer, which earlier tokens are still held.")
 elif pruned:
@@ -116,7 +121,7 @@ if st.button("Generate", type="primary", key="gen_go"):
         twin, why = (loaded, None) if with_twin else (None, None)
     if why:
         st.info(f"No dense twin: {why}.")
-    first = policy.name if policy is not None else "pruned" if pruned else cfg.mixer
+    first = policy.method if policy is not None else "pruned" if pruned else cfg.mixer
     models = [(first, loaded)] + ([(twin_label, twin)] if twin is not None else [])
     names = [f"{n} · {m.path.name}" for n, m in models]
     cols = st.columns(len(models))

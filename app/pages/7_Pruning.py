@@ -12,14 +12,14 @@ import streamlit as st  # noqa: E402
 from analysis import pruning, tokens  # noqa: E402
 from analysis.pruning import LEARNED, NOTHING  # noqa: E402
 from app import access  # noqa: E402
-from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
+from app.common import dense_base_path, export_buttons, load, method_title, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
 from models.checkpoint import CheckpointError, read_json, valid_sparsity  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
 from models.generate import layer_bytes_per_token  # noqa: E402
 from models.pruning import policies  # noqa: E402
 
-METHODS = {r: METHOD_TITLES[r] for r in (LEARNED, *policies.REGISTRY)}
-POLICIES = [r for r in METHODS if r != LEARNED]
+POLICIES = policies.methods()   # every registered policy (plug-ins too: docs/policies.md), in each mode
+METHODS = {r: method_title(r) for r in (LEARNED, *POLICIES)}
 
 
 def prunable(loaded):
@@ -59,14 +59,17 @@ MAX_VIEW = 1024  # tokens per analysed window: masks grow with its square (30 la
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
-def cached_method(path: str, ids: tuple[int, ...], method: str, budget: int | None, prompt: int | None):
-    """(visible masks, drop steps, log-probabilities) of one method on one window: one forward."""
-    return pruning.method_run(load(path).model, list(ids), method, budget, prompt)
+def cached_method(path: str, ids: tuple[int, ...], method: str, budget: int | None, prompt: int | None,
+                  labels: tuple[str, ...], tags: tuple[str, ...]):
+    """(token table, sparsity per layer, log-probabilities) of one method on one window: one forward. The masks
+    [layers, rows, T, T] are not kept (per KV group on SmolLM2 at 1,024 tokens: 94 MB)."""
+    keeps, dropped_at, lp = pruning.method_run(load(path).model, list(ids), method, budget, prompt)
+    return pruning.token_table(keeps, list(labels), list(tags), dropped_at), pruning.sparsity_per_layer(keeps), lp
 
 
 def run_method(path, ids, method, budget=None, prompt=None):
     with st.spinner(f"{METHODS.get(method, 'nothing evicted')}: one forward over {len(ids)} tokens…"):
-        return cached_method(path, ids, method, budget, prompt)
+        return cached_method(path, ids, method, budget, prompt, tuple(view.labels), tuple(tags))  # (the window, below)
 
 
 @st.cache_data(max_entries=32, show_spinner="Tagging parts of speech (spaCy)…")
@@ -80,13 +83,13 @@ def cached_logprobs(path: str, ids: tuple[int, ...]):
 
 
 def default_prompt(n: int) -> int:
-    """SnapKV's prompt unless the user says otherwise: the first three quarters of the window."""
+    """The prompt of a policy in prompt mode unless the user says otherwise: the first three quarters of the window."""
     return max(2, 3 * n // 4)
 
 
 def budget_controls(method: str, n: int, key: str, where) -> tuple[int, int | None]:
-    """(budget in tokens, SnapKV's prompt length or None) from a share of the window or a token count."""
-    low = min(policies.REGISTRY[method].min_budget, n)
+    """(budget in tokens, the prompt's length in prompt mode or None) from a share of the window or a token count."""
+    low = min(policies.min_budget(method), n)
     a, b, c = where.columns(3)
     unit = a.radio("Budget as", ["share of the window", "tokens"], horizontal=True, key=f"{key}_unit")
     if unit == "tokens":
@@ -96,31 +99,28 @@ def budget_controls(method: str, n: int, key: str, where) -> tuple[int, int | No
         budget = max(low, min(n, round(share * n)))
         b.caption(f"= {budget} tokens")
     prompt = None
-    if policies.REGISTRY[method].at_prompt_end:
-        prompt = int(c.number_input("SnapKV: the prompt ends after token", 2, n, default_prompt(n), key=f"{key}_prompt",
-                                    help="SnapKV compresses the prompt once, from its last 32 queries; the tokens after "
-                                         "it are read as generated and all kept."))
+    if policies.once(method):
+        prompt = int(c.number_input("Prompt mode: the prompt ends after token", 2, n, default_prompt(n), key=f"{key}_prompt",
+                                    help="The policy compresses the prompt once, to the budget; the tokens after it are "
+                                         "read as generated and all kept."))
     return budget, prompt
-
-
-def table_for(run, labels, tags) -> pd.DataFrame:
-    visible, dropped_at, _ = run
-    return pruning.token_table(visible, labels, tags, dropped_at)
 
 
 def cache_bytes(model, table: pd.DataFrame, learned: bool) -> tuple[int, int]:
     """(bytes held after the text, bytes a dense cache holds): per layer, the tokens the rule has not dropped
     times a token's K/V (plus K_int for the learned rule, which keeps it)."""
     own, dense = layer_bytes_per_token(model)
-    held = (~table["dropped"]).groupby(table["layer"]).sum()
+    held = (1 - table["drop_share"]).groupby(table["layer"]).sum()   # under per-group eviction: a share per group
     per = own if learned else dense
-    return int(sum(int(held[i]) * per[i] for i in range(len(per)))), table["position"].nunique() * sum(dense)
+    return int(round(sum(float(held[i]) * per[i] for i in range(len(per))))), table["position"].nunique() * sum(dense)
 
 
 setup("Pruning")
 st.caption("Which earlier tokens a model can do without. A context-pruned model drops token j for good at the first "
            "later query n whose interaction score x_{n,j} is not positive; a KV-cache eviction policy keeps a budget "
-           "of tokens per layer and evicts by position (StreamingLLM) or by attention (TOVA, H2O, SnapKV).")
+           "of tokens per layer, or per KV group (the query heads that share one K/V head), and evicts by position "
+           "(StreamingLLM) or by attention (TOVA, H2O, SnapKV), step by step or once after a prompt; the oracle "
+           "evicts what later queries attend to least, reading the future: a bound, not a rule.")
 loaded, text, toks = model_text_tokens(default=first_pruned(), accept=prunable)
 cfg, path = loaded.config, str(loaded.path)
 view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
@@ -129,20 +129,23 @@ ids, n = tuple(view.ids), len(view.ids)
 a, b = view.offsets[0][0], view.offsets[-1][1]
 tags = cached_tags(text[a:b], tuple((x - a, y - a) for x, y in view.offsets))
 
-options = ([LEARNED] if cfg.prune else []) + POLICIES
-method = st.selectbox("Method", options, format_func=METHODS.get, key="prune_method")
+options = ([LEARNED] if cfg.prune else []) + list(policies.REGISTRY)
+mc1, mc2 = st.columns([3, 2])
+method = mc1.selectbox("Method", options, key="prune_method",
+                       format_func=lambda r: METHODS[LEARNED] if r == LEARNED else policies.REGISTRY[r].title or r)
 budget = prompt = None
 if method != LEARNED:
+    modes = policies.REGISTRY[method].modes
+    mode = mc2.radio("Mode", modes, index=modes.index(policies.REGISTRY[method].default_mode), horizontal=True,
+                     key=f"prune_mode_{method}", format_func={"step": "step by step", "prompt": "once after a prompt"}.get)
+    method = policies.method_id(method, mode)
     budget, prompt = budget_controls(method, n, "prune_budget", st)
     if cfg.prune:
         st.caption("The policy runs on this model's own weights with its learned rule switched off.")
-run = run_method(path, ids, method, budget, prompt)
-table = table_for(run, view.labels, tags)
-keeps, lp = run[0], run[2]
+table, sp, lp = run_method(path, ids, method, budget, prompt)
 nothing_lp = run_method(path, ids, NOTHING)[2]
 settings = {"window_start": start, "tokens": n, "method": method, "budget": budget, "prompt": prompt}
 
-sp = pruning.sparsity_per_layer(keeps)
 held_bytes, dense_bytes = cache_bytes(loaded.model, table, method == LEARNED)
 ppl, ppl0 = tokens.perplexity(lp), tokens.perplexity(nothing_lp)
 m = st.columns(5)
@@ -171,7 +174,8 @@ name = "learned pruning" if method == LEARNED else f"{method} at {budget} tokens
 layer = st.selectbox("Layer", range(cfg.n_layers), key="prune_layer")
 st.markdown(pruning.struck_text_html(table, layer), unsafe_allow_html=True)
 st.caption("Struck through: dropped by this layer before the end of the text (hover for when and at which token's "
-           "step; TOVA, H2O and SnapKV evict after that token's query attended, the others before).")
+           "step; StreamingLLM step by step evicts before that token's query attends, the others after). Dotted: dropped "
+           "by some of the layer's KV groups only.")
 
 fig = pruning.token_layer_figure(table, f"{cfg.mixer}, {name}: tokens dropped per layer")
 st.plotly_chart(fig, width="stretch")
@@ -203,13 +207,12 @@ other = c1.selectbox("Compare with", ["-"] + others, format_func=lambda r: METHO
                      key="prune_compare")
 if other != "-":
     prompt_b = prompt
-    if policies.REGISTRY[other].at_prompt_end and prompt_b is None:
-        prompt_b = int(c2.number_input("SnapKV: the prompt ends after token", 2, n, default_prompt(n), key="prune_prompt_b"))
+    if policies.once(other) and prompt_b is None:
+        prompt_b = int(c2.number_input("Prompt mode: the prompt ends after token", 2, n, default_prompt(n), key="prune_prompt_b"))
     budget_b = pruning.matched_budget(other, target, n, prompt_b)
-    run_b = run_method(path, ids, other, budget_b, prompt_b)
-    table_b = table_for(run_b, view.labels, tags)
-    sp_b = float(pruning.sparsity_per_layer(run_b[0])["sparsity"].mean())
-    ppl_b = tokens.perplexity(run_b[2])
+    table_b, sp_layers_b, lp_b = run_method(path, ids, other, budget_b, prompt_b)
+    sp_b = float(sp_layers_b["sparsity"].mean())
+    ppl_b = tokens.perplexity(lp_b)
     name_b = f"{other} at {budget_b} tokens"
     summary = pd.DataFrame([{"method": name, "sparsity": target, "perplexity": ppl, "vs nothing evicted": ppl / ppl0 - 1},
                             {"method": name_b, "sparsity": sp_b, "perplexity": ppl_b, "vs nothing evicted": ppl_b / ppl0 - 1}])
@@ -218,7 +221,7 @@ if other != "-":
     st.caption(f"{other}'s budget is the one whose sparsity on a {n}-token text is nearest {target:.1%} "
                "(it follows from the length alone).")
     if abs(sp_b - target) > 0.02:
-        st.warning(f"{other} cannot match {target:.1%} here: its budget runs from {policies.REGISTRY[other].min_budget} "
+        st.warning(f"{other} cannot match {target:.1%} here: its budget runs from {policies.min_budget(other)} "
                    f"tokens to the whole window, which gives {sp_b:.1%} at the nearest.")
     d = pruning.disagreement(table, table_b)
     cmp_fig = pruning.disagreement_figure(d, (name, name_b), "who drops each token by the end of the text")
@@ -235,16 +238,17 @@ if other != "-":
     st.plotly_chart(prof_fig, width="stretch")
     export_buttons(prof_fig, prof, "pruning_pos_profile", loaded.path, text, settings | {"compare": other}, key="prof")
 
-if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"):
+if st.toggle("Every policy at this sparsity (one forward each, each in its default mode)", key="prune_all"):
     prompt_all = prompt or default_prompt(n)
     rows, tables = [{"method": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
     bar = st.progress(0.0, text="running the policies…")
+    defaults = [policies.method_id(p, c.default_mode) for p, c in policies.REGISTRY.items()]
+    others = [p for p in defaults if p != method]
     for i, p in enumerate(others):
         bp = pruning.matched_budget(p, target, n, prompt_all)
-        r = run_method(path, ids, p, bp, prompt_all if policies.REGISTRY[p].at_prompt_end else None)
-        tables[f"{p} at {bp}"] = table_for(r, view.labels, tags)
-        rows.append({"method": p, "budget": bp, "sparsity": float(pruning.sparsity_per_layer(r[0])["sparsity"].mean()),
-                     "perplexity": tokens.perplexity(r[2])})
+        t_p, sp_p, lp_p = run_method(path, ids, p, bp, prompt_all if policies.once(p) else None)
+        tables[f"{p} at {bp}"] = t_p
+        rows.append({"method": p, "budget": bp, "sparsity": float(sp_p["sparsity"].mean()), "perplexity": tokens.perplexity(lp_p)})
         bar.progress((i + 1) / len(others), text=f"{p} done")
     bar.empty()
     every = pd.DataFrame(rows).assign(vs_nothing_evicted=lambda f: f["perplexity"] / ppl0 - 1)
@@ -254,8 +258,8 @@ if st.toggle("Every policy at this sparsity (one forward each)", key="prune_all"
     off = [r["method"] for r in rows[1:] if abs(r["sparsity"] - target) > 0.02]
     if off:
         st.caption(f"Not matched (their smallest or largest budget is as near as they get): {', '.join(off)}.")
-    if any(policies.REGISTRY[p].at_prompt_end for p in others):
-        st.caption(f"SnapKV reads the first {prompt_all} tokens as its prompt.")
+    if any(policies.once(p) for p in others):
+        st.caption(f"Policies in prompt mode read the first {prompt_all} tokens as the prompt.")
     allprof = pruning.pos_profile(tables)
     all_fig = pruning.pos_profile_figure(allprof, "every method at matched sparsity: hidden from later queries, by part of speech")
     st.plotly_chart(all_fig, width="stretch")

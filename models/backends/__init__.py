@@ -19,7 +19,28 @@ from __future__ import annotations
 
 import torch
 
+import kernels
+
 
 def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     """A boolean mask as an additive attention bias: 0 where allowed, -inf elsewhere."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def attend_by_group(mixer, q, k, v, allowed: torch.Tensor, record=None) -> torch.Tensor:
+    """The mixer's output when each KV group sees its own keys: q [B,H,T,D], k, v [B,G,S,D], allowed [B,R,T,S]
+    bool with R = G (a mask per group, as per-group eviction leaves) or 1 (one mask for the layer). Per group, the
+    batch's rows and the groups become the rows of one attention call, so every kernel path serves it."""
+    b, h, t, d = q.shape
+    g, s = k.shape[1], k.shape[2]
+    if allowed.shape[1] == 1:
+        return mixer.attend(q, k, v, additive(allowed, q.dtype), record, causal=False)
+    if mixer.head_maps():
+        raise ValueError("per-group masks on a mixer with per-head query maps (MHE has one group)")
+    want = record is not None and record.attention_maps
+    o, probs = kernels.attention(q.reshape(b * g, h // g, t, d), k.reshape(b * g, 1, s, d), v.reshape(b * g, 1, s, d),
+                                 scale=mixer.scale, bias=additive(allowed.reshape(b * g, 1, t, s), q.dtype),
+                                 need_weights=want, causal=False)
+    if want:
+        record.attn = probs.reshape(b, h, t, s)
+    return mixer.output(o.reshape(b, h, t, d))

@@ -10,6 +10,7 @@ import kernels
 from models.backends import additive
 from models.pruning import pattern_allows
 from models.pruning.compact_cache import ALIGN
+from models.pruning.replay import CHUNK  # the replay sums the prompt's attention in the same blocks
 
 
 def rule_constants(mixer, cache, dtype) -> dict:
@@ -31,9 +32,9 @@ def attend(mixer, cache, x, q, k, v, record):
         return decode(mixer, cache, x, q, k, v)
     if cache.policy is not None and not cache.policy.at_prompt_end:
         if q.shape[2] == 1:  # one token per row, but some rows are padding (or diagnostics were asked for)
-            raise ValueError(f"{cache.policy.name}: a decode step with padding rows or diagnostics is not supported "
+            raise ValueError(f"{cache.policy.method}: a decode step with padding rows or diagnostics is not supported "
                              "under an eviction policy; decode rows of one length, without diagnostics")
-        raise ValueError(f"{cache.policy.name} evicts as each token arrives: feed the prompt one token per call "
+        raise ValueError(f"{cache.policy.method} evicts as each token arrives: feed the prompt one token per call "
                          "(models.generate.stream does)")
     rule = mixer.pruning if cache.policy is None else None
     valid = torch.ones_like(q_pos, dtype=torch.bool) if valid is None else valid
@@ -64,8 +65,8 @@ def attend(mixer, cache, x, q, k, v, record):
     out = mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, causal=False)
     if cache.policy is not None and cache.policy.at_prompt_end and q.shape[2] > 1:
         if cache.valid is not None:
-            raise ValueError("SnapKV selects after a prompt of real tokens only (no padding rows)")
-        select_after_prompt(mixer, cache, q, kk, vv, q_pos)
+            raise ValueError(f"{cache.policy.method} compresses a prompt of real tokens only (no padding rows)")
+        compress_prompt(mixer, cache, q, kk, vv, q_pos)
     if record is not None:
         record.slot_pos = slot_pos
     return out
@@ -105,9 +106,9 @@ def decode(mixer, cache, x, q, k, v):
 
 
 def policy_decode(mixer, cache, q, kk, vv, q_pos):
-    """A decode step under a heuristic eviction policy: StreamingLLM evicts by position before the query attends;
-    TOVA and H2O read the query's attention over what is held, then evict; SnapKV decided at the end of the
-    prompt and keeps every later token."""
+    """A decode step under a heuristic eviction policy: in step mode it evicts by position before the query
+    attends (StreamingLLM) or reads the query's attention over what is held, then evicts (TOVA, H2O, SnapKV's
+    step form); in prompt mode it compressed the prompt and keeps every later token."""
     pol, live, pos = cache.policy, cache.live[:, :cache.end], cache.pos[:, :cache.end]
     if pol.at_prompt_end or not pol.uses_attention:
         keep = live if pol.at_prompt_end else pol.step(live, pos, q_pos[:, 0])
@@ -123,14 +124,21 @@ def policy_decode(mixer, cache, q, kk, vv, q_pos):
     return out
 
 
-def select_after_prompt(mixer, cache, q, kk, vv, q_pos):
-    """After a prompt (all rows real), a policy that decides once (SnapKV): the last `window` queries' attention
-    picks what the cache keeps."""
+def compress_prompt(mixer, cache, q, kk, vv, q_pos):
+    """After a prompt (all rows real), a policy in prompt mode compresses it once: from the attention its last
+    `window` queries (or all of them) paid, summed per head over those queries, or by position alone."""
     pol = cache.policy
-    w = min(pol.window, q.shape[2])
     slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]
-    allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, -w:, None])            # [B,w,S]
-    _, probs = kernels.attention(q[:, :, -w:], kk, vv, scale=mixer.scale, bias=additive(allowed, q.dtype)[:, None],
-                                 need_weights=True, causal=False, **mixer.head_maps())
-    keep = pol.select(live, slot_pos, q_pos[:, -1] + 1, probs.float())
+    got = None
+    if pol.uses_attention:
+        t = q.shape[2]
+        first = 0 if pol.window is None else max(0, t - pol.window)
+        for a in range(first, t, CHUNK):
+            b = min(a + CHUNK, t)
+            allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, a:b, None])              # [B,c,S]
+            _, probs = kernels.attention(q[:, :, a:b], kk, vv, scale=mixer.scale, bias=additive(allowed, q.dtype)[:, None],
+                                         need_weights=True, causal=False, **mixer.head_maps())
+            part = probs.float().sum(2)                                   # [B,H,S] (MHE: H heads from one q)
+            got = part if got is None else got + part
+    keep = pol.compress(live, slot_pos, q_pos[:, -1] + 1, got)
     cache.update_live(keep, q_pos[:, -1:].expand_as(keep))

@@ -72,7 +72,7 @@ class CompactCache:
         live[:, :keep], pos[:, :keep], trig[:, :keep] = self.live[:, :keep], self.pos[:, :keep], self.trig[:, :keep]
         self.live, self.pos, self.trig, self.capacity = live, pos, trig, capacity
         for n, t in self.slot_state.items():
-            grown = torch.zeros(self.batch, capacity, dtype=t.dtype, device=t.device)
+            grown = torch.zeros(self.batch, capacity, *t.shape[2:], dtype=t.dtype, device=t.device)
             grown[:, :keep] = t[:, :keep]
             self.slot_state[n] = grown
 
@@ -178,8 +178,9 @@ class CompactCache:
         self.live = torch.gather(self.live[:, :self.end], 1, order)
         self.pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~self.live, -1)
         self.trig = torch.full_like(self.pos, -1)
-        for n, t in self.slot_state.items():
-            self.slot_state[n] = torch.gather(t[:, :self.end], 1, order)
+        for n, t in self.slot_state.items():  # [B, S, *extra]
+            idx = order.view(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
+            self.slot_state[n] = torch.gather(t[:, :self.end], 1, idx)
         self.end = self.capacity = most
         self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
         self.compactions += 1

@@ -18,32 +18,41 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from models.backends import additive
+from models.backends import attend_by_group
 from models.scoring import target_logprobs
 
-MAX_TOKENS = 4096         # visible masks [layers, T, T] are kept: 30 layers x 4,096^2 bytes = 500 MB
+MAX_TOKENS = 4096         # the model's context or this, whichever is smaller
 SCORES_BYTES = 2 ** 30    # one layer's scores [heads, T, T] in float32 at most (9 heads x 4,096^2 = 600 MB)
+VISIBLE_BYTES = 2 ** 30   # the visible masks kept [layers, rows, T, T] (30 layers x 3 groups x 3,000^2 = 810 MB)
+CHUNK = 256               # prompt queries per block when a policy reads the whole prompt's attention
+
+
+def rows_of(policy, mixer) -> int:
+    """How many masks a layer holds under this policy: one per KV group for a per-group policy, else one."""
+    return mixer.n_groups if policy is not None and policy.per_group else 1
 
 
 class LayerReplay:
-    """Stands in for one layer's decode cache in DecoderLM.forward; the attention mixer calls run()."""
+    """Stands in for one layer's decode cache in DecoderLM.forward; the attention mixer calls attend()."""
 
     def __init__(self, policy, prompt: int | None):
         self.policy, self.prompt = policy, prompt
-        self.visible: torch.Tensor | None = None     # [T,T] bool: query n attended over key j
-        self.dropped_at: torch.Tensor | None = None  # [T] long: the step that evicted j (-1: held to the end)
+        self.visible: torch.Tensor | None = None     # [R,T,T] bool: in row r (a KV group, or the layer) query n saw j
+        self.dropped_at: torch.Tensor | None = None  # [R,T] long: the step that evicted j (-1: held to the end)
 
     def attend(self, mixer, x, q, k, v, record):
         """The attention backend of a replay: the policy steps through the positions over this layer's raw
-        scores, then every query attends once over what it left. Learned pruning is off here."""
+        scores (per KV group or for the whole layer), then every query attends once over what it left. Learned
+        pruning is off here."""
         if q.shape[0] != 1:
             raise ValueError("an eviction replay reads one text at a time (batch 1)")
+        rows = rows_of(self.policy, mixer)
         scores = None
         if self.policy is not None and self.policy.uses_attention:
             scores = kernels.reference.attention_scores(q, k, scale=mixer.scale, **mixer.head_maps())[0]
+            scores = scores.reshape(rows, -1, *scores.shape[1:])                        # [R,h,T,T]
         self.visible, self.dropped_at = evict(self.policy, q.shape[2], scores, self.prompt, q.device)
-        return mixer.attend(q, k, v, additive(self.visible, q.dtype)[None, None], record,
-                            self.visible.to(q.dtype)[None], causal=False)
+        return attend_by_group(mixer, q, k, v, self.visible[None], record)
 
 
 class Replay:
@@ -51,62 +60,92 @@ class Replay:
 
     def __init__(self, policy, n_layers: int, prompt: int | None = None):
         if policy is not None and policy.at_prompt_end and prompt is None:
-            raise ValueError(f"{policy.name} decides at the end of a prompt: give its length")
+            raise ValueError(f"{policy.method} compresses a prompt once: give its length")
         self.layers = [LayerReplay(policy, prompt) for _ in range(n_layers)]
         self.length = 0  # the forward starts at position 0
 
 
 def _probs(row: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """row [H,S] raw scores, held [S] bool -> softmax over the held keys [1,H,S] (0 elsewhere), taken in the
+    """row [R,h,S] raw scores, held [R,S] bool -> softmax over the held keys [R,h,S] (0 elsewhere), taken in the
     model's dtype and handed to the policy in float32, as the decode step does."""
-    return row.masked_fill(~held, float("-inf")).softmax(-1)[None].float()
+    return row.masked_fill(~held[:, None], float("-inf")).softmax(-1).float()
+
+
+def received(scores: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """scores [R,h,T,T] -> the causal attention queries first..last-1 pay keys 0..last-1, summed over those
+    queries [R,h,last] (float32), in blocks of CHUNK queries as models.backends.compacted sums them."""
+    out = None
+    causal = torch.ones(last, last, dtype=torch.bool, device=scores.device).tril()
+    for a in range(first, last, CHUNK):
+        b = min(a + CHUNK, last)
+        part = scores[:, :, a:b, :last].masked_fill(~causal[a:b], float("-inf")).softmax(-1).float().sum(2)
+        out = part if out is None else out + part
+    return out
+
+
+def hindsight(scores: torch.Tensor) -> torch.Tensor:
+    """scores [R,h,T,T] -> later [R,h,T,T]: later[..., n, j] = the attention queries after n pay key j in the
+    full causal model, summed over those queries (what an oracle at step n reads)."""
+    t = scores.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=scores.device).tril()
+    p = scores.masked_fill(~causal, float("-inf")).softmax(-1).to(torch.promote_types(scores.dtype, torch.float32))
+    return p.flip(-2).cumsum(-2).flip(-2) - p
 
 
 def evict(policy, t: int, scores: torch.Tensor | None, prompt: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(visible [T,T] bool, dropped_at [T] long) of one layer. A step policy decides at each position as the
-    decode step does (StreamingLLM before the query attends, TOVA and H2O after, from the query's attention over
-    what is held); SnapKV keeps everything within the prompt, selects once from the last prompt queries'
-    causal attention, and keeps every later token."""
+    """(visible [R,T,T] bool, dropped_at [R,T] long) of one layer, R rows (its KV groups under a per-group
+    policy, else one). Step mode decides at each position as the decode step does (before the query attends or
+    after, from the query's attention over what its row holds); prompt mode keeps everything within the prompt,
+    compresses it once from the prompt queries' causal attention, and keeps every later token. An oracle reads
+    the full model's later attention instead (hindsight)."""
+    rows = 1 if scores is None else scores.shape[0]
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    dropped_at = torch.full((t,), -1, dtype=torch.long, device=device)
+    dropped_at = torch.full((rows, t), -1, dtype=torch.long, device=device)
     if policy is None:
-        return causal, dropped_at
-    pos = torch.arange(t, device=device)
+        return causal[None], dropped_at
+    pos = torch.arange(t, device=device)[None].expand(rows, t)
+    later = hindsight(scores) if policy.hindsight else None
     if policy.at_prompt_end:
         p = min(prompt, t)
-        w = min(policy.window, p)
-        if p < 2:  # a one-token prompt is decoded, not selected from (as the model does)
-            return causal, dropped_at
-        window = scores[:, p - w:p, :p].masked_fill(~causal[p - w:p, :p], float("-inf")).softmax(-1)[None].float()
-        live = torch.ones(1, p, dtype=torch.bool, device=device)
-        keep = policy.select(live, pos[None, :p], torch.tensor([p], device=device), window)[0]
-        visible = causal.clone()
-        visible[p:, :p] &= keep
-        dropped_at[:p][~keep] = p - 1  # the last prompt query attended to everything, then the cache shrank
+        visible = causal[None].repeat(rows, 1, 1)
+        if p < 2:  # a one-token prompt is decoded, not compressed (as the model does)
+            return visible, dropped_at
+        got = None
+        if later is not None:
+            got = later[:, :, p - 1, :p].float()          # every query from p on
+        elif policy.uses_attention:
+            w = p if policy.window is None else min(policy.window, p)
+            got = received(scores, p - w, p)
+        live = torch.ones(rows, p, dtype=torch.bool, device=device)
+        keep = policy.compress(live, pos[:, :p], torch.full((rows,), p, device=device), got)
+        visible[:, p:, :p] &= keep[:, None, :]
+        dropped_at[:, :p][~keep] = p - 1  # the last prompt query attended to everything, then the cache shrank
         return visible, dropped_at
-    visible = torch.zeros(t, t, dtype=torch.bool, device=device)
-    live = torch.zeros(1, t, dtype=torch.bool, device=device)
-    state = policy.state(1, t, device)
+    visible = torch.zeros(rows, t, t, dtype=torch.bool, device=device)
+    live = torch.zeros(rows, t, dtype=torch.bool, device=device)
+    state = policy.state(rows, t, device)
     for n in range(t):
-        live[0, n] = True
-        held, here, q = live[:, :n + 1], pos[None, :n + 1], pos[n:n + 1]
+        live[:, n] = True
+        held, here, q = live[:, :n + 1], pos[:, :n + 1], pos[:, n]
         if policy.uses_attention:
-            visible[n, :n + 1] = held[0]
-            keep = policy.step(held, here, q, _probs(scores[:, n, :n + 1], held[0]), state)
+            visible[:, n, :n + 1] = held
+            probs = later[:, :, n, :n + 1].float() if later is not None else _probs(scores[:, :, n, :n + 1], held)
+            keep = policy.step(held, here, q, probs, state)
         else:
             keep = policy.step(held, here, q)
-            visible[n, :n + 1] = keep[0]
-        gone = held[0] & ~keep[0]
-        dropped_at[:n + 1] = torch.where(gone, n, dropped_at[:n + 1])
+            visible[:, n, :n + 1] = keep
+        gone = held & ~keep
+        dropped_at[:, :n + 1] = torch.where(gone, n, dropped_at[:, :n + 1])
         live[:, :n + 1] = keep
     return visible, dropped_at
 
 
 @dataclass
 class MethodRun:
-    """What a method (the learned rule, nothing, or a policy) did to one text: per layer the visible masks [L,T,T] (bool), the step that dropped each
-    token [L,T] (-1: never; for the learned rule and StreamingLLM the query at that step no longer sees it, for
-    TOVA, H2O and SnapKV it still did), and the log-probabilities of ids[1:] [T-1]."""
+    """What a method (nothing, or a policy) did to one text: per layer and row (KV group under a per-group policy,
+    else the layer) the visible masks [L,R,T,T] (bool), the step that dropped each token [L,R,T] (-1: never; for
+    a policy that evicts before attending the query at that step no longer sees it, for the others it still did),
+    and the log-probabilities of ids[1:] [T-1]."""
     visible: torch.Tensor
     dropped_at: torch.Tensor
     logprobs: torch.Tensor
@@ -120,10 +159,14 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Met
     if model.config.pattern != "dense":
         raise ValueError(f"this model attends by a fixed {model.config.pattern} pattern; an eviction policy needs a "
                          "dense softmax model")
-    most = min(model.config.context, MAX_TOKENS, math.isqrt(SCORES_BYTES // (4 * model.config.n_heads)))
+    cfg, rows = model.config, rows_of(policy, model.blocks[0].mixer)
+    copies = 3 if policy is not None and policy.hindsight else 1  # the oracle's softmax and suffix sums beside them
+    most = min(cfg.context, MAX_TOKENS, math.isqrt(SCORES_BYTES // (4 * cfg.n_heads * copies)),
+               math.isqrt(VISIBLE_BYTES // (cfg.n_layers * rows)))
     if len(ids) > most:
-        raise ValueError(f"{len(ids)} tokens: an eviction replay reads at most {most} (the model's context, and the "
-                         f"masks and scores [{model.config.n_heads} heads, T, T] it holds per layer); take a window")
+        raise ValueError(f"{len(ids)} tokens: an eviction replay reads at most {most} (the model's context, the scores "
+                         f"[{cfg.n_heads} heads, T, T] it holds per layer and the masks [{cfg.n_layers} layers, {rows} "
+                         "rows, T, T] it keeps); take a window")
     from models.transformer import evaluating  # (models.transformer imports the mixers, which import this module)
 
     x = torch.tensor([ids], device=model.wte.weight.device)
