@@ -89,7 +89,7 @@ class Decoder:
             idx[r, :len(p)] = torch.tensor([int(t) for t in p], device=self.device)
         if self.policy is not None and not self.policy.at_prompt_end:
             if min(lens) != width:
-                raise ValueError(f"{self.policy.name} reads a prompt one token per call: give rows of one length")
+                raise ValueError(f"{self.policy.method} reads a prompt one token per call: give rows of one length")
             steps = [self.step(idx[:, i]) for i in range(width)]
             return steps[-1] if last_only else torch.stack(steps, 1)
         valid = None

@@ -1,6 +1,7 @@
 """Pruning: which tokens a method drops, per layer and part of speech, and what it costs. The method is a model's
 own learned context pruning (its rule) or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at
 a budget, on any softmax attention model; two methods can be put side by side on one text at matched sparsity."""
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from models.delta import unfetched_base  # noqa: E402
 from models.generate import layer_bytes_per_token  # noqa: E402
 from models.pruning import policies  # noqa: E402
 
+policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # (setup() loads them too, after these lines)
 POLICIES = policies.methods()   # every registered policy (plug-ins too: docs/policies.md), in each mode
 METHODS = {r: method_title(r) for r in (LEARNED, *POLICIES)}
 

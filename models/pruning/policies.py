@@ -35,6 +35,8 @@ def register(cls):
     """Class decorator: make a policy available by its name (the pages, reports and make() read REGISTRY)."""
     if not cls.name or ":" in cls.name:
         raise ValueError(f"a policy needs a name without ':' (got {cls.name!r})")
+    if cls.name in REGISTRY and REGISTRY[cls.name].__qualname__ != cls.__qualname__:
+        raise ValueError(f"a policy named {cls.name!r} is registered already ({REGISTRY[cls.name].__qualname__})")
     REGISTRY[cls.name] = cls
     return cls
 
@@ -265,7 +267,7 @@ class H2O(Policy):
         s = live.shape[1]
         score = state["score"][:, :s]
         score += probs.sum(1).masked_fill(~live, 0.0).to(score.dtype)   # accumulated, in place
-        recent = pos > (q_pos[:, None] - self.budget // 2)
+        recent = (pos > (q_pos[:, None] - self.budget // 2)) | _current(pos, q_pos)  # (budget 1: the newest stays)
         over = live.sum(1) - self.budget
         return evict_lowest(live, score, live & ~recent, over)
 
