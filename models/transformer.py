@@ -14,7 +14,7 @@ from models.adapters import Adapter, new_A
 from models.cache import DecodeCache
 from models.config import ModelConfig
 from models.mixers import LayerRecord, build_mixer
-from models.pruning import CompactCache, CompactDecodeCache
+from models.pruning import CompactCache, CompactDecodeCache, policies
 
 
 class FeedForward(nn.Module):
@@ -144,12 +144,9 @@ class DecoderLM(nn.Module):
         if policy is not None and self.config.pattern != "dense":
             raise ValueError(f"an eviction policy ({policy.name}) runs on a softmax model without a fixed pattern; this "
                              f"one attends through a {self.config.pattern} window")
-        if policy is not None and policy.hindsight:
-            raise ValueError(f"{policy.method} reads what later queries attend to: it runs in a replay over a whole text "
-                             "(the Pruning page, the reports), not while decoding")
-        if policy is not None and policy.per_group and self.blocks[0].mixer.n_groups > 1:
-            raise ValueError(f"{policy.method} evicts per KV group, which the decode cache does not do yet: it runs in a "
-                             "replay over a whole text (the Pruning page, the reports); decode with a per-layer policy")
+        why = policy is not None and policies.not_decodable(type(policy), self.blocks[0].mixer.n_groups)
+        if why:
+            raise ValueError(why)
         p = self.wte.weight
         learned = policy is None and self.config.prune  # the rule decides: its decode constants read once, here
         return CompactDecodeCache([CompactCache(b.mixer.cache_spec(policy is None), batch, capacity, p.dtype, p.device,

@@ -134,11 +134,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     names = [n for n in args.policies.split(",") if n]
-    for name in names:
-        try:
-            policies.parse(name)
-        except ValueError as e:
-            ap.error(f"--policies: {e}")
+    bad = policies.check_methods(names)
+    if bad:
+        ap.error(f"--policies: {'; '.join(bad)}")
     step_names = [n for n in names if not policies.once(n)]
     prompt = round(args.prompt_share * args.window)
     if not 2 <= prompt < args.window - 1:

@@ -292,12 +292,7 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
     if args.windows < 1:
         ap.error(f"--windows must be at least 1, got {args.windows}")
     names = [n for n in args.policies.split(",") if n]
-    bad = []
-    for n in names:
-        try:
-            policies.parse(n)
-        except ValueError as e:
-            bad.append(str(e))
+    bad = policies.check_methods(names)
     if bad:
         ap.error(f"--policies: {'; '.join(bad)}")
     prompt = round(args.prompt_share * window) if args.prompt_share else None

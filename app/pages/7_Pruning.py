@@ -1,7 +1,6 @@
 """Pruning: which tokens a method drops, per layer and part of speech, and what it costs. The method is a model's
 own learned context pruning (its rule) or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at
 a budget, on any softmax attention model; two methods can be put side by side on one text at matched sparsity."""
-import os
 import sys
 from pathlib import Path
 
@@ -18,11 +17,6 @@ from models.checkpoint import CheckpointError, read_json, valid_sparsity  # noqa
 from models.delta import unfetched_base  # noqa: E402
 from models.generate import layer_bytes_per_token  # noqa: E402
 from models.pruning import policies  # noqa: E402
-
-policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # (setup() loads them too, after these lines)
-POLICIES = policies.methods()   # every registered policy (plug-ins too: docs/policies.md), in each mode
-METHODS = {r: method_title(r) for r in (LEARNED, *POLICIES)}
-
 
 def prunable(loaded):
     """None when the page can show this model: a pruned one (its rule and the policies) or a dense softmax one
@@ -117,7 +111,9 @@ def cache_bytes(model, table: pd.DataFrame, learned: bool) -> tuple[int, int]:
     return int(round(sum(float(held[i]) * per[i] for i in range(len(per))))), table["position"].nunique() * sum(dense)
 
 
-setup("Pruning")
+setup("Pruning")   # (loads the operator's plug-in policies first)
+POLICIES = policies.methods()   # every registered policy (plug-ins too: docs/policies.md), in each mode
+METHODS = {r: method_title(r) for r in (LEARNED, *POLICIES)}
 st.caption("Which earlier tokens a model can do without. A context-pruned model drops token j for good at the first "
            "later query n whose interaction score x_{n,j} is not positive; a KV-cache eviction policy keeps a budget "
            "of tokens per layer, or per KV group (the query heads that share one K/V head), and evicts by position "

@@ -98,12 +98,33 @@ def parse(method: str) -> tuple[type[Policy], str]:
     return cls, mode
 
 
+def not_decodable(cls: type[Policy], groups: int) -> str | None:
+    """Why a decode cache cannot run this policy on a model with `groups` KV groups (None: it can)."""
+    if cls.hindsight:
+        return (f"{cls.name} reads what later queries attend to: it runs in a replay over a whole text (the Pruning "
+                "page, the reports), not while decoding")
+    if cls.per_group and groups > 1:
+        return (f"{cls.name} evicts per KV group, which the decode cache does not do yet: it runs in a replay over a "
+                "whole text (the Pruning page, the reports); decode with a per-layer policy")
+    return None
+
+
 def methods(decoding: bool = False, groups: int = 1) -> list[str]:
     """Every registered policy in each of its modes. decoding: only what a decode cache runs on a model with
-    `groups` KV groups (no oracle; a per-group policy only where there is one group: per-group decoding is not
-    done yet)."""
+    `groups` KV groups (not_decodable)."""
     return [method_id(n, m) for n, c in REGISTRY.items() for m in c.modes
-            if not (decoding and (c.hindsight or (c.per_group and groups > 1)))]
+            if not (decoding and not_decodable(c, groups))]
+
+
+def check_methods(names: list[str]) -> list[str]:
+    """What is wrong with each of these method ids (an empty list: nothing)."""
+    bad = []
+    for name in names:
+        try:
+            parse(name)
+        except ValueError as e:
+            bad.append(str(e))
+    return bad
 
 
 def title(method: str) -> str:

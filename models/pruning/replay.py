@@ -73,13 +73,13 @@ def _probs(row: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 
 def received(scores: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """scores [R,h,T,T] -> the causal attention queries first..last-1 pay keys 0..last-1, summed over those
-    queries [R,h,last] (float32), in blocks of CHUNK queries as models.backends.compacted sums them."""
-    out = None
+    queries [R,h,last] (float32; zeros when there are none), in blocks of CHUNK queries as
+    models.backends.compacted sums them."""
+    out = torch.zeros(*scores.shape[:2], last, dtype=torch.float32, device=scores.device)
     causal = torch.ones(last, last, dtype=torch.bool, device=scores.device).tril()
     for a in range(first, last, CHUNK):
         b = min(a + CHUNK, last)
-        part = scores[:, :, a:b, :last].masked_fill(~causal[a:b], float("-inf")).softmax(-1).float().sum(2)
-        out = part if out is None else out + part
+        out += scores[:, :, a:b, :last].masked_fill(~causal[a:b], float("-inf")).softmax(-1).float().sum(2)
     return out
 
 
@@ -104,15 +104,14 @@ def evict(policy, t: int, scores: torch.Tensor | None, prompt: int | None, devic
     if policy is None:
         return causal[None], dropped_at
     pos = torch.arange(t, device=device)[None].expand(rows, t)
-    later = hindsight(scores) if policy.hindsight else None
     if policy.at_prompt_end:
         p = min(prompt, t)
         visible = causal[None].repeat(rows, 1, 1)
         if p < 2:  # a one-token prompt is decoded, not compressed (as the model does)
             return visible, dropped_at
         got = None
-        if later is not None:
-            got = later[:, :, p - 1, :p].float()          # every query from p on
+        if policy.hindsight:
+            got = received(scores, p, t)[..., :p]         # every query from p on, in the full model
         elif policy.uses_attention:
             w = p if policy.window is None else min(policy.window, p)
             got = received(scores, p - w, p)
@@ -121,6 +120,7 @@ def evict(policy, t: int, scores: torch.Tensor | None, prompt: int | None, devic
         visible[:, p:, :p] &= keep[:, None, :]
         dropped_at[:, :p][~keep] = p - 1  # the last prompt query attended to everything, then the cache shrank
         return visible, dropped_at
+    later = hindsight(scores) if policy.hindsight else None
     visible = torch.zeros(rows, t, t, dtype=torch.bool, device=device)
     live = torch.zeros(rows, t, dtype=torch.bool, device=device)
     state = policy.state(rows, t, device)
