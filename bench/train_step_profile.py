@@ -29,13 +29,17 @@ from models.transformer import DecoderLM
 
 def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[float]:
     out = []
+    cuda = x.is_cuda
     for _ in range(steps):
         t0 = time.perf_counter()
-        res = model(x, targets=y)
-        loss = res.loss if res.prune_mass is None else res.loss + sparsity_loss(res.prune_mass, gamma, pairs)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as models.train runs on a GPU
+            res = model(x, targets=y)
+            loss = res.loss if res.prune_mass is None else res.loss + sparsity_loss(res.prune_mass, gamma, pairs)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -48,32 +52,36 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="default: the config's batch_size")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args(argv)
+    dev = torch.device(args.device)
     cfg, tc, _ = load_run_config(args.config)
     torch.manual_seed(0)
-    model = DecoderLM(cfg).train()
+    model = DecoderLM(cfg).to(dev).train()
     set_trainable_params(model, trainable_params(model, tc.freeze_base))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     b = args.batch or tc.batch_size
-    x = torch.randint(0, cfg.vocab_size, (b, cfg.context))
-    y = torch.randint(0, cfg.vocab_size, (b, cfg.context))
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.context), device=dev)
+    y = torch.randint(0, cfg.vocab_size, (b, cfg.context), device=dev)
     pairs = pair_count(cfg.n_layers, cfg.context)
     rows = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
         model.set_alpha(alpha)
         step_times(model, opt, x, y, tc.gamma, pairs, 1)  # warm-up
         times = step_times(model, opt, x, y, tc.gamma, pairs, args.steps)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
             step_times(model, opt, x, y, tc.gamma, pairs, 1)
-        top = [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6}
-               for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]]
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"  # where the time is
+        top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
+               for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:args.top]]
         rows.append({"alpha": alpha, "step_s": statistics.median(times), "tokens_per_s": b * cfg.context / statistics.median(times),
                      "top_ops": top})
         print(f"alpha {alpha:g}: {statistics.median(times):.2f} s/step ({b} x {cfg.context} tokens); top: "
               + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
     result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-              "device": device_name(torch.device("cpu")), "torch": torch.__version__,
+              "device": device_name(dev), "torch": torch.__version__,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

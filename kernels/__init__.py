@@ -73,29 +73,48 @@ def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
-def _triton_attention(q, k, v, *, scale, bias=None, causal=True, q_mul=None, q_add=None, o_mul=None, o_add=None):
+def _triton_attention(q, k, v, *, scale, bias=None, causal=True, lengths=None, q_mul=None, q_add=None, o_mul=None,
+                      o_add=None):
     from kernels import triton_attention
     maps = dict(q_mul=q_mul, q_add=q_add, o_mul=o_mul, o_add=o_add)
     if q.shape[2] == 1:  # one query per sequence: the split-KV decode kernel (it sees the whole cache)
-        return triton_attention.decode(q, k, v, scale=scale, bias=bias, **maps)
-    return triton_attention.prefill(q, k, v, scale=scale, bias=bias, causal=causal, **maps)
+        return triton_attention.decode(q, k, v, scale=scale, bias=bias, lengths=lengths, **maps)
+    return triton_attention.prefill(q, k, v, scale=scale, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
+                                    causal=causal, **maps)
+
+
+def _with_lengths(bias, lengths, s: int, dtype):
+    """`lengths` [B] (row b reads slots [0, lengths[b])) folded into an additive bias [B,1,1,S]."""
+    if lengths is None:
+        return bias
+    out = torch.zeros(lengths.shape[0], 1, 1, s, dtype=dtype, device=lengths.device)
+    out.masked_fill_(torch.arange(s, device=lengths.device) >= lengths[:, None, None, None], float("-inf"))
+    return out if bias is None else bias + out
+
+
+def _reference_attention(q, k, v, *, lengths=None, bias=None, **kw):
+    return reference.attention(q, k, v, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype), **kw)[0]
 
 
 TRITON: dict[str, object] = _triton_ops()
 
 
-def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True, **maps):
-    """(out, probs or None); see kernels.reference.attention. Attention weights come from the reference."""
+def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True, lengths=None,
+              **maps):
+    """(out, probs or None); see kernels.reference.attention. Attention weights come from the reference.
+    lengths [B] (device): row b attends over cache slots [0, lengths[b]) only; the decode kernel skips the
+    slots after them, so a preallocated cache is read only as far as it is filled (static-shape decode)."""
     if need_weights:
         _note("attention", "reference")
-        return reference.attention(q, k, v, scale=scale, bias=bias, need_weights=True, causal=causal, **maps)
+        return reference.attention(q, k, v, scale=scale, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
+                                   need_weights=True, causal=causal, **maps)
     if _needs_grad(q, k, v, bias, *maps.values()):
         # Training: the Triton kernels have no backward; PyTorch's SDPA (flash / memory-efficient on CUDA, the
         # log I bias included) has a real one, and kernels.bench measures it against FlexAttention.
         _note("attention", "reference")
-        return reference.attention(q, k, v, scale=scale, bias=bias, causal=causal, **maps)[0], None
-    out = _run("attention", q, lambda *a, **kw: reference.attention(*a, **kw)[0], q, k, v, scale=scale, bias=bias,
-               causal=causal, **maps)
+        return _reference_attention(q, k, v, scale=scale, bias=bias, lengths=lengths, causal=causal, **maps), None
+    out = _run("attention", q, _reference_attention, q, k, v, scale=scale, bias=bias, causal=causal, lengths=lengths,
+               **maps)
     return out, None
 
 

@@ -21,6 +21,7 @@ class LayerCache:
                         for name, shape in spec.items()}
         # context pruning: which cached positions are still kept (a dropped one stays dropped)
         self.alive = torch.ones(batch, capacity, dtype=torch.bool, device=device) if track_alive else None
+        self.cursor: torch.Tensor | None = None  # static shapes: the length on the device (DecodeCache.fix_shapes)
 
     def append(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Write the new positions (dim -2 of each tensor) and return views of everything so far."""
@@ -35,9 +36,20 @@ class LayerCache:
         self.length = end
         return {name: buf[..., :end, :] for name, buf in self.buffers.items()}
 
+    def write_at(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Static shapes (after DecodeCache.fix_shapes): write one new position at the device-side `cursor` and
+        return the whole buffers; nothing here reads the host, so a CUDA graph can hold the call."""
+        for name, value in new.items():
+            buf = self.buffers[name]
+            buf.index_copy_(buf.dim() - 2, self.cursor, value)
+        return self.buffers
+
     def attend(self, mixer, x, q, k, v, record):
         """The attention backend over this cache (models.backends.static); Extractors read the buffers alone."""
         return static.attend(mixer, self, x, q, k, v, record)
+
+    def buffers_device(self) -> torch.device:
+        return next(iter(self.buffers.values())).device
 
     def nbytes(self) -> int:
         """Bytes holding live positions (what the state costs now, not what was reserved)."""
@@ -54,6 +66,33 @@ class DecodeCache:
 
     def __init__(self, layers: list[LayerCache]):
         self.layers = layers
+        self.cursor: torch.Tensor | None = None
+
+    def fix_shapes(self) -> None:
+        """From here on, one-token steps keep every shape: each layer writes at a device-side cursor and
+        attends over its whole buffers up to it (gpt-fast's decode), so the step can be captured in a CUDA
+        graph. The host count (`length`) is then kept by the caller (models.decode.Decoder), since a replayed
+        graph runs no Python."""
+        if self.cursor is None:
+            self.cursor = torch.zeros(1, dtype=torch.long, device=self.layers[0].buffers_device())
+            for layer in self.layers:
+                layer.cursor = self.cursor
+        self.cursor.fill_(self.length)  # in place: a captured graph holds this tensor
+
+    def advance(self, t: int) -> None:
+        """The host's count of positions, after a static-shape step that the device already counted."""
+        for layer in self.layers:
+            layer.length += t
+
+    def reset(self) -> None:
+        """Empty again, to be reused by the next generation (the buffers keep their memory; what is left in
+        them is never read, since every read stops at the length)."""
+        for layer in self.layers:
+            layer.length = 0
+            if layer.alive is not None:
+                layer.alive.fill_(True)
+        if self.cursor is not None:
+            self.cursor.zero_()
 
     @property
     def length(self) -> int:

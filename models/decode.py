@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 import kernels
+from models import graphs as graphs_module
 
 
 def pick_state(model, cache: str) -> str:
@@ -37,7 +38,7 @@ class Decoder:
     share of its earlier tokens it attended over (scoring's sparsity)."""
 
     def __init__(self, model, batch: int = 1, state: str = "static", policy=None, capacity: int | None = None,
-                 ragged: bool = False, count_seen: bool = False):
+                 ragged: bool = False, count_seen: bool = False, fixed: bool = False, graphs: bool = False):
         if policy is not None:
             state = "compacted"  # a policy evicts from compacted slots
         if state not in ("static", "compacted"):
@@ -46,7 +47,17 @@ class Decoder:
             raise ValueError("rows of different lengths need the compacted cache")
         self.model, self.kind, self.policy, self.batch, self.ragged = model, state, policy, batch, ragged
         self.device = model.wte.weight.device
-        if state == "compacted":
+        self.fixed, self._captured = fixed or graphs, None
+        why = self.fixed and graphs_module.refusal(model, state)
+        if why:
+            raise ValueError(why)
+        if graphs:
+            if self.device.type != "cuda":
+                raise ValueError("CUDA graphs need the model on a CUDA device")
+            capacity = graphs_module.capacity_bucket(capacity or model.config.context, model.config.context)
+            self._captured = graphs_module.checkout(model, batch, capacity)
+            self.state = self._captured.state
+        elif state == "compacted":
             self.state = model.new_compact_cache(batch=batch, capacity=capacity or 16, policy=policy)
             if count_seen:
                 for layer in self.state.layers:
@@ -67,8 +78,10 @@ class Decoder:
                 pos = self._next + torch.arange(t, device=self.device)
                 out = self.model(idx, cache=self.state, positions=pos, valid=valid, last_only=last_only)
                 self._next = self._next + (t if valid is None else valid.long().sum(1, keepdim=True))
-            else:  # the static cache keeps its own length
+            else:  # the static cache keeps its own length (a static-shape step: counted here, on the host)
                 out = self.model(idx, cache=self.state, last_only=last_only)
+                if self.state.cursor is not None and t == 1:
+                    self.state.advance(1)
         self.kernel_paths.update(paths)
         return out.logits
 
@@ -97,6 +110,8 @@ class Decoder:
             valid = torch.arange(width, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
         logits = self._call(idx, valid, last_only=last_only and valid is None)
         self.lengths = lens
+        if self.fixed:
+            self.state.fix_shapes()
         if last_only and valid is not None:
             return logits[torch.arange(self.batch, device=self.device), torch.tensor(lens, device=self.device) - 1]
         return logits[:, -1] if last_only else logits
@@ -116,9 +131,24 @@ class Decoder:
             valid = torch.tensor(rows, device=self.device)[:, None]
         elif not all(rows):
             raise ValueError("rows that sit a step out need a ragged decoder (the compacted cache)")
-        logits = self._call(tokens.to(self.device).view(self.batch, 1), valid, last_only=True)[:, 0]
+        tokens = tokens.to(self.device).view(self.batch, 1)
+        if self._captured is not None:
+            if self.lengths[0] + 1 > self.state.capacity:
+                raise ValueError(f"cache full: {self.lengths[0]} + 1 positions exceed capacity {self.state.capacity}")
+            logits = self._captured.step(self.model, tokens, lambda tok: self._call(tok, None, last_only=True)[:, 0])
+            if self._captured.graph is not None:  # replayed: no Python ran inside, so count and note here
+                self.state.advance(1)
+                self.kernel_paths.update(self._captured.paths)
+        else:
+            logits = self._call(tokens, valid, last_only=True)[:, 0]
         self.lengths = [n + a for n, a in zip(self.lengths, rows)]
         return logits
+
+    def close(self) -> None:
+        """Give a captured graph and its cache back for the next generation of this model (graphs only)."""
+        if self._captured is not None:
+            graphs_module.give_back(self.model, self._captured)
+            self._captured = None
 
     # the observer: what the last call left (each reading waits for the device: call it after timing)
 

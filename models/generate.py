@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from models import graphs as graphs_module
 from models.decode import Decoder, pick_state
 from models.scoring import target_logprobs
 from models.transformer import evaluating
@@ -47,6 +48,7 @@ class GenerationResult:
     kernel_paths: dict[str, str] = field(default_factory=dict)  # op -> "triton" | "reference", this call only
     cache_kind: str = "static"   # "static" (preallocated, gpt-fast style) | "compacted" (context pruning)
     n_layers: int = 0
+    graphs: bool = False         # decode steps replayed from a CUDA graph (models.graphs)
 
     @property
     def ids(self) -> list[int]:
@@ -71,7 +73,8 @@ class GenerationResult:
         """The result of a stream() run from its events and the `info` it filled."""
         return cls([int(t) for t in prompt_ids], [e.token_id for e in events], events,
                    stop_reason or info["stop_reason"], info["notes"], info["prefill_s"],
-                   events[-1].alloc_bytes if events else 0, info["kernel_paths"], info["cache_kind"], n_layers)
+                   events[-1].alloc_bytes if events else 0, info["kernel_paths"], info["cache_kind"], n_layers,
+                   info.get("graphs", False))
 
     @property
     def drops(self) -> list[tuple[int, int, int]]:
@@ -133,7 +136,7 @@ def layer_bytes_per_token(model) -> tuple[list[int], list[int]]:
 def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int | None = None,
            stop_ids: Sequence[int] = (), cache: str = "auto", info: dict | None = None,
-           policy=None) -> Iterator[TokenEvent]:
+           policy=None, graphs: bool | None = None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per new token (one sequence), as soon as it is sampled.
 
     cache: "static" (preallocated, every token kept), "compacted" (context pruning's cache: dropped tokens
@@ -142,7 +145,8 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
     may be interleaved. `info`, when given, is filled with notes, the prefill time, kernel paths, the cache
     kind and the stop reason as they become known. policy: a heuristic eviction policy
     (models.pruning.policies) over the compacted cache, for any softmax model without a fixed pattern (a pruned
-    one with its learned rule off).
+    one with its learned rule off). graphs: replay each decode step from a CUDA graph (models.graphs); None
+    (default): wherever it can (a CUDA device, the static cache, dense attention); info["graphs"] says.
     """
     context = model.config.context
     prompt = [int(t) for t in prompt_ids]
@@ -169,9 +173,14 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
     if policy is not None:  # a learned rule is off under a policy: no K_int is kept
         own = dense
 
+    if graphs is None:
+        graphs = device.type == "cuda" and graphs_module.refusal(model, kind) is None
+    info["graphs"] = bool(graphs)
+
     with evaluating(model):
         # the compacted cache grows by doubling and shrinks as it drops; the static one holds everything
-        dec = Decoder(model, 1, kind, policy, capacity=len(prompt) + (16 if kind == "compacted" else max_new_tokens))
+        dec = Decoder(model, 1, kind, policy, capacity=len(prompt) + (16 if kind == "compacted" else max_new_tokens),
+                      graphs=graphs)
 
         def event(i: int, token: int, logprob: float, latency: float) -> TokenEvent:
             """After the latency was taken: reading the drops and counts is reporting, not the model's time."""
@@ -182,29 +191,32 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
                               alloc_bytes=dec.allocated_bytes(), dense_bytes=dec.lengths[0] * sum(dense), live=live,
                               drops=drops)
 
-        t0 = time.perf_counter()
-        logits = dec.prefill([prompt])[0]
-        _sync(device)
-        info["prefill_s"] = time.perf_counter() - t0
-        for i in range(max_new_tokens):
-            token = sample(logits)
-            tok = int(token)
-            latency = time.perf_counter() - t0
-            yield event(i, tok, float(target_logprobs(logits[None], token[None])[0]), latency)
-            if tok in stops:
-                info["stop_reason"] = "stop_token"
-                return
-            if i + 1 == max_new_tokens:
-                return
+        try:
             t0 = time.perf_counter()
-            logits = dec.step(token.view(1))[0]
+            logits = dec.prefill([prompt])[0]
             _sync(device)
+            info["prefill_s"] = time.perf_counter() - t0
+            for i in range(max_new_tokens):
+                token = sample(logits)
+                tok = int(token)
+                latency = time.perf_counter() - t0
+                yield event(i, tok, float(target_logprobs(logits[None], token[None])[0]), latency)
+                if tok in stops:
+                    info["stop_reason"] = "stop_token"
+                    return
+                if i + 1 == max_new_tokens:
+                    return
+                t0 = time.perf_counter()
+                logits = dec.step(token.view(1))[0]
+                _sync(device)
+        finally:
+            dec.close()
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
              seed: int | None = None, stop_ids: Sequence[int] = (), cache: str = "auto", policy=None,
-             callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
+             graphs: bool | None = None, callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids (one sequence); see stream() for the cache choice.
 
     max_new_tokens is clamped so that prompt + new tokens fit the context window; the result's
@@ -213,7 +225,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temp
     info: dict = {}
     events, stop_reason = [], None
     for event in stream(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        greedy=greedy, seed=seed, stop_ids=stop_ids, cache=cache, info=info, policy=policy):
+                        greedy=greedy, seed=seed, stop_ids=stop_ids, cache=cache, info=info, policy=policy,
+                        graphs=graphs):
         events.append(event)
         if callback is not None and callback(event) is False:
             stop_reason = "callback"

@@ -174,7 +174,10 @@ class DecoderLM(nn.Module):
         else:
             start = 0 if cache is None else cache.length
             self.check_fits(start + t, "positions")
-            positions = torch.arange(start, start + t, device=idx.device)
+            # a static-shape step (DecodeCache.fix_shapes): the position is the device-side cursor, no host count
+            fixed = isinstance(cache, DecodeCache) and cache.cursor is not None and t == 1 and not diagnostics
+            # (a copy: the rotary tables are memoised on the positions tensor, and the cursor outlives this forward)
+            positions = cache.cursor.clone() if fixed else torch.arange(start, start + t, device=idx.device)
         x = self.wte(idx) if embeds is None else embeds
         if self.wpe is not None:
             x = x + self.wpe(positions)
@@ -184,6 +187,11 @@ class DecoderLM(nn.Module):
         records = [LayerRecord(attention_maps) for _ in self.blocks] if diagnostics else None
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions)
+        if isinstance(cache, DecodeCache) and cache.cursor is not None:
+            if fixed:
+                cache.cursor.add_(1)  # the host's count is the caller's (a replayed graph runs no Python)
+            else:
+                cache.fix_shapes()    # a call of several tokens counted on the host: the cursor follows
         if last_only and targets is not None:
             raise ValueError("last_only gives the last position's logits; a loss needs them all")
         if last_only:  # one position's logits: T x vocab floats (50 k vocabulary, 8 k tokens: 1.6 GB) never exist

@@ -3,11 +3,15 @@ over everything so far; with context pruning, the new queries drop what they dro
 attention too, and the cache remembers it in `alive` (nothing is freed: that is the compacted cache's job)."""
 from __future__ import annotations
 
+import torch
+
 from models.backends import additive
 from models.backends.full import pattern_bias
 
 
 def attend(mixer, cache, x, q, k, v, record):
+    if cache.cursor is not None and q.shape[2] == 1 and record is None:
+        return attend_fixed(mixer, cache, x, q, k, v)
     past = cache.append(**mixer.cache_entries(x, k, v))
     kk = past["k"]                                                 # [B,G,S,D]
     vv = kk if mixer.kv_shared else past["v"]
@@ -18,3 +22,22 @@ def attend(mixer, cache, x, q, k, v, record):
     allowed = mixer.pruning.step_keep(x, past["k_int"], cache.alive[:, :s])  # [B,T,S]
     cache.alive[:, :s] = allowed[:, -1]
     return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, allowed.to(q.dtype))
+
+
+def attend_fixed(mixer, cache, x, q, k, v):
+    """One token per row with every shape fixed (models.cache.DecodeCache.fix_shapes): write at the device-side
+    cursor, attend over the whole buffers with each row reading its first cursor + 1 slots (the decode kernel
+    skips the rest). With pruning, the step rule runs over every slot and the slots after the query keep their
+    alive bit. Only dense patterns (a local / strided window is placed by the host's length)."""
+    if mixer.pattern != "dense":
+        raise ValueError(f"static-shape decode serves dense attention, not the {mixer.pattern} pattern")
+    past = cache.write_at(**mixer.cache_entries(x, k, v))
+    kk = past["k"]
+    vv = kk if mixer.kv_shared else past["v"]
+    lengths = (cache.cursor + 1).expand(q.shape[0])
+    if mixer.pruning is None:
+        return mixer.attend(q, kk, vv, None, None, causal=False, lengths=lengths)
+    j = torch.arange(cache.capacity, device=q.device)
+    kept = cache.alive[:, None, :] & mixer.pruning.survival(x, past["k_int"], j, cache.cursor)   # [B,1,S]
+    cache.alive.copy_(torch.where(j <= cache.cursor, kept[:, 0], cache.alive))
+    return mixer.attend(q, kk, vv, additive(kept, q.dtype)[:, None], None, causal=False, lengths=lengths)

@@ -119,11 +119,12 @@ class Attention(Mixer):
             new["k_int"] = self.pruning.keys(x) if k_int is None else k_int
         return new
 
-    def attend(self, q, k, v, bias, record, keep=None, causal=True):
-        """softmax(q k^T * scale + bias) v through the kernel dispatch, then W_O; fills `record` when asked."""
+    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None):
+        """softmax(q k^T * scale + bias) v through the kernel dispatch, then W_O; fills `record` when asked.
+        lengths [B]: each row reads its first lengths[b] slots (kernels.attention)."""
         want = record is not None and record.attention_maps
         o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=want, causal=causal,
-                                     **self.head_maps())
+                                     lengths=lengths, **self.head_maps())
         if record is not None:
             if want:
                 record.attn = probs

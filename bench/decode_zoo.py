@@ -1,0 +1,77 @@
+"""Batch-1 greedy decode of models through the app's loader (models.checkpoint.load_for_app: CUDA, bf16), each
+step eager (Python launching every kernel) and replayed from a CUDA graph (models.graphs), same run, same
+prompt: tokens/s of both, their ratio, and whether the tokens agree.
+
+    python -m bench.decode_zoo assets/models/mha ... [--tokens 128] [--repeats 3] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+PROMPT = "The committee met again on Tuesday. After a long debate about the harbour,"
+
+
+def rate(model, ids, n, graphs) -> tuple[list[int], float]:
+    from models.generate import generate
+    res = generate(model, ids, n, greedy=True, cache="static", graphs=graphs)
+    return res.new_ids, res.decode_tokens_per_s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_zoo", description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    from models import graphs as graphs_module
+    from models.checkpoint import load_for_app
+    rows = []
+    for d in args.models:
+        loaded = load_for_app(d)
+        model, ids = loaded.model, loaded.tokenizer.encode(PROMPT).ids
+        can = graphs_module.refusal(model, "static") is None and model.wte.weight.is_cuda
+        rate(model, ids, 8, False)
+        if can:
+            rate(model, ids, 8, True)  # captures the step (kept for the timed runs: the app's case too)
+        eager, graphed = [], []
+        for _ in range(args.repeats):  # interleaved
+            want, r = rate(model, ids, args.tokens, False)
+            eager.append(r)
+            if can:
+                got, r = rate(model, ids, args.tokens, True)
+                graphed.append(r)
+        row = {"model": d, "mixer": loaded.config.mixer, "pruned": loaded.config.prune, "n_layers": loaded.config.n_layers,
+               "dtype": str(model.wte.weight.dtype), "eager_tokens_per_s": statistics.median(eager)}
+        if can:
+            row.update(graphs_tokens_per_s=statistics.median(graphed),
+                       ratio=statistics.median(graphed) / statistics.median(eager),
+                       identical_tokens=sum(a == b for a, b in zip(got, want)), tokens=args.tokens)
+        else:
+            row["graphs"] = graphs_module.refusal(model, "static")
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        graphs_module.release(model)
+    result = {"benchmark": "decode_zoo", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "versions": {"python": platform.python_version(), "torch": torch.__version__},
+              "note": "steady-state tokens/s after the first new token (models.generate), median of interleaved "
+                      "repeats, greedy, batch 1, a sync per token (streaming)", "rows": rows}
+    text = json.dumps(result, indent=1)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
