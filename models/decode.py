@@ -61,13 +61,14 @@ class Decoder:
             self.state = model.new_compact_cache(batch=batch, capacity=capacity or 16, policy=policy)
             if count_seen:
                 for layer in self.state.layers:
-                    layer.seen = torch.zeros(batch, device=self.device)
+                    layer.seen = torch.zeros(layer.batch, device=self.device)  # a row per group, if per group
         else:
             self.state = model.new_cache(batch=batch, capacity=capacity)
         self.lengths = [0] * batch            # tokens fed per row (on the host)
         self._next = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the same, on the device (compacted)
         self.kernel_paths: dict[str, str] = {}  # op -> the path the kernel dispatch took, over all calls
         self._collected = [0] * len(self.state.layers)
+        self._group_drops: dict[tuple[int, int, int], tuple[int, int]] = {}  # per group: (groups, last trigger)
 
     def _call(self, idx: torch.Tensor, valid: torch.Tensor | None, last_only: bool) -> torch.Tensor:
         """idx [B,T] at each row's next positions; valid [B,T] (compacted only: False is padding) -> logits.
@@ -154,22 +155,36 @@ class Decoder:
 
     def new_drops(self) -> list[tuple[int, int, int, int]]:
         """Drops since the last call of this method: (layer, row, position, position of the query that dropped
-        it); compacted only (the static cache frees nothing). Reading them moves the notes to the host."""
+        it); compacted only (the static cache frees nothing). Under a per-KV-group policy a token counts as
+        dropped once every group of the layer has dropped it (the query that took it from the last group).
+        Reading them moves the notes to the host."""
         if self.kind != "compacted":
             return []
         out = []
         for li, layer in enumerate(self.state.layers):
             layer.flush()
+            g = layer.groups
             for rec in layer.drops[self._collected[li]:]:
-                out += [(li, int(b), int(p), int(t)) for b, p, t in rec.tolist()]
+                for r, p, t in rec.tolist():
+                    if g == 1:
+                        out.append((li, r, p, t))
+                        continue
+                    key = (li, r // g, p)  # notes come in batches, not in step order: the latest trigger wins
+                    count, last = self._group_drops.get(key, (0, -1))
+                    self._group_drops[key] = (count + 1, max(last, t))
+                    if count + 1 == g:
+                        out.append((li, r // g, p, max(last, t)))
             self._collected[li] = len(layer.drops)
         return out
 
-    def live(self, row: int = 0) -> tuple[int, ...]:
-        """Per layer: tokens of `row` still visible to its next query."""
+    def live(self, row: int = 0) -> tuple[float, ...]:
+        """Per layer: tokens of `row` still visible to its next query (per-KV-group policy: the mean over the
+        layer's groups, so that times the layer's bytes per token is what it holds)."""
         n = self.lengths[row]
         if self.kind == "compacted":  # one transfer for all layers
-            return tuple(torch.stack([layer.live[row].sum() for layer in self.state.layers]).tolist())
+            per = [layer.live[row * layer.groups:(row + 1) * layer.groups].sum() / layer.groups
+                   if layer.groups > 1 else layer.live[row].sum() for layer in self.state.layers]
+            return tuple(torch.stack(per).tolist())
         if self.model.config.prune:  # the static cache with the step mask: nothing is freed
             return tuple(int(layer.alive[row, :n].sum()) for layer in self.state.layers)
         return (n,) * len(self.state.layers)
@@ -179,4 +194,4 @@ class Decoder:
 
     def seen_share(self) -> float:
         """count_seen: the summed share of earlier tokens each decode query saw, over layers and rows."""
-        return float(sum(layer.seen.sum() for layer in self.state.layers))
+        return float(sum(layer.seen.sum() / layer.groups for layer in self.state.layers))

@@ -187,7 +187,7 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
             info["kernel_paths"].update(dec.kernel_paths)
             live = dec.live()
             drops = tuple((layer, p, t) for layer, _, p, t in dec.new_drops())
-            return TokenEvent(i, token, logprob, latency, held_bytes=sum(n * b for n, b in zip(live, own)),
+            return TokenEvent(i, token, logprob, latency, held_bytes=int(round(sum(n * b for n, b in zip(live, own)))),
                               alloc_bytes=dec.allocated_bytes(), dense_bytes=dec.lengths[0] * sum(dense), live=live,
                               drops=drops)
 

@@ -149,9 +149,16 @@ class DecoderLM(nn.Module):
             raise ValueError(why)
         p = self.wte.weight
         learned = policy is None and self.config.prune  # the rule decides: its decode constants read once, here
-        return CompactDecodeCache([CompactCache(b.mixer.cache_spec(policy is None), batch, capacity, p.dtype, p.device,
-                                                policy, b.mixer.pruning.decode_constants(p.dtype) if learned else None)
-                                   for b in self.blocks])
+        # a per-KV-group policy: one row of slots per (batch row, group), each holding one group's K/V
+        g = self.blocks[0].mixer.n_groups if policy is not None and policy.per_group else 1
+        layers = []
+        for b in self.blocks:
+            spec = b.mixer.cache_spec(policy is None)
+            if g > 1:
+                spec = {name: (1, *shape[1:]) for name, shape in spec.items()}
+            layers.append(CompactCache(spec, batch * g, capacity, p.dtype, p.device, policy,
+                                       b.mixer.pruning.decode_constants(p.dtype) if learned else None, groups=g))
+        return CompactDecodeCache(layers)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
                 diagnostics: bool = False, positions: torch.Tensor | None = None,

@@ -141,3 +141,38 @@ def test_refusals_say_why():
     wide = model_for("mha", prune=False, context=4096, seed=3, n_heads=64, d_model=64)   # 64 heads: 1 GiB of scores
     with pytest.raises(ValueError, match="at most 2048"):                                # per layer at 2,048 tokens
         replay(wide, [1] * 2049)
+
+
+GROUPED = [("h2o", 8), ("tova-group", 7), ("snapkv:step", 12), ("h2o:prompt", 8), ("tova-group:prompt", 7),
+           ("snapkv", 12)]
+
+
+@pytest.mark.parametrize("mixer, extra", [("mha", {}), ("gqa", {"n_kv_heads": 2, "positions": "rope"})])
+@pytest.mark.parametrize("name, budget", GROUPED)
+def test_per_group_decoding_evicts_what_the_per_group_replay_evicts(mixer, extra, name, budget):
+    """Decoding under a per-KV-group policy (a row of slots per group) drops, in every group of every layer, what
+    the replay drops (itself checked against the papers' per-head rules in test_per_group_eviction), with the same
+    log-probabilities; the decoder reports a token dropped once every group has dropped it."""
+    model = model_for(mixer, prune=False, context=64, seed=3, **extra)
+    prompt = 24 if policies.once(name) else None
+    run = replay(model, IDS, make(name, budget), prompt=prompt)
+    dec = Decoder(model, 1, "compacted", make(name, budget), count_seen=True)
+    x = torch.tensor([IDS])
+    first = prompt or 1
+    logits = [dec.extend(x[:, :first])[0]] + [dec.step(x[0, i:i + 1]) for i in range(first, len(IDS))]
+    lp = target_logprobs(torch.cat(logits)[:-1], x[0, 1:])
+    n_layers, groups, n = run.dropped_at.shape
+    assert groups == model.blocks[0].mixer.n_groups > 1
+    dropped = torch.full((n_layers, groups, n), -1)
+    for li, layer in enumerate(dec.state.layers):
+        for r, p, t in layer.drop_table().tolist():
+            dropped[li, r, p] = t
+    assert torch.equal(run.dropped_at, dropped)
+    assert (dropped >= 0).sum() > 0
+    assert torch.allclose(run.logprobs.double(), lp.double(), atol=1e-9, rtol=1e-9)
+    gone = {(li, p): t for li, _, p, t in dec.new_drops()}
+    assert gone == {(li, p): int(run.dropped_at[li, :, p].max()) for li in range(n_layers) for p in range(n)
+                    if bool((run.dropped_at[li, :, p] >= 0).all())}
+    held = dec.live(0)   # the mean over groups of what each still holds
+    assert held == pytest.approx([float((run.dropped_at[li] < 0).sum(-1).double().mean()) for li in range(n_layers)])
+    assert dec.seen_share() > 0

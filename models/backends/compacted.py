@@ -22,7 +22,53 @@ def rule_constants(mixer, cache, dtype) -> dict:
     return cache.rule_constants
 
 
+class _GroupRows:
+    """The mixer as one KV group's rows see it: attention with that group's query heads over its own slots, W_O
+    left for by_group to apply once every head is back in its place."""
+
+    def __init__(self, mixer):
+        self._mixer = mixer
+
+    def __getattr__(self, name):
+        return getattr(self._mixer, name)
+
+    def head_maps(self):
+        return {}
+
+    def output(self, o):
+        return o
+
+    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None):
+        return kernels.attention(q, k, v, scale=self._mixer.scale, bias=bias, causal=causal, lengths=lengths)[0]
+
+
 def attend(mixer, cache, x, q, k, v, record):
+    if cache.groups > 1:
+        return by_group(mixer, cache, x, q, k, v, record)
+    return attend_rows(mixer, cache, x, q, k, v, record)
+
+
+def by_group(mixer, cache, x, q, k, v, record):
+    """A per-KV-group policy (H2O's and SnapKV's own form): the cache's rows are (batch row, group) pairs, so head
+    i's query joins the row of group i // (H/G) and every path below runs unchanged on rows."""
+    if record is not None:
+        raise ValueError("per-group eviction keeps no diagnostics while decoding: the Pruning page replays it")
+    if mixer.head_maps():
+        raise ValueError("per-group rows on a mixer with per-head query maps (MHE has one group)")
+    g = cache.groups
+    b, h, t, d = q.shape
+    q_pos, valid = cache.q_pos, cache.valid
+    cache.q_pos = q_pos.repeat_interleave(g, 0)
+    cache.valid = None if valid is None else valid.repeat_interleave(g, 0)
+    try:
+        o = attend_rows(_GroupRows(mixer), cache, x.repeat_interleave(g, 0), q.reshape(b * g, h // g, t, d),
+                        k.reshape(b * g, 1, t, d), v.reshape(b * g, 1, t, d), None)
+    finally:
+        cache.q_pos, cache.valid = q_pos, valid
+    return mixer.output(o.reshape(b, h, t, d))
+
+
+def attend_rows(mixer, cache, x, q, k, v, record):
     """Insert the new tokens, let them drop what they drop (applied to their own attention too), attend over
     the live slots, compact."""
     if mixer.training:

@@ -30,8 +30,10 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
 
 class CompactCache:
     def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device, policy=None,
-                 rule_constants: dict | None = None):
-        self.batch, self.device = batch, device
+                 rule_constants: dict | None = None, groups: int = 1):
+        # groups > 1 (a per-KV-group policy): `batch` rows are (batch row, group) pairs, row b * groups + g, each
+        # holding its own slots of one group's K/V (models.backends.compacted.by_group)
+        self.batch, self.device, self.groups = batch, device, groups
         self.capacity = _round_up(capacity)
         self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device) for n, s in spec.items()}
         self.live = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)

@@ -103,9 +103,6 @@ def not_decodable(cls: type[Policy], groups: int) -> str | None:
     if cls.hindsight:
         return (f"{cls.name} reads what later queries attend to: it runs in a replay over a whole text (the Pruning "
                 "page, the reports), not while decoding")
-    if cls.per_group and groups > 1:
-        return (f"{cls.name} evicts per KV group, which the decode cache does not do yet: it runs in a replay over a "
-                "whole text (the Pruning page, the reports); decode with a per-layer policy")
     return None
 
 
