@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
