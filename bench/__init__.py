@@ -11,3 +11,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return f"{name}, {os.cpu_count()} cores"
+
+
+def report(result: dict, path: str | None) -> int:
+    """Print a benchmark's JSON result and, when a path is given, write it there too; 0 for the exit status."""
+    import json
+    from pathlib import Path
+    text = json.dumps(result, indent=1)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    print(text)
+    return 0

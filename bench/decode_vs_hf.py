@@ -15,7 +15,6 @@ else running changes the times.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench import cpu_model
+from bench import cpu_model, report
 from kernels.bench import copy_bandwidth
 
 PROMPT = "The river begins in the mountains, where"
@@ -138,12 +137,7 @@ def main(argv=None) -> int:
                   "note": "wall time for prompt + all new tokens (one sync per token in both), median of interleaved "
                           "repeats after two warm-up runs each; greedy; no stop token",
                   **cuda_rows(args, folder, name, ids)}
-        text = json.dumps(result, indent=1)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(text + "\n")
-        print(text)
-        return 0
+        return report(result, args.json)
     ours = load_model_dir(args.model, device="cpu", dtype="float32").model.eval()
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(PROMPT).input_ids
@@ -181,12 +175,7 @@ def main(argv=None) -> int:
                            "transformers": transformers.__version__},
               "note": "wall time for prompt + all new tokens, median of interleaved repeats; greedy; no stop token",
               "rows": rows}
-    text = json.dumps(result, indent=1)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    print(text)
-    return 0
+    return report(result, args.json)
 
 
 if __name__ == "__main__":

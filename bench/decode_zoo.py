@@ -12,9 +12,10 @@ import platform
 import statistics
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
+
+from bench import report
 
 PROMPT = "The committee met again on Tuesday. After a long debate about the harbour,"
 
@@ -65,12 +66,7 @@ def main(argv=None) -> int:
               "versions": {"python": platform.python_version(), "torch": torch.__version__},
               "note": "steady-state tokens/s after the first new token (models.generate), median of interleaved "
                       "repeats, greedy, batch 1, a sync per token (streaming)", "rows": rows}
-    text = json.dumps(result, indent=1)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    print(text)
-    return 0
+    return report(result, args.json)
 
 
 if __name__ == "__main__":

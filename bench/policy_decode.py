@@ -11,15 +11,13 @@ Do not run it beside training or tests (2 cores: anything else running changes t
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-from bench import cpu_model
+from bench import cpu_model, report
 
 
 def step_ms(model, ids, new: int, policy) -> float:
@@ -75,12 +73,7 @@ def main(argv=None) -> int:
               "note": "steady-state ms per decode step (models.generate), median of interleaved repeats; a step "
                       "policy reads the prompt token by token, so only the new tokens are timed",
               "rows": rows, "per_group_over_per_layer": pairs, "seconds": times}
-    text = json.dumps(result, indent=1)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    print(text)
-    return 0
+    return report(result, args.json)
 
 
 if __name__ == "__main__":
