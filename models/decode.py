@@ -136,8 +136,9 @@ class Decoder:
         if self._captured is not None:
             if self.lengths[0] + 1 > self.state.capacity:
                 raise ValueError(f"cache full: {self.lengths[0]} + 1 positions exceed capacity {self.state.capacity}")
-            logits = self._captured.step(self.model, tokens, lambda tok: self._call(tok, None, last_only=True)[:, 0])
-            if self._captured.graph is not None:  # replayed: no Python ran inside, so count and note here
+            logits, replayed = self._captured.step(self.model, tokens,
+                                                   lambda tok: self._call(tok, None, last_only=True)[:, 0])
+            if replayed:  # no Python ran inside, so count and note here
                 self.state.advance(1)
                 self.kernel_paths.update(self._captured.paths)
         else:
@@ -149,7 +150,7 @@ class Decoder:
         """Give a captured graph and its cache back for the next generation of this model (graphs only)."""
         if self._captured is not None:
             graphs_module.give_back(self.model, self._captured)
-            self._captured = None
+            self._captured = self.state = None  # the cache is the pool's again: this decoder must not touch it
 
     # the observer: what the last call left (each reading waits for the device: call it after timing)
 

@@ -32,7 +32,7 @@ class TokenEvent:
     held_bytes: int = 0     # decode state of the tokens the cache still holds after that forward
     alloc_bytes: int = 0    # decode state allocated then (the compacted cache's buffers at their capacity)
     dense_bytes: int = 0    # what a dense cache of the same model would hold: every token seen, K and V
-    live: tuple[int, ...] = ()   # per layer: tokens held after that forward
+    live: tuple[float, ...] = ()  # per layer: tokens held after that forward (per-group policy: mean over groups)
     drops: tuple[tuple[int, int, int], ...] = ()  # (layer, position, position of the token that dropped it)
 
 
@@ -116,8 +116,9 @@ def make_sampler(device, *, greedy: bool, temperature: float, top_k: int | None,
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for this thread's stream only: a device-wide sync could end another session's graph capture."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def layer_bytes_per_token(model) -> tuple[list[int], list[int]]:

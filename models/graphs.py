@@ -2,12 +2,15 @@
 torch.compile): over a static-shape cache (models.cache.DecodeCache.fix_shapes) a one-token step launches the
 same kernels on the same buffers every time, so it is captured once and replayed for the price of one launch.
 
-A captured step belongs to its cache's buffers, so the two live together in a `Captured` entry, kept per model
-and reused by the next generation of the same batch and capacity bucket (capture costs a few eager steps).
-An entry is checked out by one decoder at a time: app sessions share a model, never an entry.
+A captured step belongs to its cache's buffers and to the weights it read, so the two live together in a
+`Captured` entry, kept per model, batch, capacity bucket, weights and kernel choice, and reused by the next
+generation (capture costs a few eager steps). An entry is checked out by one decoder at a time: app sessions
+share a model, never an entry. A capture that fails (another thread's work on the device can end it) leaves
+the entry decoding eagerly, with the reason kept.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -15,7 +18,7 @@ import torch
 
 MIN_CAPACITY = 256
 WARMUP_STEPS = 2  # eager steps (on a side stream) before capture: Triton compiles, cuBLAS picks its kernels
-MAX_FREE = 2      # entries kept per (model, batch, capacity) once given back
+MAX_FREE = 2      # entries kept per key once given back
 
 
 def refusal(model, state: str) -> str | None:
@@ -37,22 +40,28 @@ def capacity_bucket(need: int, context: int) -> int:
     cap = MIN_CAPACITY
     while cap < need:
         cap *= 2
-    return max(need, min(cap, context))
+    return min(max(need, cap), context)
 
 
 class Captured:
     """A cache with fixed shapes and, once captured, the graph of one decode step over it."""
 
     def __init__(self, model, batch: int, capacity: int):
-        self.batch, self.state = batch, model.new_cache(batch=batch, capacity=capacity)
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: reset() may run outside inference mode
+            self.state = model.new_cache(batch=batch, capacity=capacity)
+        self.batch = batch
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tokens: torch.Tensor | None = None   # the graph's input [B,1]
         self.logits: torch.Tensor | None = None   # the graph's output [B,1,V]
         self.paths: dict[str, str] = {}
         self.warm = 0
+        self.failed: str | None = None           # why capture failed: this entry decodes eagerly
 
-    def step(self, model, tokens: torch.Tensor, eager) -> torch.Tensor:
-        """One token per row (tokens [B,1]) -> logits [B,V]. eager(tokens) runs the step without a graph."""
+    def step(self, model, tokens: torch.Tensor, eager) -> tuple[torch.Tensor, bool]:
+        """One token per row (tokens [B,1]) -> (logits [B,V], replayed). eager(tokens) runs the step without a
+        graph (and counts it on the host); a replay is counted by the caller."""
+        if self.failed is not None:
+            return eager(tokens), False
         if self.graph is None and self.warm < WARMUP_STEPS:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -60,38 +69,61 @@ class Captured:
                 out = eager(tokens)
             torch.cuda.current_stream().wait_stream(side)
             self.warm += 1
-            return out
-        if self.graph is None:
-            import kernels
-            self.tokens = tokens.clone()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: app sessions may run CUDA work in other threads while this one captures
-            with kernels.record_paths() as paths, torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.logits = model(self.tokens, cache=self.state, last_only=True).logits
-            self.graph, self.paths = graph, dict(paths)
+            return out, False
+        if self.graph is None and not self._capture(model, tokens):
+            return eager(tokens), False
         self.tokens.copy_(tokens)
         self.graph.replay()
-        return self.logits[:, 0].clone()  # the graph overwrites its output at the next replay
+        return self.logits[:, 0].clone(), True  # the graph overwrites its output at the next replay
+
+    def _capture(self, model, tokens: torch.Tensor) -> bool:
+        """Record one step (nothing runs: the cache is left as it was). One capture at a time in the process,
+        on a stream of its own; thread_local, so other sessions' threads may keep launching work."""
+        import kernels
+        self.tokens = tokens.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with _capture_lock, kernels.record_paths() as paths, \
+                    torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+                self.logits = model(self.tokens, cache=self.state, last_only=True).logits
+        except RuntimeError as e:  # e.g. invalidated by a device-wide sync elsewhere: decode eagerly from here
+            self.failed = f"{type(e).__name__}: {e}"[:300]
+            self.logits = None
+            return False
+        self.graph, self.paths = graph, dict(paths)
+        return True
 
 
+_capture_lock = threading.Lock()
 _lock = threading.Lock()
-_free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(batch, capacity): [Captured]}
+_free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: [Captured]}
+
+
+def _key(model, batch: int, capacity: int) -> tuple:
+    """What a captured step depends on besides its cache: the weights' storage and dtype (moving or recasting
+    the model reallocates them) and the kernel choice."""
+    w = model.wte.weight
+    return batch, capacity, w.dtype, w.device, w.data_ptr(), os.environ.get("MIXSCOPE_KERNELS", "")
 
 
 def checkout(model, batch: int, capacity: int) -> Captured:
     """A free entry for (model, batch, capacity), emptied, or a new one."""
+    key = _key(model, batch, capacity)
     with _lock:
-        entries = _free.setdefault(model, {}).get((batch, capacity), [])
+        entries = _free.setdefault(model, {}).get(key, [])
         entry = entries.pop() if entries else None
     if entry is None:
-        return Captured(model, batch, capacity)
-    entry.state.reset()
+        entry = Captured(model, batch, capacity)
+    else:
+        with torch.no_grad():
+            entry.state.reset()
+    entry.key = key
     return entry
 
 
 def give_back(model, entry: Captured) -> None:
     with _lock:
-        entries = _free.setdefault(model, {}).setdefault((entry.batch, entry.state.capacity), [])
+        entries = _free.setdefault(model, {}).setdefault(entry.key, [])
         if len(entries) < MAX_FREE:
             entries.append(entry)
 

@@ -183,6 +183,8 @@ class DecoderLM(nn.Module):
             self.check_fits(start + t, "positions")
             # a static-shape step (DecodeCache.fix_shapes): the position is the device-side cursor, no host count
             fixed = isinstance(cache, DecodeCache) and cache.cursor is not None and t == 1 and not diagnostics
+            if fixed and start + 1 > cache.capacity:  # index_copy_ past the buffers would be a device-side assert
+                raise ValueError(f"cache full: {start} + 1 positions exceed capacity {cache.capacity}")
             # (a copy: the rotary tables are memoised on the positions tensor, and the cursor outlives this forward)
             positions = cache.cursor.clone() if fixed else torch.arange(start, start + t, device=idx.device)
         x = self.wte(idx) if embeds is None else embeds

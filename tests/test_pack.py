@@ -29,3 +29,15 @@ def test_a_damaged_part_is_named_and_nothing_is_left(tmp_path):
     with pytest.raises(ValueError, match="part001"):
         pack.join([tmp_path / "p"], tmp_path / "out")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_manifest_cannot_name_a_path(tmp_path):
+    import json
+    (tmp_path / "f").write_bytes(b"abc")
+    pack.split(tmp_path / "f", tmp_path / "p", 10)
+    man = tmp_path / "p" / "f.manifest.json"
+    m = json.loads(man.read_text())
+    m["parts"][0]["file"] = "../f"
+    man.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="plain file name"):
+        pack.join([tmp_path / "p"], tmp_path / "out")

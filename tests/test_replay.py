@@ -53,7 +53,7 @@ def test_replay_evicts_what_token_by_token_decoding_evicts(mixer, extra, name, b
     vis = run.visible[:, 0]
     assert not vis.triu(1).any() and vis.diagonal(dim1=1, dim2=2).all()
     limit = budget if prompt is None else budget + (len(IDS) - prompt)
-    assert int(vis.sum(-1).max()) <= limit + (0 if policies.parse(name)[0].before_attending else 1)
+    assert int(vis.sum(-1).max()) <= limit + (0 if not policies.parse(name)[0].uses_attention else 1)
     got = float(sparsity(vis.double()).mean())
     assert got == pytest.approx(policies.expected_sparsity(name, budget, len(IDS), prompt), abs=1e-6)
 
@@ -64,7 +64,7 @@ def test_visibility_follows_the_drop_steps():
     model = model_for("gqa", prune=False, context=64, seed=3, n_kv_heads=2)
     for name, budget in STEP + ONCE + [("h2o", 8), ("snapkv", 12), ("oracle", 7), ("oracle:prompt", 7)]:
         run = replay(model, IDS, make(name, budget), prompt=24)
-        after = 0 if policies.parse(name)[0].before_attending and not policies.once(name) else 1
+        after = 0 if not policies.parse(name)[0].uses_attention and not policies.once(name) else 1
         t = len(IDS)
         assert run.visible.shape[1] == (2 if policies.parse(name)[0].per_group else 1)
         for layer in range(model.config.n_layers):

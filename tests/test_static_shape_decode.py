@@ -97,7 +97,7 @@ def test_capacity_buckets():
     assert graphs.capacity_bucket(10, 2048) == 256
     assert graphs.capacity_bucket(257, 2048) == 512
     assert graphs.capacity_bucket(300, 400) == 400
-    assert graphs.capacity_bucket(3000, 2048) == 3000  # never below what is needed (the decoder refuses later)
+    assert graphs.capacity_bucket(3000, 2048) == 2048  # never past the context (new_cache stops there too)
 
 
 def test_the_pool_hands_out_emptied_entries():
@@ -112,4 +112,28 @@ def test_the_pool_hands_out_emptied_entries():
     assert again.state.length == 0 and int(again.state.cursor) == 0 and bool(again.state.layers[0].alive.all())
     assert graphs.checkout(model, 2, 24) is not entry      # checked out: a second decoder gets its own
     assert graphs.checkout(model, 1, 24) is not entry      # another batch, another entry
+    graphs.release(model)
+
+
+def test_a_full_static_shape_cache_refuses_the_next_step():
+    model = model_for(dict(mixer="mha"), seed=2)
+    dec = Decoder(model, 1, "static", capacity=6, fixed=True)
+    with torch.inference_mode():
+        dec.prefill([[1, 2, 3, 4, 5]])
+        dec.step(torch.tensor([6]))
+        with pytest.raises(ValueError, match="cache full"):
+            dec.step(torch.tensor([7]))
+    assert dec.state.length == 6
+
+
+def test_a_pooled_cache_made_in_inference_mode_is_reset_outside_it():
+    """The app decodes under inference mode and hands the entry back; the next checkout may come from anywhere."""
+    model = model_for(dict(mixer="mha", prune=True, prune_beta=0.3), seed=4)
+    entry = graphs.checkout(model, 1, 24)
+    with torch.inference_mode():
+        entry.state.layers[0].length = 3
+        entry.state.fix_shapes()
+    graphs.give_back(model, entry)
+    again = graphs.checkout(model, 1, 24)   # reset() outside inference mode
+    assert again is entry and int(again.state.cursor) == 0
     graphs.release(model)

@@ -65,14 +65,14 @@ if compactable and cfg.pattern == "dense":
     groups = loaded.model.blocks[0].mixer.n_groups
     method = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.methods(decoding=True, groups=groups)],
                           format_func=method_title, key="gen_evict",
-                          help="Per-KV-group policies and the hindsight oracle run on the Pruning page (a replay over "
-                               "a text); decoding evicts per layer" + (f" (this model has {groups} KV groups)."
-                                                                        if groups > 1 else "."))
+                          help="Per-KV-group policies keep a budget in each group of a layer" +
+                               (f" (this model has {groups} KV groups)" if groups > 1 else "") +
+                               "; the hindsight oracle runs on the Pruning page (a replay over a text).")
     if method not in METHOD_TITLES:
         low = policies.min_budget(method)
         budget = int(e2.number_input(f"Budget (tokens held per layer, at least {low})", low, cfg.context, max(low, 32),
-                                     key="gen_budget", help="Prompt mode keeps this many prompt tokens and every "
-                                                            "generated one"))
+                                     key="gen_budget", help="Per KV group for a per-group policy. Prompt mode keeps "
+                                                            "this many prompt tokens and every generated one"))
         policy = policies.make(method, budget)
 elif not compactable:
     s2.caption("KV-cache eviction policies need a per-token cache to evict from; an Extractor mixes its past inputs "
@@ -85,9 +85,11 @@ beside = {"dense twin": "its dense twin", "learned rule": "the same model under 
 with_twin = pruned and st.checkbox(f"Beside {beside} (same prompt and seed, generated in turn)", value=True,
                                    key="gen_twin")
 if policy is not None:
-    st.caption(f"{method_title(policy.method)} at {policy.budget} tokens per layer: it generates through the compacted "
+    per = "per KV group" if policy.per_group and loaded.model.blocks[0].mixer.n_groups > 1 else "per layer"
+    st.caption(f"{method_title(policy.method)} at {policy.budget} tokens {per}: it generates through the compacted "
                "cache and evicts as the policy says" + (" (this model's learned rule is off)." if cfg.prune else ".")
-               + " The strip shows, per layer, which earlier tokens are still held.")
+               + " The strip shows, per layer, which earlier tokens are still held"
+               + (" by at least one group; the memory held is the mean over groups." if per == "per KV group" else "."))
 elif pruned:
     st.caption("Context-pruned model: it generates through the compacted cache, so what a layer drops is freed; "
                "the strip shows, per layer, which earlier tokens are still held.")

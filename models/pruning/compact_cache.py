@@ -213,5 +213,7 @@ class CompactDecodeCache:
     def allocated_bytes(self) -> int:  # the compacted buffers are what is allocated
         return self.nbytes()
 
-    def live_tokens(self) -> int:
-        return sum(int(layer.live.sum()) for layer in self.layers)
+    def live_tokens(self) -> float:
+        """Tokens held over all layers (per-group rows: the mean over a layer's groups)."""
+        n = sum(float(layer.live.sum()) / layer.groups for layer in self.layers)
+        return int(n) if n.is_integer() else n

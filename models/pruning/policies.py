@@ -11,7 +11,8 @@ re-numbering inside the cache, which StreamingLLM does for RoPE models).
 
 Two modes, as users meet them:
   step    during decoding, one token arriving at a time (`q_pos` [R]): step() returns what the row keeps, at most
-          `budget` slots, the newest always kept. Before or after the newest query attends (`before_attending`).
+          `budget` slots, the newest always kept. A policy that reads no attention evicts before the newest query
+          attends (it sees budget - 1 earlier tokens); one that reads it, after (it sees budget).
   prompt  once, after a prompt of n_prompt tokens was read with nothing evicted: compress() returns what the row
           keeps of it (at most `budget`); every later token is kept. `window` says how many of the last prompt
           queries' attention it reads, summed per head: `received` [R,h,S] (None: the whole prompt).
@@ -47,7 +48,6 @@ class Policy:
     per_group = False         # rows are (batch row, KV group); else one row per batch row (the layer decides)
     uses_attention = False    # step() / compress() read attention
     hindsight = False         # ... the attention later queries pay in the full model (an oracle: replay only)
-    before_attending = False  # step mode: evicts before the newest query attends (it sees budget - 1 earlier)
     min_budget = 1
     modes = MODES             # the modes it has
     default_mode = "step"
@@ -220,7 +220,6 @@ class StreamingLLM(Policy):
     alike. Step mode decides before the query attends."""
     name = "streamingllm"
     title = "StreamingLLM (4 sinks + recent window)"
-    before_attending = True
     min_budget = 5  # the 4 sinks and one recent token
 
     def __init__(self, budget: int, mode: str | None = None, sinks: int = 4):
@@ -405,7 +404,7 @@ def expected_sparsity(method: str, budget: int, n: int, prompt: int | None = Non
             raise ValueError(f"{method} compresses a prompt once: give its length")
         sees = torch.where(i < prompt, i, min(budget, prompt) + i - prompt)
     else:
-        sees = torch.full_like(i, budget - 1 if cls.before_attending else budget)
+        sees = torch.full_like(i, budget if cls.uses_attention else budget - 1)  # no attention read: evicts first
     queries = n - first - (1 if first == 0 and not count_first else 0)
     return float((1 - torch.minimum(i, sees) / i).sum()) / max(1, queries)
 
