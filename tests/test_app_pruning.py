@@ -105,8 +105,9 @@ def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
     at.selectbox(key="prune_compare").select("h2o").run()
     assert not at.exception, at.exception
     summary = at.dataframe[1].value
-    assert list(summary["method"])[0] == "learned pruning" and list(summary["method"])[1].startswith("h2o at ")
-    budget = int(list(summary["method"])[1].split()[2])
+    second = list(summary["method"])[1]
+    assert list(summary["method"])[0] == "learned pruning" and second.startswith(policies.title("h2o") + " at ")
+    budget = int(second.rsplit(" at ", 1)[1].split()[0])
     assert abs(summary["sparsity"][0] - learned) < 1e-3
     assert budget == policies.budget_for("h2o", summary["sparsity"][0] * (n - 1) / n, n)
     assert abs(summary["sparsity"][1] - page_sparsity("h2o", budget, n)) < 1e-6
