@@ -57,7 +57,7 @@ def join(dirs: list[Path], dest: Path, force: bool = False) -> list[Path]:
             raise FileExistsError(f"{target} exists: remove it or pass --force")
         found = {}
         for part in man["parts"]:
-            if Path(part["file"]).name != part["file"]:  # a part is a file beside the manifest, never a path
+            if Path(part["file"]).name != part["file"] or part["file"] in ("", ".", ".."):  # a file, never a path
                 raise ValueError(f"{name}: part name {part['file']!r} is not a plain file name")
             where = [d / part["file"] for d in dirs if (d / part["file"]).is_file()]
             if not where:

@@ -146,6 +146,11 @@ class Decoder:
         self.lengths = [n + a for n, a in zip(self.lengths, rows)]
         return logits
 
+    @property
+    def graph_failed(self) -> str | None:
+        """Why the CUDA graph could not be captured (this decoder then stepped eagerly); None otherwise."""
+        return None if self._captured is None else self._captured.failed
+
     def close(self) -> None:
         """Give a captured graph and its cache back for the next generation of this model (graphs only)."""
         if self._captured is not None:

@@ -211,6 +211,9 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
                 logits = dec.step(token.view(1))[0]
                 _sync(device)
         finally:
+            if dec.graph_failed:
+                info["graphs"] = False
+                info["notes"].append(f"the CUDA graph could not be captured; decoded eagerly ({dec.graph_failed})")
             dec.close()
 
 
@@ -240,7 +243,7 @@ class BatchGenerationResult:
     new_ids: list[list[int]]
     step_latency_s: list[float]       # one entry per model call (the prefill first)
     cache_bytes: list[int]            # allocated decode state after each call
-    live_tokens: list[int]            # tokens held over all layers after each call
+    live_tokens: list[float]          # tokens held over all layers after each call
     drops: list[torch.Tensor]         # per layer: rows (batch row, position dropped, trigger position)
     stop_reasons: list[str]
 

@@ -63,13 +63,9 @@ class Captured:
         if self.failed is not None:
             return eager(tokens), False
         if self.graph is None and self.warm < WARMUP_STEPS:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                out = eager(tokens)
-            torch.cuda.current_stream().wait_stream(side)
+            # on the caller's stream: the pooled side streams are left to the (locked) capture alone
             self.warm += 1
-            return out, False
+            return eager(tokens), False
         if self.graph is None and not self._capture(model, tokens):
             return eager(tokens), False
         self.tokens.copy_(tokens)
@@ -80,13 +76,16 @@ class Captured:
         """Record one step (nothing runs: the cache is left as it was). One capture at a time in the process,
         on a stream of its own; thread_local, so other sessions' threads may keep launching work."""
         import kernels
-        self.tokens = tokens.clone()
+        with torch.inference_mode(False):  # a plain tensor, like the cache: copied into outside inference mode too
+            self.tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
+        caller = torch.cuda.current_stream()
         try:
             with _capture_lock, kernels.record_paths() as paths, \
                     torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
                 self.logits = model(self.tokens, cache=self.state, last_only=True).logits
         except RuntimeError as e:  # e.g. invalidated by a device-wide sync elsewhere: decode eagerly from here
+            torch.cuda.set_stream(caller)  # a failed capture_end() skips the switch back to the caller's stream
             self.failed = f"{type(e).__name__}: {e}"[:300]
             self.logits = None
             return False
@@ -99,18 +98,22 @@ _lock = threading.Lock()
 _free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: [Captured]}
 
 
-def _key(model, batch: int, capacity: int) -> tuple:
-    """What a captured step depends on besides its cache: the weights' storage and dtype (moving or recasting
-    the model reallocates them) and the kernel choice."""
-    w = model.wte.weight
-    return batch, capacity, w.dtype, w.device, w.data_ptr(), os.environ.get("MIXSCOPE_KERNELS", "")
+def _weights(model) -> tuple:
+    """Where every weight lives, its dtype and the kernel choice: a captured step reads them as they were
+    (moving or recasting the model reallocates them)."""
+    return (tuple(p.data_ptr() for p in model.parameters()), model.wte.weight.dtype,
+            os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
 
 
 def checkout(model, batch: int, capacity: int) -> Captured:
     """A free entry for (model, batch, capacity), emptied, or a new one."""
-    key = _key(model, batch, capacity)
+    weights = _weights(model)
+    key = (batch, capacity, weights)
     with _lock:
-        entries = _free.setdefault(model, {}).get(key, [])
+        kept = _free.setdefault(model, {})
+        for stale in [k for k in kept if k[2] != weights]:  # captured over weights that have moved since
+            del kept[stale]
+        entries = kept.get(key, [])
         entry = entries.pop() if entries else None
     if entry is None:
         entry = Captured(model, batch, capacity)
@@ -122,6 +125,8 @@ def checkout(model, batch: int, capacity: int) -> Captured:
 
 
 def give_back(model, entry: Captured) -> None:
+    if entry.failed is not None:  # the next generation tries a fresh capture
+        return
     with _lock:
         entries = _free.setdefault(model, {}).setdefault(entry.key, [])
         if len(entries) < MAX_FREE:

@@ -215,6 +215,6 @@ def test_pruning_page_puts_the_learned_rule_beside_a_policy(server, browser):
     wait_idle(page)
     assert page.locator("[data-testid='stException']").count() == 0
     body = page.inner_text("body")
-    assert "learned pruning" in body and "h2o at " in body
+    assert "learned pruning" in body and "H2O per KV group (heavy hitters + recent), step by step at " in body
     page.screenshot(path=str(SHOTS / "Pruning_compare.png"), full_page=True)
     page.close()

@@ -70,7 +70,8 @@ if compactable and cfg.pattern == "dense":
                                "; the hindsight oracle runs on the Pruning page (a replay over a text).")
     if method not in METHOD_TITLES:
         low = policies.min_budget(method)
-        budget = int(e2.number_input(f"Budget (tokens held per layer, at least {low})", low, cfg.context, max(low, 32),
+        held = "per KV group" if policies.parse(method)[0].per_group and groups > 1 else "per layer"
+        budget = int(e2.number_input(f"Budget (tokens held {held}, at least {low})", low, cfg.context, max(low, 32),
                                      key="gen_budget", help="Per KV group for a per-group policy. Prompt mode keeps "
                                                             "this many prompt tokens and every generated one"))
         policy = policies.make(method, budget)

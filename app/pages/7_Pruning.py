@@ -211,10 +211,9 @@ if other != "-":
     table_b, sp_layers_b, lp_b = run_method(path, ids, other, budget_b, prompt_b)
     sp_b = float(sp_layers_b["sparsity"].mean())
     ppl_b = tokens.perplexity(lp_b)
-    name_b = f"{other} at {budget_b} tokens"
+    name_b = f"{METHODS.get(other, other)} at {budget_b} tokens"
     summary = pd.DataFrame([{"method": name, "sparsity": target, "perplexity": ppl, "vs nothing evicted": ppl / ppl0 - 1},
-                            {"method": f"{METHODS.get(other, other)} at {budget_b} tokens", "sparsity": sp_b,
-                             "perplexity": ppl_b, "vs nothing evicted": ppl_b / ppl0 - 1}])
+                            {"method": name_b, "sparsity": sp_b, "perplexity": ppl_b, "vs nothing evicted": ppl_b / ppl0 - 1}])
     st.dataframe(summary.style.format({"sparsity": "{:.1%}", "perplexity": "{:.2f}", "vs nothing evicted": "{:+.2%}"}),
                  hide_index=True)
     st.caption(f"{other}'s budget is the one whose sparsity on a {n}-token text is nearest {target:.1%} "

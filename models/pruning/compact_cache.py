@@ -215,5 +215,5 @@ class CompactDecodeCache:
 
     def live_tokens(self) -> float:
         """Tokens held over all layers (per-group rows: the mean over a layer's groups)."""
-        n = sum(float(layer.live.sum()) / layer.groups for layer in self.layers)
+        n = float(sum(float(layer.live.sum()) / layer.groups for layer in self.layers))
         return int(n) if n.is_integer() else n
