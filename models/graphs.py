@@ -17,7 +17,7 @@ import weakref
 import torch
 
 MIN_CAPACITY = 256
-WARMUP_STEPS = 2  # eager steps (on a side stream) before capture: Triton compiles, cuBLAS picks its kernels
+WARMUP_STEPS = 2  # eager steps before capture: Triton compiles, cuBLAS picks its kernels
 MAX_FREE = 2      # entries kept per key once given back
 
 

@@ -27,6 +27,16 @@ def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
+def group_rows(mixer, q, k, v):
+    """q [B,H,T,D], k, v [B,G,S,D] -> q [B*G,H/G,T,D], k, v [B*G,1,S,D]: each (batch row, KV group) a row of its
+    own holding that group's query heads (head i reads group i // (H/G)), for attention per group."""
+    if mixer.head_maps():
+        raise ValueError("per-group rows on a mixer with per-head query maps (MHE has one group)")
+    b, h, t, d = q.shape
+    g, s = k.shape[1], k.shape[2]
+    return q.reshape(b * g, h // g, t, d), k.reshape(b * g, 1, s, d), v.reshape(b * g, 1, s, d)
+
+
 def attend_by_group(mixer, q, k, v, allowed: torch.Tensor, record=None) -> torch.Tensor:
     """The mixer's output when each KV group sees its own keys: q [B,H,T,D], k, v [B,G,S,D], allowed [B,R,T,S]
     bool with R = G (a mask per group, as per-group eviction leaves) or 1 (one mask for the layer). Per group, the
@@ -35,12 +45,9 @@ def attend_by_group(mixer, q, k, v, allowed: torch.Tensor, record=None) -> torch
     g, s = k.shape[1], k.shape[2]
     if allowed.shape[1] == 1:
         return mixer.attend(q, k, v, additive(allowed, q.dtype), record, causal=False)
-    if mixer.head_maps():
-        raise ValueError("per-group masks on a mixer with per-head query maps (MHE has one group)")
     want = record is not None and record.attention_maps
-    o, probs = kernels.attention(q.reshape(b * g, h // g, t, d), k.reshape(b * g, 1, s, d), v.reshape(b * g, 1, s, d),
-                                 scale=mixer.scale, bias=additive(allowed.reshape(b * g, 1, t, s), q.dtype),
-                                 need_weights=want, causal=False)
+    o, probs = kernels.attention(*group_rows(mixer, q, k, v), scale=mixer.scale,
+                                 bias=additive(allowed.reshape(b * g, 1, t, s), q.dtype), need_weights=want, causal=False)
     if want:
         record.attn = probs.reshape(b, h, t, s)
     return mixer.output(o.reshape(b, h, t, d))

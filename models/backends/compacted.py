@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from models.backends import additive
+from models.backends import additive, group_rows
 from models.pruning import pattern_allows
 from models.pruning.compact_cache import ALIGN
 from models.pruning.replay import CHUNK  # the replay sums the prompt's attention in the same blocks
@@ -53,19 +53,15 @@ def by_group(mixer, cache, x, q, k, v, record):
     i's query joins the row of group i // (H/G) and every path below runs unchanged on rows."""
     if record is not None:
         raise ValueError("per-group eviction keeps no diagnostics while decoding: the Pruning page replays it")
-    if mixer.head_maps():
-        raise ValueError("per-group rows on a mixer with per-head query maps (MHE has one group)")
     g = cache.groups
-    b, h, t, d = q.shape
     q_pos, valid = cache.q_pos, cache.valid
     cache.q_pos = q_pos.repeat_interleave(g, 0)
     cache.valid = None if valid is None else valid.repeat_interleave(g, 0)
     try:
-        o = attend_rows(_GroupRows(mixer), cache, x.repeat_interleave(g, 0), q.reshape(b * g, h // g, t, d),
-                        k.reshape(b * g, 1, t, d), v.reshape(b * g, 1, t, d), None)
+        o = attend_rows(_GroupRows(mixer), cache, x.repeat_interleave(g, 0), *group_rows(mixer, q, k, v), None)
     finally:
         cache.q_pos, cache.valid = q_pos, valid
-    return mixer.output(o.reshape(b, h, t, d))
+    return mixer.output(o.reshape(q.shape))
 
 
 def attend_rows(mixer, cache, x, q, k, v, record):
