@@ -97,7 +97,7 @@ def render(command: str, whole: pd.DataFrame, split: pd.DataFrame, profile: pd.D
               "are scored and counted. A policy in prompt mode (`:prompt`, and SnapKV by default) compresses the prompt once "
               "and keeps what follows (SnapKV: its last 32 queries vote, pooled over 7 positions); in step mode it evicts "
               "at every step. Per KV group unless the name says `-layer` (TOVA: per layer unless `-group`); the oracle "
-              "reads the full model's later attention, a bound no causal rule reaches. Budgets matched to the pruned "
+              "reads the full model's later attention (a reference, not always a bound). Budgets matched to the pruned "
               "model's sparsity over those queries.", ""]
     lines += table_md(split, float(split.loc[split["method"] == "dense", "perplexity"].iloc[0]))
     lines += ["", "## What each method hides, by part of speech", "",

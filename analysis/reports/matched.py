@@ -14,7 +14,7 @@ source, the sparsity the `--match` model measured there. A second reading, promp
 --prompt-share of each window is a prompt read in full and only the queries after it are scored and counted, so
 the policies in prompt mode (compressing the prompt once: SnapKV's form, and every other policy's `:prompt`) take
 part beside the step policies, each matched to the `--match` model's sparsity over those queries. Per KV group
-unless a name says `-layer`; the oracle (hindsight) is a bound, not a rule. Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
+unless a name says `-layer`; the oracle (hindsight) is a reference, not a rule (nor always a bound). Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
 over queries and layers. Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where two
 methods are compared (the same resampled windows for both).
 """

@@ -366,12 +366,13 @@ class SnapKVLayer(SnapKV):
 
 @register
 class Oracle(Policy):
-    """A hindsight bound, per KV group: evict the token that every later query, in the full model, attends to
-    least (summed over those queries and the group's heads). It reads the future, so no decoder can run it: it
-    says how much room any rule at this budget leaves. Step mode after the query attends; prompt mode keeps the
-    prompt tokens the generated ones attend to most."""
+    """Hindsight, per KV group: evict the token that every later query, in the full model, attends to least
+    (summed over those queries and the group's heads). It reads the future, so no decoder can run it. Meant as a
+    bound on what a rule at this budget can reach, it is not one everywhere: on SmolLM2 it beats every rule
+    measured, on the small mha-1024 it loses to all of them (docs/eviction.md). Step mode after the query
+    attends; prompt mode keeps the prompt tokens the generated ones attend to most."""
     name = "oracle"
-    title = "Oracle per KV group (hindsight: a bound, not a rule)"
+    title = "Oracle per KV group (hindsight: a reference, not a rule)"
     per_group = True
     uses_attention = True
     hindsight = True
