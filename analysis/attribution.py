@@ -61,7 +61,8 @@ def attribute(model, ids: list[int], position: int, target: int | None = None, m
     per = bytes_per_sample(cfg, position + 1)
     if per > budget:
         raise TooLarge(f"attributing a prediction after {position + 1} tokens of this {cfg.n_layers}-layer model "
-                       f"needs about {per / 2**30:.1f} GB for one gradient, over the budget of {budget / 2**30:.1f} GB: "
+                       f"needs about {per / 2**30:.1f} GB for one gradient, "
+                       f"over the budget of {budget / 2**30:.1f} GB: "
                        f"pick a position or window of at most {max_tokens(cfg, budget)} tokens "
                        "(MIXSCOPE_ATTR_BUDGET_MB raises the budget)")
     chunk = max(1, min(steps, budget // per))
@@ -85,7 +86,8 @@ def attribute(model, ids: list[int], position: int, target: int | None = None, m
             target = int(lp.argmax())
         with torch.enable_grad():
             if method == "integrated gradients":
-                attr = IntegratedGradients(logprob).attribute(emb, baselines=base, n_steps=steps, internal_batch_size=chunk)
+                attr = IntegratedGradients(logprob).attribute(emb, baselines=base, n_steps=steps,
+                                                              internal_batch_size=chunk)
                 scores = attr.sum(-1)
             elif method == "gradient x input":
                 scores = InputXGradient(logprob).attribute(emb).sum(-1)
@@ -100,8 +102,8 @@ def attribution_table(scores: np.ndarray, labels: list[str]) -> pd.DataFrame:
 
 def attribution_figure(df: pd.DataFrame, title: str) -> go.Figure:
     lim = float(np.abs(df["attribution"]).max()) or 1.0
-    fig = go.Figure(go.Bar(x=df["position"], y=df["attribution"], marker={"color": df["attribution"], "colorscale": "RdBu",
-                                                                        "cmin": -lim, "cmax": lim},
+    fig = go.Figure(go.Bar(x=df["position"], y=df["attribution"],
+                           marker={"color": df["attribution"], "colorscale": "RdBu", "cmin": -lim, "cmax": lim},
                            customdata=df["token"], hovertemplate="%{customdata} (pos %{x}): %{y:.4f}<extra></extra>"))
     step = max(1, len(df) // 60)
     fig.update_xaxes(tickvals=df["position"][::step], ticktext=df["token"][::step], tickangle=-60)

@@ -109,14 +109,17 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
         raise ExportError("the text must have at least 2 tokens")
     out = []
     m, kind = maps.mixing_maps(model, toks.ids)
-    out.append(("maps_overview", maps.overview_figure(m, kind), maps.maps_table(m, toks.labels), {"tokens": len(toks.ids)}))
+    out.append(("maps_overview", maps.overview_figure(m, kind), maps.maps_table(m, toks.labels),
+                {"tokens": len(toks.ids)}))
     last = cfg.n_layers - 1
-    out.append((f"map_layer{last}_head0", maps.map_figure(m[last, 0], toks.labels, f"{cfg.mixer}: layer {last}, head 0"),
+    out.append((f"map_layer{last}_head0",
+                maps.map_figure(m[last, 0], toks.labels, f"{cfg.mixer}: layer {last}, head 0"),
                 maps.maps_table(m[last:last + 1, :1], toks.labels), {"layer": last, "head": 0}))
     lp = tokens.token_logprobs(model, toks.ids)
     df = tokens.surprisal_table(toks.labels, lp, cfg.mixer)
     out.append(("surprisal", tokens.surprisal_figure(df, f"{cfg.mixer}: per-token surprisal"), df, {}))
-    scores, target, _ = attribution.attribute(model, toks.ids, len(toks.ids) - 1, method="integrated gradients", steps=16)
+    scores, target, _ = attribution.attribute(model, toks.ids, len(toks.ids) - 1, method="integrated gradients",
+                                              steps=16)
     df = attribution.attribution_table(scores, toks.labels)
     title = f"integrated gradients for the next token {loaded.tokenizer.decode([target])!r}"
     out.append(("attribution_last", attribution.attribution_figure(df, title), df,
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     from models.checkpoint import CheckpointError
     from models.device import add_arguments as add_device_arguments
 
-    ap = argparse.ArgumentParser(prog="python -m analysis.export", description="Write every figure for a model and a text.")
+    ap = argparse.ArgumentParser(prog="python -m analysis.export",
+                                 description="Write every figure for a model and a text.")
     ap.add_argument("model_dir")
     ap.add_argument("--text", required=True, help="a UTF-8 .txt or .md file")
     ap.add_argument("--out", required=True)
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
-        written = export_model(args.model_dir, args.text, args.out, force=args.force, device=args.device, dtype=args.dtype)
+        written = export_model(args.model_dir, args.text, args.out, force=args.force, device=args.device,
+                               dtype=args.dtype)
     except (CheckpointError, TextError, ExportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

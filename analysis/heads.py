@@ -13,7 +13,8 @@ from models.mixers.mhe import MHE, MHEMul
 
 def head_vectors(model) -> dict[str, np.ndarray]:
     """kind -> [layers, heads, dim]. Kinds: e_Q, e_K, e_V, g (MHE-MUL's 1+.. product) for MHE models;
-    W_Q, W_K, W_V, W_KV (those with more than one head: W_K and W_V of GQA per K/V group) for the others. Empty for Extractors."""
+    W_Q, W_K, W_V, W_KV (those with more than one head: W_K and W_V of GQA per K/V group) for the others.
+    Empty for Extractors."""
     out: dict[str, list[np.ndarray]] = {}
     for block in model.blocks:
         m = block.mixer
@@ -68,15 +69,21 @@ def norms_table(vectors: dict[str, np.ndarray]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+LEGEND_LAYERS = 12  # up to this many layers, one legend entry (colour) each; more: a colour bar over the layers
+
+
 def pca_figure(df: pd.DataFrame, var: np.ndarray, title: str) -> go.Figure:
-    df = df.assign(layer=df["layer"].astype(str), label="H" + df["head"].astype(str))
+    # a legend of 30 layers does not fit the figure's height (it stopped at layer 16): deep models get a colour bar
+    discrete = df["layer"].nunique() <= LEGEND_LAYERS
+    df = df.assign(layer=df["layer"].astype(str) if discrete else df["layer"], label="H" + df["head"].astype(str))
     axes = {f"pc{i + 1}": f"PC{i + 1} ({var[i]:.0%})" for i in range(len(var))}
+    style = {} if discrete else {"color_continuous_scale": "Viridis"}
     if "pc3" in df:
         fig = px.scatter_3d(df, x="pc1", y="pc2", z="pc3", color="layer", text="label", labels=axes, title=title,
-                            hover_data=["head", "norm"])
+                            hover_data=["head", "norm"], **style)
     else:
         fig = px.scatter(df, x="pc1", y="pc2", color="layer", text="label", labels=axes, title=title,
-                         hover_data=["head", "norm"])
+                         hover_data=["head", "norm"], **style)
         fig.update_traces(textposition="top center", marker={"size": 10})
     fig.update_layout(legend_title_text="layer", height=520)
     return fig

@@ -48,7 +48,8 @@ def strip_figure(trace: dict, step: int, labels: list[str], title: str) -> go.Fi
     note = np.full(z.shape, "", dtype=object)
     for d in trace["drops"]:
         if d["trigger"] <= seen - 1 and d["position"] >= start:
-            note[d["layer"], d["position"] - start] = f"dropped at step {d['step']} by {labels[d['trigger']]!r} (pos {d['trigger']})"
+            note[d["layer"], d["position"] - start] = (f"dropped at step {d['step']} by {labels[d['trigger']]!r} "
+                                                        f"(pos {d['trigger']})")
     words = np.array([labels[start:]] * trace["n_layers"], dtype=object)
     fig = go.Figure(go.Heatmap(
         z=z, x=list(range(start, total)), colorscale=[[0, "#c0392b"], [1, "#d6e9f8"]], zmin=0, zmax=1, showscale=False,
@@ -71,8 +72,8 @@ def cache_curve_figure(traces: dict[str, dict], title: str) -> go.Figure:
                                  name=f"{name}: allocated"))
     first = next(iter(traces.values()))
     df = steps_frame(first)
-    fig.add_trace(go.Scatter(x=df["step"], y=df["dense_bytes"] / 2**20, mode="lines", line=dict(color="#777", dash="dash"),
-                             name="dense cache (K, V of every token)"))
+    fig.add_trace(go.Scatter(x=df["step"], y=df["dense_bytes"] / 2**20, mode="lines",
+                             line=dict(color="#777", dash="dash"), name="dense cache (K, V of every token)"))
     fig.update_layout(title=title, xaxis_title="step (generated tokens)", yaxis_title="cache (MiB)", height=340)
     return fig
 

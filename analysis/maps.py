@@ -5,7 +5,6 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
 from models.mixers import LayerRecord
 from models.mixers.extractor import Extractor
@@ -68,33 +67,66 @@ def pooled(m: np.ndarray, cells: int) -> np.ndarray:
     return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
-def overview_figure(maps: np.ndarray, kind: str, title: str = "", cells: int = 64) -> go.Figure:
-    """A layers x heads grid of small maps, each averaged down to at most cells x cells (the zoomed map
-    shows every token; this keeps the grid light in the browser)."""
-    L, H = maps.shape[:2]
-    fig = make_subplots(rows=L, cols=H, horizontal_spacing=0.01, vertical_spacing=0.02,
-                        row_titles=[f"L{i}" for i in range(L)], column_titles=[f"H{j}" for j in range(H)] if H > 1 else None)
+OVERVIEW_CELLS = 160_000  # the whole grid's cells: one image in the browser, however many layers and heads
+
+
+def overview_grid(maps: np.ndarray, cells: int = 64, budget: int = OVERVIEW_CELLS) -> tuple[np.ndarray, int, int]:
+    """The [L,H,T,T] maps as one image: each map averaged down (pooled) to a tile of at most cells x cells, and
+    smaller when L x H tiles would pass `budget` cells, tiles one blank (NaN) row/column apart
+    -> (grid, tile side, positions per tile cell)."""
+    L, H, T = maps.shape[:3]
+    side = int(max(8, min(cells, (budget / (L * H)) ** 0.5)))
+    f = -(-T // side)             # pooled's block: positions per tile cell
+    s = -(-T // f)                # the tile's side
+    grid = np.full((L * (s + 1) - 1, H * (s + 1) - 1), np.nan)
     for i in range(L):
         for j in range(H):
-            fig.add_trace(go.Heatmap(z=pooled(_masked(maps[i, j]), cells), coloraxis="coloraxis",
-                                     hovertemplate=f"layer {i} head {j}<br>%{{z:.3f}}<extra></extra>"),
-                          row=i + 1, col=j + 1)
-    fig.update_xaxes(showticklabels=False)
-    fig.update_yaxes(showticklabels=False, autorange="reversed")
-    cscale = "RdBu" if kind == "extractor" else "Viridis"
-    fig.update_layout(coloraxis={"colorscale": cscale}, height=max(300, 110 * L + 80), title=title or
-                      ("attention probabilities, layers x heads" if kind == "attention" else "Extractor mixing weights per layer"),
-                      margin={"l": 40, "r": 20, "t": 70, "b": 20})
+            grid[i * (s + 1):i * (s + 1) + s, j * (s + 1):j * (s + 1) + s] = pooled(_masked(maps[i, j]), side)
+    return grid, s, f
+
+
+def overview_figure(maps: np.ndarray, kind: str, title: str = "", cells: int = 64) -> go.Figure:
+    """A layers x heads grid of small maps drawn as one heatmap (a few hundred panels would take the browser tens of
+    seconds at 30 layers), each map averaged down to a tile; the zoomed map shows every token. Hovering names the
+    layer, head and the positions a cell averages."""
+    L, H, T = maps.shape[:3]
+    grid, s, f = overview_grid(maps, cells)
+
+    def names(count: int, what: str, first: str) -> list[str]:
+        # one category per grid row/column (unique, so plotly keeps them apart); the blank separators too
+        out = []
+        for i in range(count):
+            out += [f"{first} {i}, {what} {r * f}-{min((r + 1) * f, T) - 1}" for r in range(s)]
+            out += [f"{first} {i} |"] if i < count - 1 else []
+        return out
+
+    rows = names(L, "queries", "layer")
+    cols = names(H, "keys", "head") if H > 1 else [f"keys {r * f}-{min((r + 1) * f, T) - 1}" for r in range(s)]
+    extractor = kind == "extractor"
+    fig = go.Figure(go.Heatmap(z=grid.astype(np.float32), x=cols, y=rows, hoverongaps=False,
+                               colorscale="RdBu" if extractor else "Viridis", zmid=0.0 if extractor else None,
+                               hovertemplate="%{y}<br>%{x}<br>%{z:.3f}<extra></extra>"))
+    centre = s // 2
+    fig.update_yaxes(autorange="reversed", tickvals=[rows[i * (s + 1) + centre] for i in range(L)],
+                     ticktext=[f"L{i}" for i in range(L)], tickfont={"size": 10})
+    fig.update_xaxes(tickvals=[cols[j * (s + 1) + centre] for j in range(H)] if H > 1 else [],
+                     ticktext=[f"H{j}" for j in range(H)] if H > 1 else [], side="top")
+    fig.update_layout(height=max(320, min(1600, 48 * L + 120)), title=title or
+                      ("attention probabilities, layers x heads" if kind == "attention"
+                       else "Extractor mixing weights per layer"),
+                      margin={"l": 50, "r": 20, "t": 90, "b": 20})
     return fig
 
 
-def map_figure(m: np.ndarray, labels: list[str], title: str, colorscale: str = "Viridis", zmid: float | None = None) -> go.Figure:
+def map_figure(m: np.ndarray, labels: list[str], title: str, colorscale: str = "Viridis",
+               zmid: float | None = None) -> go.Figure:
     """One map with readable token labels on both axes (positions, so repeated tokens stay apart)."""
     T = len(labels)
     ticks = list(range(T))
     step = max(1, T // 60)  # keep labels legible on long windows
     fig = go.Figure(go.Heatmap(z=_masked(m), colorscale=colorscale, zmid=zmid,
-                               customdata=np.array([[f"{labels[k]} → {labels[q]}" for k in range(T)] for q in range(T)]),
+                               customdata=np.array([[f"{labels[k]} → {labels[q]}" for k in range(T)]
+                                                    for q in range(T)]),
                                hovertemplate="%{customdata}<br>query %{y}, key %{x}: %{z:.4f}<extra></extra>"))
     fig.update_xaxes(tickvals=ticks[::step], ticktext=labels[::step], tickangle=-60, title="key (attended to)")
     fig.update_yaxes(tickvals=ticks[::step], ticktext=labels[::step], autorange="reversed", title="query")

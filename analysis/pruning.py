@@ -49,7 +49,8 @@ def keep_matrices(model, ids: list[int]) -> np.ndarray:
     byte a cell (30 layers x 1,024^2 = 31 MB), no attention probabilities computed."""
     if not model.config.prune:
         raise ValueError("this model has no context pruning")
-    return np.stack([(d.keep[0] > 0.5).to(torch.uint8).cpu().numpy() for d in layer_records(model, ids, attention_maps=False)])
+    return np.stack([(d.keep[0] > 0.5).to(torch.uint8).cpu().numpy()
+                     for d in layer_records(model, ids, attention_maps=False)])
 
 
 def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +67,8 @@ def keeps_and_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return keeps, lp
 
 
-def token_table(keeps: np.ndarray, labels: list[str], tags: list[str], dropped_at: np.ndarray | None = None) -> pd.DataFrame:
+def token_table(keeps: np.ndarray, labels: list[str], tags: list[str],
+                dropped_at: np.ndarray | None = None) -> pd.DataFrame:
     """One row per (layer, token): dropped (by every row of the layer: its K/V gone from the layer), the share of
     rows that dropped it (drop_share: rows are the KV groups under a per-group policy, else the layer alone), at
     which step it left the layer, by which token (trigger), and the share of the later queries of the text that
@@ -124,8 +126,8 @@ def disagreement(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     ("both", "a only", "b only", "neither")."""
     m = a[["layer", "position", "token", "pos", "dropped"]].merge(b[["layer", "position", "dropped"]],
                                                                    on=["layer", "position"], suffixes=("_a", "_b"))
-    m["who"] = np.select([m["dropped_a"] & m["dropped_b"], m["dropped_a"], m["dropped_b"]], ["both", "a only", "b only"],
-                         "neither")
+    m["who"] = np.select([m["dropped_a"] & m["dropped_b"], m["dropped_a"], m["dropped_b"]],
+                         ["both", "a only", "b only"], "neither")
     return m
 
 
@@ -162,11 +164,13 @@ def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> 
     scale = []
     for i, colour in enumerate(WHO_COLOURS.values()):  # a discrete scale: one flat band per category
         scale += [[i / n, colour], [(i + 1) / n, colour]]
-    names_by_code = np.array([{"a only": f"{names[0]} only", "b only": f"{names[1]} only"}.get(w, w) for w in WHO_COLOURS])
+    names_by_code = np.array([{"a only": f"{names[0]} only", "b only": f"{names[1]} only"}.get(w, w)
+                              for w in WHO_COLOURS])
     fig = go.Figure(go.Heatmap(z=pivot.values, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
                                customdata=np.dstack([np.array([labels] * len(pivot)), names_by_code[pivot.values]]),
                                colorbar=dict(tickvals=list(range(n)), ticktext=list(names_by_code), title="dropped by"),
-                               hovertemplate="%{customdata[0]} (pos %{x}), layer %{y}: %{customdata[1]}<extra></extra>"))
+                               hovertemplate="%{customdata[0]} (pos %{x}), layer %{y}: %{customdata[1]}"
+                                             "<extra></extra>"))
     step = max(1, len(labels) // 60)
     fig.update_xaxes(tickvals=list(range(0, len(labels), step)), ticktext=labels[::step], tickangle=-60)
     fig.update_yaxes(title="layer", autorange="reversed")
@@ -191,7 +195,8 @@ def pos_profile_figure(profile: pd.DataFrame, title: str, min_count: int = 1) ->
     cannot see such a token."""
     p = profile[profile["token_layers"] >= min_count]
     order = p.groupby("pos")["token_layers"].max().sort_values(ascending=False).index.tolist()
-    fig = px.bar(p, x="pos", y="hidden_share", color="method", barmode="group", title=title, category_orders={"pos": order},
+    fig = px.bar(p, x="pos", y="hidden_share", color="method", barmode="group", title=title,
+                 category_orders={"pos": order},
                  labels={"pos": "part of speech", "hidden_share": "later queries that cannot see it"},
                  hover_data=["token_layers", "drop_rate"])
     fig.update_yaxes(range=[0, 1], tickformat=".0%")
@@ -210,7 +215,8 @@ def pos_drop_rates(table: pd.DataFrame) -> pd.DataFrame:
 
 def trigger_counts(table: pd.DataFrame) -> pd.DataFrame:
     t = table[table["dropped"]]
-    return t.groupby(["layer", "trigger_pos"]).size().reset_index(name="drops").sort_values(["layer", "drops"], ascending=[True, False])
+    return (t.groupby(["layer", "trigger_pos"]).size().reset_index(name="drops")
+            .sort_values(["layer", "drops"], ascending=[True, False]))
 
 
 def sparsity_per_layer(keeps: np.ndarray) -> pd.DataFrame:
@@ -225,8 +231,8 @@ def sparsity_per_layer(keeps: np.ndarray) -> pd.DataFrame:
 def pos_heatmap(rates: pd.DataFrame, title: str) -> go.Figure:
     pivot = rates.pivot(index="pos", columns="layer", values="drop_rate")
     counts = rates.pivot(index="pos", columns="layer", values="tokens")
-    fig = go.Figure(go.Heatmap(z=pivot.values, x=[f"L{c}" for c in pivot.columns], y=list(pivot.index), colorscale="Reds",
-                               zmin=0, zmax=1, customdata=counts.values,
+    fig = go.Figure(go.Heatmap(z=pivot.values, x=[f"L{c}" for c in pivot.columns], y=list(pivot.index),
+                               colorscale="Reds", zmin=0, zmax=1, customdata=counts.values,
                                hovertemplate="%{y}, %{x}: %{z:.0%} dropped of %{customdata} tokens<extra></extra>"))
     fig.update_layout(title=title, height=max(320, 26 * len(pivot) + 120))
     return fig
@@ -237,8 +243,9 @@ def token_layer_figure(table: pd.DataFrame, title: str) -> go.Figure:
     by the end of the text (1: dropped, 0: kept)."""
     pivot = table.pivot(index="layer", columns="position", values="drop_share").astype(float)
     labels = table[table["layer"] == 0].sort_values("position")["token"].tolist()
-    fig = go.Figure(go.Heatmap(z=pivot.values, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]], zmin=0, zmax=1, showscale=False,
-                               customdata=np.array([labels] * len(pivot)), hovertemplate="%{customdata} (pos %{x}), layer %{y}: "
+    fig = go.Figure(go.Heatmap(z=pivot.values, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]], zmin=0, zmax=1,
+                               showscale=False, customdata=np.array([labels] * len(pivot)),
+                               hovertemplate="%{customdata} (pos %{x}), layer %{y}: "
                                "%{z:.2f}<extra>1 = dropped (by every group)</extra>"))
     step = max(1, len(labels) // 60)
     fig.update_xaxes(tickvals=list(range(0, len(labels), step)), ticktext=labels[::step], tickangle=-60)

@@ -26,8 +26,9 @@ def token_logprobs(model, ids: list[int]) -> np.ndarray:
 
 def surprisal_table(labels: list[str], logprobs: np.ndarray, name: str = "model") -> pd.DataFrame:
     """One row per predicted token (positions 1..T-1)."""
-    return pd.DataFrame({"model": name, "position": np.arange(1, len(logprobs) + 1), "token": labels[1:len(logprobs) + 1],
-                         "logprob": logprobs, "surprisal_bits": -logprobs / math.log(2)})
+    return pd.DataFrame({"model": name, "position": np.arange(1, len(logprobs) + 1),
+                         "token": labels[1:len(logprobs) + 1], "logprob": logprobs,
+                         "surprisal_bits": -logprobs / math.log(2)})
 
 
 def perplexity(logprobs: np.ndarray) -> float:

@@ -16,8 +16,8 @@ st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SK
            "or an Extractor (SHE, HE, WE, ME). Pick a page on the left to look inside one.")
 
 if access.adding_by_path():
-    st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir", on_change=add_path,
-                  max_chars=MAX_PATH)
+    st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir",
+                  on_change=add_path, max_chars=MAX_PATH)
     if access.serving():
         st.caption(f"This server opens models from {len(access.path_roots())} directory(ies) its administrator named.")
 if st.session_state.get("extra_path_problem"):
@@ -26,7 +26,8 @@ if st.session_state.get("added_paths"):
     st.caption("Added this session: " + ", ".join(st.session_state["added_paths"]))
 paths = model_paths()
 if not paths:
-    st.info(access.public(f"No models found in {models_root()}.") + " Train one (see README), or add a model directory by path above.")
+    st.info(access.public(f"No models found in {models_root()}.")
+            + " Train one (see README), or add a model directory by path above.")
     st.stop()
 
 table = zoo_table(paths)  # configs, cards and weight headers only: no model is loaded to list it
@@ -41,12 +42,15 @@ st.subheader(f"{len(good)} model(s) found")
 for _, row in table[table["error"].notna()].iterrows():
     st.error(access.public(f"{row['model']}: {row['error']}"))
 if len(good):
-    st.dataframe(good, hide_index=True, width="stretch")
+    # the name column as wide as its longest name (SmolLM2's deltas were cut to "smollm2-pr..."), kept in view
+    name_px = int(min(420, 40 + 8 * good["model"].astype(str).str.len().max()))
+    st.dataframe(good, hide_index=True, width="stretch",
+                 column_config={"model": st.column_config.TextColumn("model", width=name_px, pinned=True)})
     st.caption("attention params: the token mixer without its output projection. PRR vs the MHA model, PEoP vs the SHA "
                "model (papers.md). KV-cache bytes/token: decode state each new token adds, all layers, float32. "
-               "PRR, PEoP and the figure cover the models scored on the zoo's test set (column data): a model scored in another "
-               "tokenizer (SmolLM2's) has its own perplexity scale. Listed from configs, cards and weight headers: weight values (NaN, a base's checksum) are checked "
-               "when a page opens the model.")
+               "PRR, PEoP and the figure cover the models scored on the zoo's test set (column data): a model scored "
+               "in another tokenizer (SmolLM2's) has its own perplexity scale. Listed from configs, cards and weight "
+               "headers: weight values (NaN, a base's checksum) are checked when a page opens the model.")
     if good["test ppl"].notna().any():
         fig = efficiency_figure(good)
         st.plotly_chart(fig, width="stretch")

@@ -3,14 +3,21 @@
 In serve mode (MIXSCOPE_SERVE=1) adding a model by path is off unless MIXSCOPE_PATH_ROOTS names directories
 (separated by ':'), and then a typed path must resolve (symlinks and '..' followed) to a directory inside one of
 them; a model's weights file over MIXSCOPE_MAX_WEIGHTS_MB (default 2,048 in serve mode, no cap otherwise) is
-refused before it is read; messages shown in the browser name server directories by label, not by path.
+refused before it is read; messages shown in the browser name server directories by label, not by path. Serve
+mode also caps what one request may ask for: text a page reads (MIXSCOPE_SERVE_MAX_CHARS, default 8,000
+characters, against 20,000 on the loopback) and tokens one generation adds (MIXSCOPE_SERVE_MAX_NEW_TOKENS, default
+256, against the model's context).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from analysis.text import MAX_CHARS
 from analysis.zoo import REPO, models_root
+
+SERVE_MAX_CHARS = 8_000       # serve mode: characters of text one page reads at once
+SERVE_MAX_NEW_TOKENS = 256    # serve mode: tokens one generation adds
 
 
 def serving() -> bool:
@@ -26,6 +33,25 @@ def path_roots() -> list[Path]:
 def max_weight_bytes() -> int | None:
     mb = os.environ.get("MIXSCOPE_MAX_WEIGHTS_MB") or ("2048" if serving() else "")
     return int(float(mb) * 2**20) if mb else None
+
+
+def _cap(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {raw!r}") from None
+    return max(1, value)
+
+
+def max_chars() -> int:
+    """The most characters a text box or upload takes here."""
+    return min(MAX_CHARS, _cap("MIXSCOPE_SERVE_MAX_CHARS", SERVE_MAX_CHARS)) if serving() else MAX_CHARS
+
+
+def max_new_tokens(context: int) -> int:
+    """The most tokens one generation may add here (never past the model's context)."""
+    return min(context, _cap("MIXSCOPE_SERVE_MAX_NEW_TOKENS", SERVE_MAX_NEW_TOKENS)) if serving() else context
 
 
 def adding_by_path() -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from analysis import export
 from app import access, model_cache
-from analysis.text import MAX_CHARS, TextError, check_text, decode_upload, tokenize, window
+from analysis.text import TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
 from models.checkpoint import CheckpointError, load_for_app
 from models.pruning import policies
@@ -36,7 +36,8 @@ def method_title(method: str) -> str:
 
 def setup(title: str) -> None:
     st.set_page_config(page_title=f"mixscope · {title}", layout="wide")
-    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own eviction policies (docs/policies.md)
+    # the operator's own eviction policies (docs/policies.md)
+    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))
     st.title(title)
 
 
@@ -119,24 +120,26 @@ def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accep
 def text_input(key: str = "text") -> str | None:
     """Paste or upload; returns usable text, or None after showing why not. Shared by all pages."""
     mode = st.radio("Text", ["paste", "upload a .txt or .md file"], horizontal=True, key=f"{key}_mode")
+    limit = access.max_chars()   # smaller in serve mode
     if mode == "paste":
         # max_chars: the browser stops typing and pasting there, before anything reaches the server
-        text = st.text_area(f"Paste text (at most {MAX_CHARS:,} characters)", value=st.session_state.get("shared_text", SAMPLE_TEXT),
-                            height=140, key=f"{key}_area", max_chars=MAX_CHARS)
+        text = st.text_area(f"Paste text (at most {limit:,} characters)",
+                            value=st.session_state.get("shared_text", SAMPLE_TEXT)[:limit],
+                            height=140, key=f"{key}_area", max_chars=limit)
         try:
-            text = check_text(text)
+            text = check_text(text, limit)
         except TextError as e:
             st.warning(str(e))
             return None
-        if len(text) == MAX_CHARS:  # the widget keeps the first MAX_CHARS characters of a longer paste
-            st.warning(f"The text is at the {MAX_CHARS:,}-character limit: anything pasted beyond it was cut off.")
+        if len(text) == limit:  # the widget keeps the first `limit` characters of a longer paste
+            st.warning(f"The text is at the {limit:,}-character limit: anything pasted beyond it was cut off.")
     else:
         upload = st.file_uploader("Upload", type=["txt", "md"], key=f"{key}_upload")
         if upload is None:
             st.info("Choose a UTF-8 .txt or .md file.")
             return None
         try:
-            text = decode_upload(upload.name, upload.getvalue())
+            text = decode_upload(upload.name, upload.getvalue(), limit)
         except TextError as e:
             st.error(str(e))
             return None
@@ -185,8 +188,8 @@ def export_buttons(fig, table, name: str, model_dir=None, text: str | None = Non
                             file_name=f"{name}.csv", mime="text/csv",
                             on_click="ignore", key=f"dl_{key}_csv")
     meta = export.sidecar(model_dir, text, settings or {}, name)
-    cols[4].download_button("JSON", data=access.public(json.dumps(meta, indent=2)), file_name=f"{name}.json", mime="application/json",
-                            on_click="ignore", key=f"dl_{key}_json")
+    cols[4].download_button("JSON", data=access.public(json.dumps(meta, indent=2)), file_name=f"{name}.json",
+                            mime="application/json", on_click="ignore", key=f"dl_{key}_json")
 
 
 def dense_base_path(loaded) -> str | None:

@@ -4,9 +4,9 @@ process's peak memory (the app runs in-process under streamlit's AppTest, as the
     python -m bench.app_pages [--model assets/models/smollm2-135m] [--tokens 1000] [--threads 2] [--json FILE]
 
 The text is the first documents of the test split (data/smollm2 or --data) cut to --tokens tokens of the
-model's tokenizer. The model (and each --extra) is loaded once first (timed apart); each page then runs in a fresh session with
-st.cache_data cleared, so its own computations are timed, not a cache hit. Do not run it beside training or
-tests: on 2 cores anything else running changes the times.
+model's tokenizer. The model (and each --extra) is loaded once first (timed apart); each page then runs in a
+fresh session with st.cache_data cleared, so its own computations are timed, not a cache hit. Do not run it
+beside training or tests: on 2 cores anything else running changes the times.
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ def main(argv=None) -> int:
     print(f"{name}: loaded in {load_s:.1f} s (peak {peak_mb():.0f} MB so far); text of {n} tokens", file=sys.stderr)
     rows = []
     # the Pruning page again with its heavier views: the learned rule beside TOVA, then every policy at once
-    runs = [(p, p, {}) for p in PAGES] + [("pages/7_Pruning.py (beside TOVA)", "pages/7_Pruning.py", {"prune_compare": "tova"}),
-                                          ("pages/7_Pruning.py (every policy)", "pages/7_Pruning.py", {"prune_all": True})]
+    runs = [(p, p, {}) for p in PAGES] + [
+        ("pages/7_Pruning.py (beside TOVA)", "pages/7_Pruning.py", {"prune_compare": "tova"}),
+        ("pages/7_Pruning.py (every policy)", "pages/7_Pruning.py", {"prune_all": True})]
     for label, page, state in runs:
         st.cache_data.clear()
         at = AppTest.from_file(str(APP / page), default_timeout=600)
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
         print(f"{label:<36} {secs:6.2f} s  peak {peak_mb():6.0f} MB  {'; '.join(problems)[:160]}", file=sys.stderr)
     result = {"benchmark": "app_pages", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "model": args.model, "extra": args.extra, "tokens": n, "threads": args.threads,
-              "torch": torch.__version__, "cpu": cpu_model(), "load_s": load_s, "extra_load_s": extra_load_s, "pages": rows, "peak_mb": peak_mb(),
+              "torch": torch.__version__, "cpu": cpu_model(), "load_s": load_s, "extra_load_s": extra_load_s,
+              "pages": rows, "peak_mb": peak_mb(),
               "note": "seconds: one fresh session per page, st.cache_data cleared, the model already loaded"}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

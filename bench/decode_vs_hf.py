@@ -107,7 +107,8 @@ def cuda_rows(args, folder, name, ids) -> dict:
             "tokens_per_s": {k: args.tokens / v for k, v in med.items()}, "seconds": times,
             "best_hf": best_hf, "ratio_ours_graphs_to_best_hf": med[best_hf] / med["ours_graphs"],
             "ratio_ours_graphs_to_ours_eager": med["ours_eager"] / med["ours_graphs"],
-            "identical_tokens_bf16_ours_vs_best_hf": sum(a == b for a, b in zip(tokens["ours_graphs"], tokens[best_hf])),
+            "identical_tokens_bf16_ours_vs_best_hf":
+                sum(a == b for a, b in zip(tokens["ours_graphs"], tokens[best_hf])),
             "identical_tokens_fp32": sum(a == b for a, b in zip(got, want)),
             "weight_bytes_per_token": n_bytes, "floor_ms_per_token": floor_s * 1e3,
             "ours_graphs_share_of_floor": floor_s / (med["ours_graphs"] / args.tokens)}
@@ -171,9 +172,10 @@ def main(argv=None) -> int:
                "ours_share_of_floor": floor_s / (o / args.tokens), "hf_share_of_floor": floor_s / (h / args.tokens),
                "ours_s": ours_s, "hf_s": hf_s}
         rows.append(row)
-        print(f"{threads} thread(s): ours {row['ours_tokens_per_s']:.1f} tok/s, transformers {row['hf_tokens_per_s']:.1f} "
-              f"tok/s, ratio {row['ratio_ours_to_hf']:.2f}x, {same}/{args.tokens} identical tokens, floor "
-              f"{row['floor_ms_per_token']:.1f} ms/token (ours at {row['ours_share_of_floor']:.0%} of it)", file=sys.stderr)
+        print(f"{threads} thread(s): ours {row['ours_tokens_per_s']:.1f} tok/s, "
+              f"transformers {row['hf_tokens_per_s']:.1f} tok/s, ratio {row['ratio_ours_to_hf']:.2f}x, "
+              f"{same}/{args.tokens} identical tokens, floor {row['floor_ms_per_token']:.1f} ms/token "
+              f"(ours at {row['ours_share_of_floor']:.0%} of it)", file=sys.stderr)
     import transformers
     result = {"benchmark": "decode_vs_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "device": "cpu", "cpu": cpu_model(), "prompt": PROMPT, "model": args.model,

@@ -50,8 +50,9 @@ def main(argv=None) -> int:
             if can:
                 got, r = rate(model, ids, args.tokens, True)
                 graphed.append(r)
-        row = {"model": d, "mixer": loaded.config.mixer, "pruned": loaded.config.prune, "n_layers": loaded.config.n_layers,
-               "dtype": str(model.wte.weight.dtype), "eager_tokens_per_s": statistics.median(eager)}
+        row = {"model": d, "mixer": loaded.config.mixer, "pruned": loaded.config.prune,
+               "n_layers": loaded.config.n_layers, "dtype": str(model.wte.weight.dtype),
+               "eager_tokens_per_s": statistics.median(eager)}
         if can:
             row.update(graphs_tokens_per_s=statistics.median(graphed),
                        ratio=statistics.median(graphed) / statistics.median(eager),

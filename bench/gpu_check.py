@@ -162,7 +162,8 @@ def main(argv=None) -> int:
                 r = train_one(f"configs/gpu/{c}.json", runs / c, args.steps)
                 trained.append(str(runs / c))
                 print(f"train {c}: {r['steps']} steps in {r['wall_s']:.1f} s, {r['train_tokens_per_s']:.0f} tokens/s, "
-                      f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, test ppl {r['test_perplexity']:.2f}", flush=True)
+                      f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, test ppl {r['test_perplexity']:.2f}",
+                      flush=True)
                 ok &= r["finite"] and r["status"] == "ok"
             except Exception as e:  # noqa: BLE001 - report every part, fail at the end
                 r = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-3000:]}
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
         report["decode_vs_hf"] = {"skipped": "assets/models/smollm2-135m is missing (gpu_check.sh imports it from "
                                               "the wheel's parts under .pack/, see docs/gpu.md)"}
     for c in ("mha", "mha-pruned"):  # where a pruned training step's time goes, beside a dense one's
-        report[f"train_profile_{c}"] = run_module(results / f"train_profile_{c}_{name}.json", "bench.train_step_profile",
+        report[f"train_profile_{c}"] = run_module(results / f"train_profile_{c}_{name}.json",
+                                                  "bench.train_step_profile",
                                                   "--config", f"configs/gpu/{c}.json", "--alphas", "1.02,2",
                                                   "--steps", "3", "--batch", "8", "--device", "cuda")
     if not args.skip_bench:

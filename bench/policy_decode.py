@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         if kind.per_group and layer_form in med:
             pairs[f"{n} / {layer_form}"] = med[n] / med[layer_form]
     result = {"benchmark": "policy_decode", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "device": "cpu", "cpu": cpu_model(), "threads": args.threads, "model": args.model or "random GQA 9/3, 8 layers",
+              "device": "cpu", "cpu": cpu_model(), "threads": args.threads,
+              "model": args.model or "random GQA 9/3, 8 layers",
               "groups": model.blocks[0].mixer.n_groups, "prompt": args.prompt, "new_tokens": args.new,
               "budget": args.budget, "versions": {"python": platform.python_version(), "torch": torch.__version__},
               "note": "steady-state ms per decode step (models.generate), median of interleaved repeats; a step "

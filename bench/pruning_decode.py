@@ -105,7 +105,8 @@ def run(dense, pruned, contexts: list[int], steps: int, budget: int, max_batch: 
         row["throughput_ratio_at_budget"] = row["pruned_budget"]["tokens_per_s"] / row["dense_budget"]["tokens_per_s"]
         rows.append(row)
         print(f"context {c}: dense {d1['median_step_ms']:.2f} ms, pruned {p1['median_step_ms']:.2f} ms "
-              f"(kept {p1['kept_fraction']:.0%}), budget batches {bd}/{bp}, throughput x{row['throughput_ratio_at_budget']:.2f}",
+              f"(kept {p1['kept_fraction']:.0%}), budget batches {bd}/{bp}, "
+              f"throughput x{row['throughput_ratio_at_budget']:.2f}",
               file=sys.stderr)
     return rows
 
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mb", type=float, default=64.0, help="cache memory budget for the large-batch runs")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (set, not inherited: 2 cores thrash easily)")
-    ap.add_argument("--data", help="prompts from DIR/test.npy (real text, in the models' tokenizer) instead of random ids")
+    ap.add_argument("--data",
+                    help="prompts from DIR/test.npy (real text, in the models' tokenizer) instead of random ids")
     ap.add_argument("--batch1-only", action="store_true", help="skip the runs at the cache budget (large models)")
     ap.add_argument("--json")
     add_device_arguments(ap, dtype="float32")

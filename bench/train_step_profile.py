@@ -75,8 +75,8 @@ def main(argv=None) -> int:
         key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"  # where the time is
         top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
                for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:args.top]]
-        rows.append({"alpha": alpha, "step_s": statistics.median(times), "tokens_per_s": b * cfg.context / statistics.median(times),
-                     "top_ops": top})
+        rows.append({"alpha": alpha, "step_s": statistics.median(times),
+                     "tokens_per_s": b * cfg.context / statistics.median(times), "top_ops": top})
         print(f"alpha {alpha:g}: {statistics.median(times):.2f} s/step ({b} x {cfg.context} tokens); top: "
               + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
     result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "config": cfg.to_dict(), "batch_size": args.batch_size, "steps": args.steps,
-        "params": {"ours": count_parameters(ours)["total"], "nanogpt_reference": sum(p.numel() for p in ref.parameters())},
+        "params": {"ours": count_parameters(ours)["total"],
+                   "nanogpt_reference": sum(p.numel() for p in ref.parameters())},
         "median_step_s": {k: statistics.median(v) for k, v in times.items()},
         "tokens_per_s": {k: tokens / statistics.median(v) for k, v in times.items()},
     }

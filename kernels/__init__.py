@@ -3,7 +3,8 @@
 `MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
 the interpreter the tests use). The app, `generate` and the benchmarks all call these functions, so they
 run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's matrix lags) and
-anything that needs a gradient (training: the kernels are inference-only) run the reference on every device; `record_paths()` reports what really ran, for the caller's own context only.
+anything that needs a gradient (training: the kernels are inference-only) run the reference on every device;
+`record_paths()` reports what really ran, for the caller's own context only.
 """
 from __future__ import annotations
 

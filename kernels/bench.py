@@ -85,7 +85,8 @@ def flex_fn(dev):
     def run(q, k, v, scale):
         t, s = q.shape[2], k.shape[2]
         if (t, s) not in masks:
-            masks[(t, s)] = create_block_mask(lambda b, h, qi, ki: ki <= qi + (s - t), None, None, t, s, device=dev.type)
+            masks[(t, s)] = create_block_mask(lambda b, h, qi, ki: ki <= qi + (s - t), None, None, t, s,
+                                              device=dev.type)
         return compiled(q, k, v, block_mask=masks[(t, s)], scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return run, None
 
@@ -167,7 +168,8 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
                 if expanded <= budget_bytes:
                     impls["sdpa_expanded"] = lambda: expanded_sdpa(q, k, v, d ** -0.5, maps)
                 if not maps:
-                    impls["sdpa_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, enable_gqa=g != h)
+                    impls["sdpa_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5,
+                                                                               enable_gqa=g != h)
                 if dev.type == "cuda" and "attention" in kernels.TRITON:
                     from kernels import triton_attention
                     impls["triton"] = lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, **maps)
@@ -188,7 +190,8 @@ def bench_compact(dev, dtype, s, b, fl, reps, h=16, d=64, r=64) -> list[dict]:
         prune = {"q_int": torch.randn(b, r, device=dev, dtype=dtype), "beta": 50.0,
                  "k_int": torch.randn(b, live_n, r, device=dev, dtype=dtype),
                  "live": torch.ones(b, live_n, dtype=torch.bool, device=dev), "pos": pos,
-                 "q_pos": torch.full((b,), live_n - 1, device=dev), "valid": torch.ones(b, dtype=torch.bool, device=dev)}
+                 "q_pos": torch.full((b,), live_n - 1, device=dev),
+                 "valid": torch.ones(b, dtype=torch.bool, device=dev)}
         nbytes = (2 * h * d + r) * b * live_n * es
         flops = 4 * b * h * live_n * d + 2 * b * live_n * r
         name = f"compact decode mha ctx={s} live={share:g} batch={b}"
@@ -206,7 +209,8 @@ def bench_lag(dev, dtype, lengths, fl, reps, b=4, c=512) -> list[dict]:
     es = torch.tensor([], dtype=dtype).element_size()
     for s in lengths:
         x = torch.randn(b, s, c, device=dev, dtype=dtype)
-        for kind, w in (("me", torch.randn(s, device=dev, dtype=dtype)), ("we/he", torch.randn(s, c, device=dev, dtype=dtype))):
+        for kind, w in (("me", torch.randn(s, device=dev, dtype=dtype)),
+                        ("we/he", torch.randn(s, c, device=dev, dtype=dtype))):
             nbytes, flops = (2 * x.numel() + w.numel()) * es, 2 * b * c * s * (s + 1) / 2
             impls = {"reference_direct": lambda: reference.lag_conv(x, w, method="direct"),
                      "reference_fft": lambda: reference.lag_conv(x.float(), w.float(), method="fft")}
@@ -319,7 +323,8 @@ def tune(dev, dtype, reps) -> dict:
             for warps in (2, 4, 8):
                 for stages in (1, 2, 3):
                     def fn():
-                        triton_attention.decode(qd, kd, vd, scale=d ** -0.5, block_n=bn, num_warps=warps, num_stages=stages)
+                        triton_attention.decode(qd, kd, vd, scale=d ** -0.5, block_n=bn, num_warps=warps,
+                                                num_stages=stages)
                     try:
                         trials.append((timeit(fn, dev, reps), (bn, warps, stages)))
                     except Exception:  # noqa: BLE001
@@ -372,7 +377,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         base = {k: v for k, v in impls.items() if k.startswith(("sdpa", "flex"))}
         if base:
             best = min(base, key=base.get)
-            out.append({"case": case, "baseline": best} | {f"{k}_vs_baseline": v / base[best] for k, v in impls.items()})
+            out.append({"case": case, "baseline": best}
+                       | {f"{k}_vs_baseline": v / base[best] for k, v in impls.items()})
     return out
 
 
@@ -392,10 +398,12 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['case']} | {r['impl']} | error: {r['error'][:80]} | | | |")
     if result.get("targets"):
         lines += ["", "| target | measured | goal | met |", "|---|---:|---:|---|"]
-        lines += [f"| {t['target']} | {t['value']:.2f} | {t['goal']} | {'yes' if t['met'] else 'no'} |" for t in result["targets"]]
+        lines += [f"| {t['target']} | {t['value']:.2f} | {t['goal']} | {'yes' if t['met'] else 'no'} |"
+                  for t in result["targets"]]
     if result["end_to_end"]:
         lines += ["", "| model | kernel path | context | decode tokens/s (median step) |", "|---|---|---:|---:|"]
-        lines += [f"| {m['model']} | {m['path']} | {m['context']} | {m['tokens_per_s']:.1f} |" for m in result["end_to_end"]]
+        lines += [f"| {m['model']} | {m['path']} | {m['context']} | {m['tokens_per_s']:.1f} |"
+                  for m in result["end_to_end"]]
     return "\n".join(lines) + "\n"
 
 
@@ -440,7 +448,8 @@ def main(argv=None) -> int:
     flex = flex_fn(dev) if not args.quick else (None, "skipped in --quick")
     rows = []
     steps = [("prefill", lambda: bench_prefill(dev, dtype, sizes["prefill"], fl, sizes["reps"], flex)),
-             ("decode", lambda: bench_decode(dev, dtype, sizes["contexts"], sizes["batches"], fl, sizes["reps"], budget)),
+             ("decode", lambda: bench_decode(dev, dtype, sizes["contexts"], sizes["batches"], fl, sizes["reps"],
+                                             budget)),
              ("compact", lambda: bench_compact(dev, dtype, sizes["compact_s"], 8 if cuda else 1, fl, sizes["reps"])),
              ("lag", lambda: bench_lag(dev, dtype, sizes["lag"], fl, sizes["reps"])),
              ("train attention", lambda: bench_train_attention(dev, dtype, fl, sizes["reps"],
@@ -471,7 +480,8 @@ def main(argv=None) -> int:
     if tuned:
         print(f"tuned launch: {json.dumps(tuned)}")
     for m in models:
-        print(f"end to end {m['mixer']}{' pruned' if m['pruned'] else ''} [{m['path']}]: {m['tokens_per_s']:.1f} tokens/s")
+        print(f"end to end {m['mixer']}{' pruned' if m['pruned'] else ''} [{m['path']}]: "
+              f"{m['tokens_per_s']:.1f} tokens/s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -129,8 +129,10 @@ def _decode_all_real(q, k, v, scale, prune, maps):
     bound by their count): every live slot's position precedes the query's, so the slots attended are
     exactly the ones kept."""
     q_int = prune["q_int"][:, None, :]
-    beta = torch.full((), prune["beta"], dtype=q_int.dtype, device=q_int.device) if isinstance(prune["beta"], float) else prune["beta"]
-    x = torch.baddbmm(beta, q_int, prune["k_int"].transpose(1, 2), alpha=q_int.shape[-1] ** -0.5)[:, 0]  # q.k / sqrt(r) + beta
+    beta = (torch.full((), prune["beta"], dtype=q_int.dtype, device=q_int.device) if isinstance(prune["beta"], float)
+            else prune["beta"])
+    # q.k / sqrt(r) + beta
+    x = torch.baddbmm(beta, q_int, prune["k_int"].transpose(1, 2), alpha=q_int.shape[-1] ** -0.5)[:, 0]
     x = _with_distance(x, prune, prune["pos"], prune["q_pos"][:, None])
     keep = prune["live"] & survives(x, prune["pos"], prune["q_pos"][:, None], sinks=prune.get("sinks", 0))
     if maps:

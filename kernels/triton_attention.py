@@ -77,7 +77,8 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < S
-        kt = tl.load(k_base + offs_n[None, :] * sks + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+        kt = tl.load(k_base + offs_n[None, :] * sks + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :],
+                     other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION)         # [M, N], log2 units
         if HAS_BIAS:
             bias = tl.load(BIAS + b * sbb + offs_m[:, None] * sbt + offs_n[None, :] * sbs,
@@ -203,7 +204,8 @@ def _merge_kernel(PO, PL, O, OM, OA, H, D, n_split, sob, soh,
     lse = tl.load(PL + pid * n_split + offs_s, mask=s_mask, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.exp2(lse - top)
-    part = tl.load(PO + (pid * n_split + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    part = tl.load(PO + (pid * n_split + offs_s)[:, None] * D + offs_d[None, :],
+                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     if HAS_OM:
         out = out * tl.load(OM + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -297,7 +299,8 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
     bias_t, sbb, sbs = dummy, 0, 0
     if bias is not None:
         if bias.shape[-1] != s or bias.numel() not in (s, b * s):
-            raise ValueError(f"decode bias must cover the cache: [B or 1,1,1,{s}] or [B or 1,{s}], got {list(bias.shape)}")
+            raise ValueError(f"decode bias must cover the cache: [B or 1,1,1,{s}] or [B or 1,{s}], "
+                             f"got {list(bias.shape)}")
         # one row shared by the batch (the local/strided patterns) is read with batch stride 0, not copied
         bias_t = bias.reshape(-1, s).expand(b, s)
         sbb, sbs = bias_t.stride(0), bias_t.stride(1)

@@ -15,7 +15,8 @@ from kernels.triton_attention import precision
 
 @triton.jit
 def _lag_kernel(X, W, Y, sxb, sxs, syb, sys, S, C, start, n_out,
-                PER_CHANNEL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+                PER_CHANNEL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
+                BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: b x S x C can pass 2^31
     pt = tl.program_id(1)
     pc = tl.program_id(2)

@@ -93,7 +93,8 @@ def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     _write_atomic(out / CONFIG, lambda p: model.config.save(p))
     _write_atomic(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _write_atomic(out / TOKENIZER, lambda p: tokenizer.save(str(p)))
-    _write_atomic(out / CARD, lambda p: p.write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8"))
+    _write_atomic(out / CARD,
+                  lambda p: p.write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8"))
     return out
 
 
@@ -105,11 +106,13 @@ def save_delta_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     out = Path(out_dir)
     where = Path(base_dir) if base_dir is not None else delta.base_dir_for(base_source, out)
     if not (where / WEIGHTS).is_file():
-        raise CheckpointError(f"the base {base_source} is not at {where}: a delta is written against the base's weights")
+        raise CheckpointError(f"the base {base_source} is not at {where}: "
+                              "a delta is written against the base's weights")
     keep, replaces = delta.delta_of(model.state_dict(), where)
     out.mkdir(parents=True, exist_ok=True)
     sha = file_sha256(where / WEIGHTS)
-    pin = read_json(where / CARD).get("wheel_sha256") if (where / CARD).is_file() else None  # an imported registry base's
+    # an imported registry base's
+    pin = read_json(where / CARD).get("wheel_sha256") if (where / CARD).is_file() else None
     _write_atomic(out / delta.BASE, lambda p: delta.write_base_spec(p, base_source, sha, replaces, pin))
     return save_model_dir(out, model, tokenizer, dict(card or {}) | {"base": base_source}, only=set(keep))
 
@@ -147,7 +150,8 @@ def _check_weights(path: Path, tensors: dict, expected: dict, cfg_path: Path) ->
 
 def valid_sparsity(card: dict) -> float | None:
     """A pruned model's validation sparsity from its card: the query mean the reports use; cards written before
-    2026-11-24 hold the share of all earlier-token pairs instead (final_valid_sparsity), which weighs late queries more."""
+    2026-11-24 hold the share of all earlier-token pairs instead (final_valid_sparsity), which weighs late queries
+    more."""
     return card.get("final_valid_query_sparsity", card.get("final_valid_sparsity"))
 
 
@@ -177,13 +181,14 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
     root = Path(path)
     cfg, card = _config_and_card(root)
     if max_weight_bytes is not None and (size := (root / WEIGHTS).stat().st_size) > max_weight_bytes:
-        raise CheckpointError(f"{root / WEIGHTS} is {size / 2**20:,.0f} MiB; this server opens weights files of at most "
-                              f"{max_weight_bytes / 2**20:,.0f} MiB")
+        raise CheckpointError(f"{root / WEIGHTS} is {size / 2**20:,.0f} MiB; this server opens weights files of "
+                              f"at most {max_weight_bytes / 2**20:,.0f} MiB")
 
     try:
         tensors = load_file(str(root / WEIGHTS))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{root / WEIGHTS} is not a readable safetensors file (corrupt or truncated?): {e}") from None
+        raise CheckpointError(f"{root / WEIGHTS} is not a readable safetensors file "
+                              f"(corrupt or truncated?): {e}") from None
     tensors = renamed(root / WEIGHTS, tensors)
 
     from models.delta import BASE, merged_tensors
@@ -282,7 +287,8 @@ def load_for_app(path: str | Path, max_weight_bytes: int | None = None) -> Loade
     Never fetches: a browser request must not run a download (a missing base is refused with its command)."""
     import os
     loaded = load_model_dir(path, device=os.environ.get("MIXSCOPE_DEVICE", "auto"),
-                            dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"), fetch=False, max_weight_bytes=max_weight_bytes)
+                            dtype=os.environ.get("MIXSCOPE_DTYPE", "auto"), fetch=False,
+                            max_weight_bytes=max_weight_bytes)
     loaded.model.requires_grad_(False)
     return loaded
 
@@ -330,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("delta", help="store a fine-tuned model as a delta directory over its base (models/delta.py)")
     d.add_argument("src", help="a full model directory (a finished run)")
     d.add_argument("out")
-    d.add_argument("--base", required=True, help="the base's source as loading will find it: pypi:NAME==VERSION or a path")
+    d.add_argument("--base", required=True,
+                   help="the base's source as loading will find it: pypi:NAME==VERSION or a path")
     d.add_argument("--base-dir", default=None, help="where that base is now (default: where loading looks for it)")
     d.add_argument("--force", action="store_true", help="write into a non-empty OUT")
     args = ap.parse_args(argv)

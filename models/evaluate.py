@@ -178,7 +178,8 @@ def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
 
 
 def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, data_dir: str | Path | None = None,
-                 progress: bool = False, window: int | None = None, device: str = "cpu", dtype: str = "float32") -> dict:
+                 progress: bool = False, window: int | None = None, device: str = "cpu",
+                 dtype: str = "float32") -> dict:
     from models.checkpoint import file_sha256, load_model_dir
     from models.data import load_documents
     from models.params import count_parameters
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("one MODEL_DIR, unless --check-card")
     args.model_dir = args.model_dir[0]
     try:
-        result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window, **dev)
+        result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window,
+                              **dev)
         parent = Path(args.model_dir).resolve().parent
         ref = {}
         for name in REFERENCES:  # the zoo's baselines, evaluated the same way (zoo_references reads their cards)

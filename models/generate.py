@@ -220,7 +220,8 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
              seed: int | None = None, stop_ids: Sequence[int] = (), cache: str = "auto", policy=None,
-             graphs: bool | None = None, callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
+             graphs: bool | None = None,
+             callback: Callable[[TokenEvent], bool | None] | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids (one sequence); see stream() for the cache choice.
 
     max_new_tokens is clamped so that prompt + new tokens fit the context window; the result's
@@ -297,7 +298,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
             lat.append(time.perf_counter() - t0)
             mem.append(dec.state.nbytes())
             live.append(dec.state.live_tokens())
-        return BatchGenerationResult(new_ids, lat, mem, live, [layer.drop_table() for layer in dec.state.layers], reasons)
+        return BatchGenerationResult(new_ids, lat, mem, live, [layer.drop_table() for layer in dec.state.layers],
+                                     reasons)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         res = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, greedy=args.greedy, seed=args.seed, cache=args.cache)
         if args.trace:
-            settings = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "greedy", "seed", "cache")}
+            settings = {k: getattr(args, k)
+                        for k in ("max_new_tokens", "temperature", "top_k", "top_p", "greedy", "seed", "cache")}
             written = trace.write(trace.build(res, loaded.tokenizer, model_dir=str(loaded.path), prompt=args.prompt,
                                               settings=settings), args.trace, force=args.force)
             log.info("wrote %s", ", ".join(map(str, written)))
@@ -363,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         print(args.prompt + text)
         print(f"[{len(res.new_ids)} tokens, {summary['mean_ms_per_token']:.1f} ms/token, "
               f"{summary['tokens_per_s']:.1f} tokens/s, {res.cache_kind} cache {res.cache_bytes} bytes allocated, "
-              f"{summary['held_bytes']} held (dense {summary['dense_bytes']}), {len(res.drops)} drops]", file=sys.stderr)
+              f"{summary['held_bytes']} held (dense {summary['dense_bytes']}), {len(res.drops)} drops]",
+              file=sys.stderr)
     return 0
 
 

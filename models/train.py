@@ -72,11 +72,15 @@ class TrainConfig:
     alpha_end: float = 8.0
     alpha_steps: int | None = None  # default: all steps
     freeze_base: bool = False     # train context pruning's parameters alone (the base model stays as it is)
-    prune_init: str = "paper"     # "calibrated": scale W^Qint, W^Kint to the base's real inputs (ContextPruning.calibrate);
-                                  # "window": calibrated, then each layer starts as a recent window (ContextPruning.init_window)
+    prune_init: str = "paper"     # "calibrated": scale W^Qint, W^Kint to the base's real inputs
+                                  # (ContextPruning.calibrate);
+                                  # "window": calibrated, then each layer starts as a recent window
+                                  # (ContextPruning.init_window)
     prune_window: int = 100       # the window of prune_init "window"
-    scalar_lr_mult: float = 1.0   # context pruning's scalars (beta, lambda) learn at lr x this (one number each: they move slowly)
-    distill: bool = False         # pruning, base frozen: KL to the same model with its rule off, not the corpus's next tokens
+    scalar_lr_mult: float = 1.0   # context pruning's scalars (beta, lambda) learn at lr x this (one number each:
+                                  # they move slowly)
+    distill: bool = False         # pruning, base frozen: KL to the same model with its rule off, not the corpus's
+                                  # next tokens
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -119,7 +123,8 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
         if not isinstance(getattr(tc, name), int) or getattr(tc, name) < 1:
             raise ConfigError(f"{path}: train.{name} must be a positive integer, got {getattr(tc, name)!r}")
     if not 0 < tc.eval_stride <= model_cfg.context:
-        raise ConfigError(f"{path}: train.eval_stride ({tc.eval_stride}) must be in [1, model.context={model_cfg.context}]")
+        raise ConfigError(f"{path}: train.eval_stride ({tc.eval_stride}) must be in "
+                          f"[1, model.context={model_cfg.context}]")
     if tc.freeze_base and not model_cfg.prune:
         raise ConfigError(f"{path}: train.freeze_base trains context pruning alone, but model.prune is off")
     if tc.distill and not (tc.freeze_base and model_cfg.prune and model_cfg.adapter is None):
@@ -138,8 +143,10 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
         raise ConfigError(f"{path}: train.prune_window must be an integer in [1, model.context={model_cfg.context}), "
                           f"got {tc.prune_window!r}")
     alphas = (tc.alpha_start, tc.alpha_end)
-    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in alphas) or not 1.0 <= alphas[0] <= alphas[1]:
-        raise ConfigError(f"{path}: train needs numbers 1 <= alpha_start <= alpha_end, got {tc.alpha_start!r}, {tc.alpha_end!r}")
+    if (not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in alphas)
+            or not 1.0 <= alphas[0] <= alphas[1]):
+        raise ConfigError(f"{path}: train needs numbers 1 <= alpha_start <= alpha_end, "
+                          f"got {tc.alpha_start!r}, {tc.alpha_end!r}")
     if tc.warmup < 0 or tc.lr <= 0 or tc.min_lr < 0:
         raise ConfigError(f"{path}: train.lr, min_lr and warmup must be positive")
     return model_cfg, tc, raw
@@ -232,14 +239,16 @@ def init_from(model: DecoderLM, model_cfg: ModelConfig, path: str, data_tokenize
     differ = sorted(k for k in a if (k not in FINE_TUNE_FIELDS or (k == "context" and b["positions"] == "learned"))
                     and a[k] != b[k])
     if differ:
-        raise ConfigError(f"init_from {path}: its config differs in {', '.join(f'{k} ({a[k]} vs {b[k]})' for k in differ)}")
+        raise ConfigError(f"init_from {path}: its config differs in "
+                          f"{', '.join(f'{k} ({a[k]} vs {b[k]})' for k in differ)}")
     if base.tokenizer.to_str() != data_tokenizer.to_str():
         raise ConfigError(f"init_from {path}: its tokenizer.json is not the data directory's tokenizer")
     result = model.load_state_dict(base.model.state_dict(), strict=False)
     owner = components(model)
     missing = [k for k in result.missing_keys if owner.get(k) not in ("pruning", "adapters")]
     if missing or result.unexpected_keys:
-        raise ConfigError(f"init_from {path}: weights do not fit (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]})")
+        raise ConfigError(f"init_from {path}: weights do not fit (missing {missing[:4]}, "
+                          f"unexpected {result.unexpected_keys[:4]})")
 
 
 @contextmanager
@@ -332,16 +341,19 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     tok_path = Path(tc.data) / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_path))
     if tokenizer.get_vocab_size() > model_cfg.vocab_size:
-        raise ConfigError(f"{tok_path} has {tokenizer.get_vocab_size()} tokens, more than vocab_size={model_cfg.vocab_size}")
+        raise ConfigError(f"{tok_path} has {tokenizer.get_vocab_size()} tokens, "
+                          f"more than vocab_size={model_cfg.vocab_size}")
     if min(train_tokens.size, valid_tokens.size) <= model_cfg.context + 1:
-        raise DataError(f"{tc.data}: the train and valid splits need more than context+1={model_cfg.context + 1} tokens")
+        raise DataError(f"{tc.data}: the train and valid splits need more than "
+                        f"context+1={model_cfg.context + 1} tokens")
 
     torch.manual_seed(tc.seed)  # same init for the same variant and seed
     model = DecoderLM(model_cfg)
     if tc.init_from:
         init_from(model, model_cfg, tc.init_from, tokenizer)
     calibration = None
-    if model_cfg.prune and tc.prune_init in ("calibrated", "window"):  # on the first training batch (a function of the seed)
+    # on the first training batch (a function of the seed)
+    if model_cfg.prune and tc.prune_init in ("calibrated", "window"):
         x0, _ = get_batch(train_tokens, batch_offsets(tc.seed, 0, train_tokens.size, model_cfg.context, tc.batch_size),
                           model_cfg.context, "cpu")
         calibration = calibrate_pruning(model, x0)
@@ -356,8 +368,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     model = model.to(dev)
     pruning = model_cfg.prune
     n_pairs = pair_count(model_cfg.n_layers, model_cfg.context)
-    opt = torch.optim.AdamW(param_groups(model, tc.weight_decay, tc.scalar_lr_mult), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                            fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(param_groups(model, tc.weight_decay, tc.scalar_lr_mult), lr=tc.lr,
+                            betas=(tc.beta1, tc.beta2), fused=dev.type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
     state_path, log_path = out / STATE, out / LOG
     if overwrite and main_proc:  # start over: nothing of the replaced model or run is kept
@@ -380,7 +392,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         fwd = torch.compile(model)
     if world > 1:  # MHE-ADD's e^K gets no gradient by construction (papers.md), hence unused parameters
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=model_cfg.mixer == "mhe-add")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
     ctx = model_cfg.context
     valid_offsets = np.linspace(0, valid_tokens.size - ctx - 2, tc.eval_batches * tc.batch_size).astype(np.int64)
 
@@ -517,7 +530,8 @@ def finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed
         test = score_documents(model.float(), docs, tc.eval_stride)
     data = Path(tc.data)
     card = {
-        "status": status, "config": model_cfg.to_dict(), "train": dataclasses.asdict(tc), "config_hash": config_hash(raw),
+        "status": status, "config": model_cfg.to_dict(), "train": dataclasses.asdict(tc),
+        "config_hash": config_hash(raw),
         "data": {"dir": str(tc.data), "manifest_sha256": manifest_sha256(data),
                  "test_sha256": file_sha256(data / "test.txt")},
         "steps": step, "tokens_seen": tokens_seen, "wall_time_s": elapsed,

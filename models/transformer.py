@@ -139,11 +139,11 @@ class DecoderLM(nn.Module):
         policy: a heuristic eviction policy (models.pruning.policies); on a model with learned pruning the policy
         decides instead of the rule (its own weights, the rule off, as models.pruning.replay runs it)."""
         if not self.blocks[0].mixer.decodes_compacted:
-            raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: an "
-                             "Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
+            raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: "
+                             "an Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
         if policy is not None and self.config.pattern != "dense":
-            raise ValueError(f"an eviction policy ({policy.name}) runs on a softmax model without a fixed pattern; this "
-                             f"one attends through a {self.config.pattern} window")
+            raise ValueError(f"an eviction policy ({policy.name}) runs on a softmax model without a fixed pattern; "
+                             f"this one attends through a {self.config.pattern} window")
         why = policy is not None and policies.not_decodable(type(policy), self.blocks[0].mixer.n_groups)
         if why:
             raise ValueError(why)
@@ -166,10 +166,12 @@ class DecoderLM(nn.Module):
                 last_only: bool = False, attention_maps: bool = True) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
         there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
-        and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and valid [B,T] marks
-        real tokens (False: padding of a shorter row, neither stored nor allowed to drop anything; None: all real).
+        and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and
+        valid [B,T] marks real tokens (False: padding of a shorter row, neither stored nor allowed to drop
+        anything; None: all real).
         last_only: logits [B,1,V] for the last position alone (generation, attributions). diagnostics: each layer's
-        LayerRecord comes back in ModelOutput.diagnostics (attention_maps=False: without the attention probabilities)."""
+        LayerRecord comes back in ModelOutput.diagnostics (attention_maps=False: without the attention
+        probabilities)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
             if positions is None:

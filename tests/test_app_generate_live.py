@@ -19,7 +19,8 @@ def heat(at, i: int = 0):
     import numpy as np
     z = json.loads(at.get("plotly_chart")[i].proto.spec)["data"][0]["z"]
     if isinstance(z, dict):
-        return np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]).reshape([int(n) for n in z["shape"].split(",")])
+        return (np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"])
+                .reshape([int(n) for n in z["shape"].split(",")]))
     return np.array(z, dtype=float)
 
 

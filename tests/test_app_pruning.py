@@ -39,7 +39,8 @@ def test_pruning_page(pruned_zoo):
     at = AppTest.from_file(PAGE, default_timeout=180).run()
     assert at.sidebar.selectbox(key="model").value == "pruned"       # opens on a pruned model, not "base"
     assert not at.exception, at.exception
-    assert at.selectbox(key="prune_method").value == "learned" and len(at.selectbox(key="prune_method").options) == 1 + len(policies.REGISTRY)
+    assert (at.selectbox(key="prune_method").value == "learned"
+            and len(at.selectbox(key="prune_method").options) == 1 + len(policies.REGISTRY))
     t = titles(at)
     assert "mha, learned pruning: tokens dropped per layer" in t and any("part of speech" in x for x in t)
     labels = {m.label for m in at.metric}
@@ -116,12 +117,13 @@ def test_side_by_side_at_matched_sparsity_and_every_policy(pruned_zoo):
     assert "who drops each token by the end of the text" in titles(at)
     assert "hidden from later queries, by part of speech (all layers)" in titles(at)
     by_layer = at.dataframe[2].value
-    assert len(by_layer) == 2 and (by_layer.filter(like="only").sum(axis=1) + by_layer["both"] + by_layer["neither"] == n).all()
+    assert (len(by_layer) == 2
+            and (by_layer.filter(like="only").sum(axis=1) + by_layer["both"] + by_layer["neither"] == n).all())
     at.toggle(key="prune_all").set_value(True).run()
     assert not at.exception, at.exception
     every = at.dataframe[-1].value
-    assert list(every["method"]) == ["learned pruning", "streamingllm", "tova", "tova-group", "h2o", "h2o-layer", "snapkv",
-                                     "snapkv-layer", "oracle"]
+    assert list(every["method"]) == ["learned pruning", "streamingllm", "tova", "tova-group", "h2o", "h2o-layer",
+                                     "snapkv", "snapkv-layer", "oracle"]
     for _, r in every.iloc[1:].iterrows():   # matched (a budget is a whole number of tokens), or at its smallest budget
         assert abs(r["sparsity"] - learned) < 0.05 or r["budget"] == policies.min_budget(r["method"]), r["method"]
     assert "every method at matched sparsity: hidden from later queries, by part of speech" in titles(at)

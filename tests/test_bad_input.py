@@ -17,14 +17,16 @@ from models.transformer import DecoderLM
 from tests.helpers import tiny_config
 
 APP = Path(__file__).resolve().parent.parent / "app"
-MIXED = "Emoji 🙂🚀, right-to-left שלום עולם مرحبا, CJK 漢字かなカナ, combining e\u0301 a\u0308 Z\u0336, zero-width\u200b."
+MIXED = ("Emoji 🙂🚀, right-to-left שלום עולם مرحبا, CJK 漢字かなカナ, "
+         "combining e\u0301 a\u0308 Z\u0336, zero-width\u200b.")
 CONTROL = "bell\x07 escape\x1b[31m tab\t vertical\x0b form\x0c and a DEL\x7f in the middle"
 
 # (case, uploaded bytes, pasted text or None when pasting cannot produce it, refusal message or None if accepted)
 TEXTS = [
     ("empty", b"", "", "is empty"),
     ("whitespace only", b" \n\t \r\n", " \n\t ", "is empty"),
-    ("one over the limit", b"a" * (MAX_CHARS + 1), "a" * (MAX_CHARS + 1), f"{MAX_CHARS + 1:,} characters; the limit is"),
+    ("one over the limit", b"a" * (MAX_CHARS + 1), "a" * (MAX_CHARS + 1),
+     f"{MAX_CHARS + 1:,} characters; the limit is"),
     ("more bytes than the limit's characters can take", b"a" * (4 * MAX_CHARS + 4), None, "bytes, more than"),
     ("binary", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", None, "binary file"),
     ("UTF-16", "UTF-16 text".encode("utf-16"), None, "UTF-16 text; save it as UTF-8"),
@@ -67,7 +69,8 @@ MODELS = {  # damage -> (how, what the message must say)
     "pickle, not safetensors": (lambda d: (d / "model.safetensors").write_bytes(pickle.dumps({"w": [1.0]})),
                                 "not a readable safetensors file"),
     "NaN weights": (_nan, "NaN or infinite values in blocks.0.mixer.W_Q"),
-    "config does not match the weights": (lambda d: _config(d, lambda c: c.update(d_model=32)), "does not match config.json"),
+    "config does not match the weights": (lambda d: _config(d, lambda c: c.update(d_model=32)),
+                                          "does not match config.json"),
     "unknown mixer": (lambda d: _config(d, lambda c: c.update(mixer="flash")), "unknown mixer 'flash'"),
     "missing tokenizer": (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
     "a file where a directory should be": (None, "is not a directory"),
@@ -111,7 +114,8 @@ def test_text_through_the_export_cli(case, data, pasted, refusal, good, tmp_path
         assert code == 2 and refusal.split(";")[0] in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("case, data, pasted, refusal", [t for t in TEXTS if t[2] is not None], ids=[t[0] for t in TEXTS if t[2] is not None])
+@pytest.mark.parametrize("case, data, pasted, refusal", [t for t in TEXTS if t[2] is not None],
+                         ids=[t[0] for t in TEXTS if t[2] is not None])
 def test_text_as_a_generate_prompt(case, data, pasted, refusal, good, capsys):
     code = generate.main([str(good), "--prompt", pasted, "--max-new-tokens", "3", "--json"])
     out, err = capsys.readouterr()
@@ -124,7 +128,8 @@ def test_text_as_a_generate_prompt(case, data, pasted, refusal, good, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("case, data, pasted, refusal", [t for t in TEXTS if t[2] is not None], ids=[t[0] for t in TEXTS if t[2] is not None])
+@pytest.mark.parametrize("case, data, pasted, refusal", [t for t in TEXTS if t[2] is not None],
+                         ids=[t[0] for t in TEXTS if t[2] is not None])
 def test_text_pasted_in_the_app(case, data, pasted, refusal, good, monkeypatch):
     monkeypatch.setenv("MIXSCOPE_MODELS", str(good.parent))
     at = AppTest.from_file(str(APP / "pages" / "2_Attention.py"), default_timeout=120).run()

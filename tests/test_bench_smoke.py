@@ -33,12 +33,15 @@ def test_train_step_profile_runs(tmp_path):
     from bench import train_step_profile
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model": {"mixer": "gqa", "vocab_size": 64, "context": 16, "d_model": 16, "n_layers": 2,
-                                         "n_heads": 4, "n_kv_heads": 2, "positions": "rope", "prune": True, "prune_r": 4},
+                                         "n_heads": 4, "n_kv_heads": 2, "positions": "rope", "prune": True,
+                                         "prune_r": 4},
                                "train": {"batch_size": 2, "freeze_base": True, "eval_stride": 8}}))
     out = tmp_path / "p.json"
-    assert train_step_profile.main(["--config", str(cfg), "--alphas", "1,1.02,4", "--steps", "1", "--json", str(out)]) == 0
+    assert train_step_profile.main(["--config", str(cfg), "--alphas", "1,1.02,4", "--steps", "1",
+                                    "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert [r["alpha"] for r in res["rows"]] == [1.0, 1.02, 4.0] and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"])
+    assert ([r["alpha"] for r in res["rows"]] == [1.0, 1.02, 4.0]
+            and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"]))
     assert res["trainable_params"] == 2 * (2 * 16 * 4 + 1)   # the base is frozen: pruning alone
 
 

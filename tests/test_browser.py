@@ -150,12 +150,14 @@ def test_four_sessions_at_once_each_see_their_own_numbers(server, browser):
     ids = window(tokenize(mha.tokenizer, SAMPLE_TEXT), 0, mha.config.context).ids
     _, _, logp = attribution.attribute(mha.model, ids, len(ids) - 1, None, "integrated gradients", 16)
     size = min(mha.config.context, mhe.config.context, 128)
-    ppl_a = tokens.perplexity(tokens.token_logprobs(mha.model, window(tokenize(mha.tokenizer, SAMPLE_TEXT), 0, size).ids))
+    ppl_a = tokens.perplexity(tokens.token_logprobs(mha.model,
+                                                    window(tokenize(mha.tokenizer, SAMPLE_TEXT), 0, size).ids))
     gen = generate(mhe.model, mhe.tokenizer.encode("The president said that").ids, 64, temperature=0.8, top_k=40,
                    top_p=0.95, seed=0)
 
     pages = {}
-    for name, query in (("Attribution", ""), ("Compare", ""), ("Generate", "?model=mhe-mul"), ("Attention", "?model=mhe-mul")):
+    for name, query in (("Attribution", ""), ("Compare", ""), ("Generate", "?model=mhe-mul"),
+                        ("Attention", "?model=mhe-mul")):
         pages[name] = browser.new_page(viewport={"width": 1400, "height": 1000})
         pages[name].goto(f"{server}/{name}{query}")
     pages["Generate"].get_by_role("button", name="Generate").click(timeout=60_000)

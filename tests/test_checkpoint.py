@@ -42,7 +42,8 @@ def test_round_trip_is_bit_exact(mixer, tmp_path, tokenizer):
 
 
 def test_a_directory_written_under_an_older_tensor_name_loads(tmp_path, tokenizer):
-    """COMPACTER's shared A_i were stored as 'adapter_rule' before the rename: such a directory still loads, same A_i."""
+    """COMPACTER's shared A_i were stored as 'adapter_rule' before the rename: such a directory still loads,
+    same A_i."""
     model = DecoderLM(tiny_config("mha", vocab_size=300, adapter="compacter", adapter_reduction=4, phm_n=2))
     path = save_model_dir(tmp_path / "old", model, tokenizer, {"steps": 1}) / "model.safetensors"
     tensors = load_file(str(path))
@@ -106,7 +107,8 @@ def test_weights_that_do_not_match_the_config(model_dir):
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["d_model"], cfg["n_heads"] = 32, 4
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"model.safetensors does not match config.json: shape mismatch blocks.0.ffn.down.bias: file \(16,\) vs config \(32,\)"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors does not match config.json: shape mismatch "
+                                              r"blocks.0.ffn.down.bias: file \(16,\) vs config \(32,\)"):
         load_model_dir(model_dir)
 
 
@@ -114,7 +116,8 @@ def test_missing_and_unexpected_tensors(model_dir):
     tensors = load_file(str(model_dir / "model.safetensors"))
     tensors["extra.bias"] = tensors.pop("blocks.1.mixer.W_Q")
     save_file(tensors, str(model_dir / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"missing tensors \['blocks.1.mixer.W_Q'\]; unexpected tensors \['extra.bias'\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"missing tensors \['blocks.1.mixer.W_Q'\]; unexpected tensors \['extra.bias'\]"):
         load_model_dir(model_dir)
 
 
@@ -154,7 +157,8 @@ def test_tokenizer_larger_than_vocabulary(tmp_path, tokenizer):
 
 
 def test_save_leaves_no_temporary_files_and_hash_is_stable(model_dir):
-    assert sorted(p.name for p in model_dir.iterdir()) == ["card.json", "config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in model_dir.iterdir()) == ["card.json", "config.json", "model.safetensors",
+                                                           "tokenizer.json"]
     assert file_sha256(model_dir / "model.safetensors") == file_sha256(model_dir / "model.safetensors")
 
 

@@ -42,7 +42,8 @@ def run_compact(model, seqs, prompt_lens, diagnostics=False):
 
 def compact_on_triton_and_full(model, monkeypatch, n=14, prompt_lens=(5, 9, 3)):
     """Ragged prompts decoded over the compacted cache with the Triton kernels forced, and the reference full
-    forward of each row: ([(got [n, V], full [n, V]) per row], cache). The CPU interpreter and the GPU tests share it."""
+    forward of each row: ([(got [n, V], full [n, V]) per row], cache). The CPU interpreter and the GPU tests
+    share it."""
     import kernels
     dev = model.wte.weight.device
     seqs = torch.randint(0, 61, (len(prompt_lens), n)).tolist()

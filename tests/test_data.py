@@ -55,7 +55,8 @@ def test_prepare_local_text(tmp_path):
     assert all(docs[s] for s in data.SPLITS)                      # every split has a document
     every = [d for v in docs.values() for d in v]
     for i in range(8):                                            # each document whole, in one split
-        assert sum(d.startswith(f"Document {i} opens here, with words. It wraps across lines.\nA second") for d in every) == 1
+        assert sum(d.startswith(f"Document {i} opens here, with words. It wraps across lines.\nA second")
+                   for d in every) == 1
     skipped = " ".join(m["skipped"])
     assert "binary.txt: binary file" in skipped and "latin1.txt: not UTF-8" in skipped and "empty.md: empty" in skipped
     for s in data.SPLITS:
@@ -109,7 +110,8 @@ def _rds_strings(strings):
 def test_r_database_reader():
     objs = [_rds_strings(["Emma", "Woodhouse, handsome — clever"]), _rds_strings(["second"])]
     db = b"".join(struct.pack(">I", len(o)) + zlib.compress(o) for o in objs)
-    assert [rdata.read_strings(o) for o in rdata.iter_objects(db)] == [["Emma", "Woodhouse, handsome — clever"], ["second"]]
+    assert [rdata.read_strings(o) for o in rdata.iter_objects(db)] == [["Emma", "Woodhouse, handsome — clever"],
+                                                                       ["second"]]
     assert rdata.read_strings(b"not R") is None
 
 
@@ -135,7 +137,8 @@ def test_prepare_with_another_models_tokenizer_keeps_documents_and_splits(tmp_pa
     from tests.helpers import tiny_config
     src = write_fixture(tmp_path / "texts")
     own = prepare(tmp_path / "own", [], [str(src)], vocab_size=300, cache=None, min_frequency=1)
-    other = train_bpe(["a different tokenizer, trained on other text: " + "xyz " * 50] * 10, vocab_size=280, min_frequency=1)
+    other = train_bpe(["a different tokenizer, trained on other text: " + "xyz " * 50] * 10, vocab_size=280,
+                      min_frequency=1)
     model_dir = save_model_dir(tmp_path / "model", DecoderLM(tiny_config("mha", vocab_size=300)), other)
     m = prepare(tmp_path / "theirs", [], [str(src)], cache=None, tokenizer_from=model_dir)
     for s in data.SPLITS:

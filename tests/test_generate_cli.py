@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "models.generate", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "models.generate", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_json_output_is_one_object(tmp_path):

@@ -107,7 +107,8 @@ def test_prefill_with_a_pruning_bias_at_4k(dtype):
 def test_float32_kernels_are_ieee_not_tf32():
     """fp32 tl.dot defaults to TF32 on a GPU (~1e-3): ours ask for IEEE, so fp32 meets the reference closely."""
     b, h, g, t, d = 1, 8, 2, 1024, 64
-    q, k, v = rand(b, h, t, d, dtype=torch.float32), rand(b, g, t, d, dtype=torch.float32), rand(b, g, t, d, dtype=torch.float32)
+    q, k, v = (rand(b, h, t, d, dtype=torch.float32), rand(b, g, t, d, dtype=torch.float32),
+               rand(b, g, t, d, dtype=torch.float32))
     want, _ = reference.attention(*up(q, k, v, dtype=torch.float64), scale=d ** -0.5)
     assert rel_err(triton_attention.prefill(q, k, v, scale=d ** -0.5), want) < TOL[torch.float32]
     want = reference.decode(*up(q[:, :, -1:], k, v, dtype=torch.float64), scale=d ** -0.5)
@@ -179,7 +180,8 @@ def test_lag_conv_at_8k(per_channel, dtype):
 def test_prefill_grid_past_65535_rows_of_heads():
     """batch x heads sits on grid axis 0 (2^31 programs), not axis 1 (65,535)."""
     b, h, t, d = 4200, 16, 16, 64  # 67,200 (batch, head) programs
-    q, k, v = rand(b, h, t, d, dtype=torch.bfloat16), rand(b, 1, t, d, dtype=torch.bfloat16), rand(b, 1, t, d, dtype=torch.bfloat16)
+    q, k, v = (rand(b, h, t, d, dtype=torch.bfloat16), rand(b, 1, t, d, dtype=torch.bfloat16),
+               rand(b, 1, t, d, dtype=torch.bfloat16))
     want, _ = reference.attention(*up(q, k, v), scale=0.125)
     assert rel_err(triton_attention.prefill(q, k, v, scale=0.125), want) < TOL[torch.bfloat16]
 

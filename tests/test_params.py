@@ -11,7 +11,8 @@ L = 20  # context = number of Extractor lags
 
 
 def mixer_params(mixer, **cfg):
-    return count_parameters(DecoderLM(tiny_config(mixer, d_model=D_M, n_heads=N, context=L, n_layers=1, **cfg)))["mixer"]
+    return count_parameters(DecoderLM(tiny_config(mixer, d_model=D_M, n_heads=N, context=L, n_layers=1,
+                                                  **cfg)))["mixer"]
 
 
 def test_table_of_attention_parameters():

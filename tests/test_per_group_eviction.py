@@ -67,11 +67,13 @@ def brute(name, budget, scores, heads, group, t, prompt=None, window=4, pool=3):
             earlier = range(p - window)
             vote = {j: sum(full[h][m][j] for h in mine for m in range(p - window, p)) for j in earlier}
             pooled = {j: max(vote[i] for i in earlier if abs(i - j) <= pool // 2) for j in earlier}
-            kept = sorted(earlier, key=lambda j: (-pooled[j], -vote[j], j))[:budget - window] + list(range(p - window, p))
+            kept = (sorted(earlier, key=lambda j: (-pooled[j], -vote[j], j))[:budget - window]
+                    + list(range(p - window, p)))
         elif name == "h2o:prompt":
             got = {j: sum(full[h][m][j] for h in mine for m in range(j, p)) for j in range(p)}
             recent = list(range(p - budget // 2, p))
-            kept = recent + sorted((j for j in range(p) if j not in recent), key=lambda j: (-got[j], j))[:budget - len(recent)]
+            kept = recent + sorted((j for j in range(p) if j not in recent),
+                                   key=lambda j: (-got[j], j))[:budget - len(recent)]
         else:
             kept = sorted(range(p), key=lambda j: (-later(p - 1, j), j))[:budget]
         # the last prompt query attended to everything, then the prompt was compressed
@@ -85,7 +87,8 @@ def brute(name, budget, scores, heads, group, t, prompt=None, window=4, pool=3):
             if len(cache) > budget:
                 cache.remove(min((j for j in cache if j <= n - budget // 2), key=lambda j: (acc[j], j)))
         elif name == "tova-group" and len(cache) > budget:
-            cache.remove(min((j for j in cache if j != n), key=lambda j: (sum(prob[h][j] for h in mine) / len(mine), j)))
+            cache.remove(min((j for j in cache if j != n),
+                             key=lambda j: (sum(prob[h][j] for h in mine) / len(mine), j)))
         elif name == "oracle" and len(cache) > budget:
             cache.remove(min((j for j in cache if j != n), key=lambda j: (later(n, j), j)))
         out.append(set(cache))

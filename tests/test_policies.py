@@ -126,7 +126,8 @@ def spy(policy):
         keep = step(live, pos, q_pos, probs, state)
         if probs is not None:  # the query attended over exactly what the cache held
             assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
-            assert (probs.masked_fill(live[:, None], 0.0) == 0).all() and (probs[live[:, None].expand_as(probs)] > 0).all()
+            assert ((probs.masked_fill(live[:, None], 0.0) == 0).all()
+                    and (probs[live[:, None].expand_as(probs)] > 0).all())
         calls.append((pos.clone(), None if probs is None else probs.clone(), keep.clone()))
         return keep
     policy.step = recording
@@ -160,7 +161,8 @@ def test_in_the_model_every_layer_evicts_by_the_policy(name, budget):
                     if pos[0, slot] >= 0:
                         att[t, :, int(pos[0, slot])] = probs[0, :, slot] + 1e-30
         want = brute_heads(name.removesuffix("-layer"), budget, att, total)
-        got = [{p for p in range(len(row)) if row[p]} for row in (trace.held_at(tr, s)[layer] for s in range(len(res.events)))]
+        got = [{p for p in range(len(row)) if row[p]}
+               for row in (trace.held_at(tr, s)[layer] for s in range(len(res.events)))]
         # held_at(s) is the cache after step s: the prompt's last token was fed at step 0
         assert got == [want[len(prompt) - 1 + s] for s in range(len(res.events))]
     assert res.events[-1].live == (budget,) * n_layers               # it did evict: the cache sits at the budget
@@ -186,7 +188,8 @@ def test_snapkv_in_the_model_keeps_its_selection_and_everything_after():
     assert all(n == 16 for n in first)                            # 12 chosen + the 4-token window
     assert all(n == 16 + 9 for n in last)                          # then every generated token is kept
     with pytest.raises(ValueError, match="fixed pattern"):
-        model_for("mha", prune=False, context=64, pattern="local", pattern_k=4).new_compact_cache(policy=policies.make("tova", 8))
+        model_for("mha", prune=False, context=64, pattern="local", pattern_k=4).new_compact_cache(
+            policy=policies.make("tova", 8))
 
 
 @pytest.mark.parametrize("name, budget", [("streamingllm", 9), ("tova", 7), ("h2o-layer", 8), ("snapkv-layer", 12),
@@ -205,7 +208,8 @@ def test_a_pruned_model_under_a_policy_decodes_with_its_rule_off(name, budget):
     b = generate(pruned, prompt, 15, greedy=True, policy=policies.make(name, budget, **kw))
     assert b.new_ids == a.new_ids
     assert [e.drops for e in b.events] == [e.drops for e in a.events] and any(e.drops for e in b.events)
-    assert [(e.held_bytes, e.alloc_bytes, e.live) for e in b.events] == [(e.held_bytes, e.alloc_bytes, e.live) for e in a.events]
+    assert ([(e.held_bytes, e.alloc_bytes, e.live) for e in b.events]
+            == [(e.held_bytes, e.alloc_bytes, e.live) for e in a.events])
     cache = pruned.new_compact_cache(policy=policies.make(name, budget, **kw))
     assert all("k_int" not in layer.buffers for layer in cache.layers)
 
@@ -223,7 +227,8 @@ def test_token_by_token_scores_equal_the_full_forward_and_count_what_queries_saw
     assert got["nll"] == pytest.approx(full, rel=1e-5) and got["sparsity"] == 0.0 and got["tokens"] == n
     for name, budget, sees in (("streamingllm", 6, 5), ("tova", 6, 6), ("h2o-layer", 6, 6)):
         # StreamingLLM evicts before the query attends (it sees budget - 1 earlier tokens); TOVA and H2O after
-        got = score_token_by_token(dense, ids, policies.make(name, budget, **({"sinks": 2} if name == "streamingllm" else {})))
+        got = score_token_by_token(dense, ids,
+                                   policies.make(name, budget, **({"sinks": 2} if name == "streamingllm" else {})))
         assert got["sparsity"] == pytest.approx(sum(1 - min(i, sees) / i for i in range(1, n)) / n)
         assert got["nll"] != pytest.approx(full, rel=1e-6)
     pruned = model_for("mha", context=64, seed=3).float()      # the learned rule: the full forward's keep masks
@@ -266,7 +271,8 @@ def test_eviction_report_pools_what_token_by_token_scoring_gives(tmp_path):
     ppl = math.exp(sum(r["nll"] for r in learned) / sum(r["tokens"] for r in learned))
     sp = sum(r["sparsity"] * r["tokens"] for r in learned) / sum(r["tokens"] for r in learned)
     row = re.search(r"\| learned pruning \| mha-1024-pruned \| - \| ([\d.]+)% \| ([\d.]+) \|", whole)
-    assert float(row.group(2)) == pytest.approx(ppl, rel=1e-5) and float(row.group(1)) == pytest.approx(100 * sp, abs=0.05)
+    assert (float(row.group(2)) == pytest.approx(ppl, rel=1e-5)
+            and float(row.group(1)) == pytest.approx(100 * sp, abs=0.05))
     b = policies.budget_for("tova", sp, 39)   # the 39 queries that predict a token
     tova = [score_token_by_token(dense, w, policies.make("tova", b)) for w in windows]
     ppl = math.exp(sum(r["nll"] for r in tova) / sum(r["tokens"] for r in tova))

@@ -261,4 +261,5 @@ def test_calibration_gives_small_inputs_the_spread_the_paper_init_assumes():
     assert (small.scores(x, small.keys(x)) - 2.0).std().item() < 0.01 * spread
     rms = small.calibrate(x)
     assert rms == pytest.approx(0.05, rel=0.05)
-    torch.testing.assert_close(small.scores(x, small.keys(x)), unit.scores(x_unit, unit.keys(x_unit)), rtol=0.12, atol=0.12)
+    torch.testing.assert_close(small.scores(x, small.keys(x)), unit.scores(x_unit, unit.keys(x_unit)), rtol=0.12,
+                               atol=0.12)

@@ -37,7 +37,8 @@ def test_drop_tables_from_a_known_keep_matrix():
     labels, tags = ["A", "b", ",", "c", "d"], ["DET", "NOUN", "PUNCT", "VERB", "NOUN"]
     table = pruning.token_table(keeps, labels, tags)
     row = table[(table.layer == 0) & (table.position == 1)].iloc[0]
-    assert row.dropped and row.dropped_at == 3 and row.trigger_token == "c" and row.trigger_pos == "VERB" and row.lifetime == 2
+    assert (row.dropped and row.dropped_at == 3 and row.trigger_token == "c" and row.trigger_pos == "VERB"
+            and row.lifetime == 2)
     assert table[table.layer == 1]["dropped"].sum() == 0
     rates = pruning.pos_drop_rates(table)
     noun0 = rates[(rates.layer == 0) & (rates.pos == "NOUN")].iloc[0]
@@ -102,22 +103,26 @@ def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
     texts = tmp_path / "texts"
     texts.mkdir()
     for i in range(8):
-        (texts / f"{i}.txt").write_text(f"The committee met on day {i}. They spoke of bread, roads and the bridge. " * 8)
+        (texts / f"{i}.txt").write_text(f"The committee met on day {i}. They spoke of bread, roads and the bridge. "
+                                        * 8)
     prepare(tmp_path / "data", [], [str(texts)], vocab_size=300, cache=None, min_frequency=1)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json"))
     base = DecoderLM(tiny_config("gqa", vocab_size=300, context=128, positions="rope", n_kv_heads=2))
     randomize(base, std=0.1)
     save_model_dir(tmp_path / "base", base, tok, {})
-    pruned = DecoderLM(tiny_config("gqa", vocab_size=300, context=128, positions="rope", n_kv_heads=2, prune=True, prune_r=4))
+    pruned = DecoderLM(tiny_config("gqa", vocab_size=300, context=128, positions="rope", n_kv_heads=2, prune=True,
+                                   prune_r=4))
     pruned.load_state_dict(base.state_dict(), strict=False)
     for b in pruned.blocks:
         b.mixer.pruning.beta.data.fill_(0.0)   # drops something
     save_model_dir(tmp_path / "run", pruned, tok, {"steps": 3, "trainable_params": 42, "train": {"gamma": 0.3},
-                                                    "config": pruned.config.to_dict(), "wall_time_s": 60, "device": "cpu"})
+                                                    "config": pruned.config.to_dict(), "wall_time_s": 60,
+                                                    "device": "cpu"})
     out = tmp_path / "real.md"
     assert real.main([str(tmp_path / "run"), "--base", str(tmp_path / "base"), "--data", str(tmp_path / "data"),
-                      "--window", "128", "--pos-docs", "2", "--out", str(out), "--figure", str(tmp_path / "f.png")]) == 0
+                      "--window", "128", "--pos-docs", "2", "--out", str(out),
+                      "--figure", str(tmp_path / "f.png")]) == 0
     text = out.read_text()
     assert "| run | 3 | 42 | 0.3 | 128 | - |" in text and "| base | 100-256 |" in text and "+0.00%" in text
     # the held-out protocol on the default source (the test split), the policies matched to the run's sparsity
@@ -127,6 +132,22 @@ def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
     assert "## Sparsity per layer" in text and "| run | " in text and "trigger POS" in text
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     assert json.dumps(text)  # plain text
+    # the protocol from a saved run of analysis.reports.matched: the same tables, nothing run twice
+    from analysis.reports import matched
+    flags = ["--window", "128", "--source", f"test={tmp_path / 'data'}:test", "--windows", "24"]
+    assert matched.main([str(tmp_path / "run"), "--base", str(tmp_path / "base"), *flags,
+                         "--out", str(tmp_path / "m.md"), "--json", str(tmp_path / "m.json")]) == 0
+    again = tmp_path / "again.md"
+    common = ["--data", str(tmp_path / "data"), "--window", "128", "--pos-docs", "2",
+              "--figure", str(tmp_path / "f.png")]
+    assert real.main([str(tmp_path / "run"), "--base", str(tmp_path / "base"), *common, "--out", str(again),
+                      "--matched", str(tmp_path / "m.json")]) == 0
+    section = text.split("## Against the training-free policies")[1].split("## Perplexity and sparsity")[0]
+    assert section in again.read_text() and "joined by --matched" in again.read_text()
+    with pytest.raises(SystemExit):  # a saved run of other models
+        real.main([str(tmp_path / "base"), "--base", str(tmp_path / "base"), *common, "--out", str(tmp_path / "x.md"),
+                   "--matched", str(tmp_path / "m.json")])
+    assert not (tmp_path / "x.md").exists()
 
 
 def test_keep_only_diagnostics_skip_the_attention_probabilities():
@@ -176,7 +197,8 @@ def test_hidden_share_disagreement_and_pos_profile_from_hand_made_masks():
     d = pruning.disagreement(ta, tb)
     assert d["who"].tolist() == ["a only", "b only", "neither"]
     by_layer = pruning.disagreement_by_layer(d)
-    assert by_layer[["both", "a only", "b only", "neither"]].values.tolist() == [[0, 1, 1, 1]] and by_layer["overlap"][0] == 0
+    assert (by_layer[["both", "a only", "b only", "neither"]].values.tolist() == [[0, 1, 1, 1]]
+            and by_layer["overlap"][0] == 0)
     assert pruning.disputed_tokens(d)["token"].tolist() == ["x", "y"]
     prof = pruning.pos_profile({"a": ta, "b": tb}).set_index(["method", "pos"])
     assert prof.loc[("a", "NOUN"), "hidden_share"] == 0.5 and prof.loc[("b", "VERB"), "hidden_share"] == 1.0

@@ -89,7 +89,8 @@ def test_no_policy_is_the_dense_forward_and_a_pruned_model_runs_with_its_rule_of
     missing = pruned.load_state_dict(dense.state_dict(), strict=False).missing_keys
     assert missing and all(".pruning." in k for k in missing)
     with torch.no_grad():
-        assert (pruned(x, diagnostics=True, attention_maps=False).diagnostics[0].keep < 0.5).any()   # its rule would drop tokens
+        # its rule would drop tokens
+        assert (pruned(x, diagnostics=True, attention_maps=False).diagnostics[0].keep < 0.5).any()
     assert torch.allclose(replay(pruned, IDS).logprobs, run.logprobs, atol=1e-10)
     tova = replay(pruned, IDS, policies.make("tova", 7))
     assert torch.equal(tova.dropped_at, replay(dense, IDS, policies.make("tova", 7)).dropped_at)
@@ -119,8 +120,10 @@ def test_one_averaging_with_or_without_the_first_query(name, budget, prompt):
     n = len(IDS)
     for count_first in (True, False):
         got = float(mean_sparsity(vis, count_first).mean())
-        assert got == pytest.approx(policies.expected_sparsity(name, budget, n, prompt, count_first=count_first), abs=1e-6)
-    assert float(mean_sparsity(vis, True).mean()) == pytest.approx(float(mean_sparsity(vis, False).mean()) * (n - 1) / n)
+        assert got == pytest.approx(policies.expected_sparsity(name, budget, n, prompt, count_first=count_first),
+                                    abs=1e-6)
+    assert float(mean_sparsity(vis, True).mean()) == pytest.approx(float(mean_sparsity(vis, False).mean())
+                                                                   * (n - 1) / n)
     late = float(mean_sparsity(vis, False, start=30).mean())
     assert late == pytest.approx(policies.expected_sparsity(name, budget, n, prompt, first=30), abs=1e-6)
     want = sum((1 - (float(vis[0, 0, k].sum()) - 1) / k) for k in range(30, n)) / (n - 30)  # layer 0, by hand

@@ -144,7 +144,8 @@ def test_distillation_loss_is_the_kl_to_the_rule_off_model():
         torch.testing.assert_close(teacher, dense(idx).logits, rtol=0, atol=0)
         assert model.blocks[0].mixer.pruning is not None  # switched back on
         p, q = teacher.softmax(-1), student.softmax(-1)
-        literal = sum(float((p[b, t] * (p[b, t].log() - q[b, t].log())).sum()) for b in range(2) for t in range(12)) / 24
+        literal = sum(float((p[b, t] * (p[b, t].log() - q[b, t].log())).sum())
+                      for b in range(2) for t in range(12)) / 24
         assert float(distill_loss(student, teacher)) == pytest.approx(literal, rel=1e-6)
         assert float(distill_loss(teacher, teacher)) == pytest.approx(0.0, abs=1e-9)
 
@@ -183,10 +184,12 @@ def test_the_window_init_and_alpha_start_are_checked(tmp_path):
     with pytest.raises(ValueError, match="distance term"):
         plain.blocks[0].mixer.pruning.init_window(9)
     cfg = tmp_path / "c.json"
-    for model, train, message in [({"prune": True}, {"prune_init": "window"}, "needs model.prune and model.prune_distance"),
+    for model, train, message in [({"prune": True}, {"prune_init": "window"},
+                                   "needs model.prune and model.prune_distance"),
                                   ({"prune": True, "prune_distance": True}, {"prune_init": "window", "prune_window": 0},
                                    "prune_window must be an integer"),
-                                  ({"prune": True, "prune_distance": True}, {"prune_init": "window", "prune_window": 128},
+                                  ({"prune": True, "prune_distance": True},
+                                   {"prune_init": "window", "prune_window": 128},
                                    "integer in \\[1, model.context=128\\)"),
                                   ({"prune": True}, {"prune_window": 50}, "but prune_init is 'paper'"),
                                   ({"prune": True}, {"alpha_start": 9.0}, "1 <= alpha_start <= alpha_end"),

@@ -91,3 +91,25 @@ def test_a_model_directory_is_checked_again_when_it_is_opened(serve, tmp_path):
         (serve / "m" / "base.json").write_text(json.dumps({"source": source, "weights_sha256": "0" * 64}))
         problem = access.model_dir_problem(serve / "m")
         assert (problem is not None and "base" in problem) if refused else problem is None, source
+
+
+def test_serve_mode_caps_text_and_new_tokens(serve, monkeypatch):
+    """Every text box takes at most the serve cap (the browser stops there), an upload over it is refused, and
+    Generate cannot ask for more new tokens than the cap; outside serve mode the usual limits hold."""
+    from analysis.text import MAX_CHARS
+    assert access.max_chars() == access.SERVE_MAX_CHARS < MAX_CHARS and access.max_new_tokens(2048) == 256
+    monkeypatch.setenv("MIXSCOPE_SERVE_MAX_NEW_TOKENS", "16")
+    monkeypatch.setenv("MIXSCOPE_SERVE_MAX_CHARS", "300")
+    at = AppTest.from_file(str(APP / "pages" / "1_Generate.py"), default_timeout=120).run()
+    assert not at.exception
+    assert at.number_input(key="gen_n").max == 16 and at.text_area(key="gen_prompt").max_chars == 300
+    at = AppTest.from_file(str(APP / "pages" / "2_Attention.py"), default_timeout=120).run()
+    area = next(a for a in at.text_area if a.key.endswith("_area"))
+    assert area.max_chars == 300 and "at most 300 characters" in area.label
+    area.input("word " * 59 + "last").run()
+    assert not at.exception and not at.warning   # 299 characters pass
+    monkeypatch.setenv("MIXSCOPE_SERVE_MAX_CHARS", "many")
+    with pytest.raises(ValueError, match="whole number"):
+        access.max_chars()
+    monkeypatch.delenv("MIXSCOPE_SERVE")
+    assert access.max_chars() == MAX_CHARS and access.max_new_tokens(2048) == 2048

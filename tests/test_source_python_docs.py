@@ -31,7 +31,8 @@ INTRO = page(f"""<dl class="field-list simple"><dt>Author<dd><p>Guido van Rossum
 <p>The <a class="reference internal" href="#print"><code class="xref py py-func docutils literal notranslate">
 <span class="pre">print()</span></code></a> function writes &quot;text&quot; to <em>standard
 output</em>, and it&#8217;s simple.</p>
-<div class="highlight-python3 notranslate"><div class="highlight"><pre><span class="gp">&gt;&gt;&gt; </span>print("hello")
+<div class="highlight-python3 notranslate"><div class="highlight">\
+<pre><span class="gp">&gt;&gt;&gt; </span>print("hello")
 hello</pre></div></div>
 <div class="admonition note"><p class="admonition-title">Note</p><p>Notes are prose too.</p></div>
 <p class="availability">Availability: Unix, Windows.</p>

@@ -169,7 +169,8 @@ def test_score_matches_direct_loss_and_sliding_history():
     short = docs[:2]
     res = score_documents(model, short, stride=8)
     with torch.no_grad():
-        nll = sum(F.cross_entropy(model(torch.tensor([d[:-1]])).logits[0], torch.tensor(d[1:]), reduction="sum").item() for d in short)
+        nll = sum(F.cross_entropy(model(torch.tensor([d[:-1]])).logits[0], torch.tensor(d[1:]),
+                                  reduction="sum").item() for d in short)
     assert res["tokens"] == 4 + 7 and res["nll"] == pytest.approx(nll, rel=1e-9)
     # a long doc with stride 3: each target scored with exactly the history its window gives
     doc = docs[3]
@@ -232,7 +233,8 @@ def test_pruning_fine_tune_starts_from_the_dense_model(tmp_path, data_dir):
     assert all(torch.allclose(dense[k], pruned[k], atol=1e-6) for k in dense)   # lr ~ 0: the dense weights carried over
     train_lines = [e for e in curve(tmp_path / "pruned") if e["kind"] == "train"]
     assert train_lines[0]["alpha"] == pytest.approx(1.0) and 0 < train_lines[-1]["kept_fraction_soft"] <= 1
-    assert 0 <= card["final_valid_query_sparsity"] <= 1 and [e for e in curve(tmp_path / "pruned") if "query_sparsity" in e]
+    assert (0 <= card["final_valid_query_sparsity"] <= 1
+            and [e for e in curve(tmp_path / "pruned") if "query_sparsity" in e])
     raw["model"]["d_model"] = 32
     (tmp_path / "bad.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"differs in d_ff .*d_model \(16 vs 32\)"):

@@ -3,7 +3,11 @@ docs/real.md (analysis.reports.real runs it beside the rest of that report; this
 
     python -m analysis.reports.matched --base DIR PRUNED_DIR [PRUNED_DIR ...] --source test=data/smollm2:test
         --source kjv=data/heldout_kjv:all [--window 512] [--windows 24] [--policies METHOD,...]
-        [--prompt-share 0.75] [--match PRUNED_NAME] [--out docs/real_matched.md]
+        [--prompt-share 0.75] [--match PRUNED_NAME] [--out docs/real_matched.md] [--json RESULTS.json]
+    python -m analysis.reports.matched --merge A.json B.json [...] --out docs/real_matched.md
+
+A long run can be split by source across processes (one core each): each writes --json, and --merge renders the
+sources of several runs of one protocol (same models, window, policies, prompt, match) as one report.
 
 The protocol (the held-out issue's): for each source, `windows` windows of `window` tokens spread evenly over its
 tokens (a source's split, or all of a source that no run trained on). Every position a window can score is scored
@@ -14,13 +18,15 @@ source, the sparsity the `--match` model measured there. A second reading, promp
 --prompt-share of each window is a prompt read in full and only the queries after it are scored and counted, so
 the policies in prompt mode (compressing the prompt once: SnapKV's form, and every other policy's `:prompt`) take
 part beside the step policies, each matched to the `--match` model's sparsity over those queries. Per KV group
-unless a name says `-layer`; the oracle (hindsight) is a reference, not a rule (nor always a bound). Perplexity is pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged
-over queries and layers. Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where two
-methods are compared (the same resampled windows for both).
+unless a name says `-layer`; the oracle (hindsight) is a reference, not a rule (nor always a bound). Perplexity is
+pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged over queries and layers.
+Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where two methods are compared (the same
+resampled windows for both).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -138,7 +144,8 @@ def summary(runs: dict[str, Windows], dense: str, match: str, late: bool, resamp
             diff = cost(run, base, idx, late) - cost(runs[match], base, idx, late)
             row["vs_match"] = float(cost(run, base, every, late) - cost(runs[match], base, every, late))
             row["vs_match_ci"] = interval(diff)
-            row["wins"] = int(sum(float(cost(run, base, np.array([i]), late)) > float(cost(runs[match], base, np.array([i]), late))
+            row["wins"] = int(sum(float(cost(run, base, np.array([i]), late))
+                                  > float(cost(runs[match], base, np.array([i]), late))
                                   for i in range(n)))
         rows.append(row)
     return rows
@@ -147,16 +154,18 @@ def summary(runs: dict[str, Windows], dense: str, match: str, late: bool, resamp
 def preamble(match: str, window: int, prompt: int | None = None) -> str:
     text = (f"Windows of {window} tokens spread evenly over each source; every position a window can score is scored "
             f"(all but its first token), and positions >= {LATE} are reported apart. Policies run on the dense base at "
-            f"the budget matched to {match}'s sparsity on that source (per layer: one token set per layer, shared by the "
-            "KV groups; the per-KV-group forms are not built yet), step by step as the text arrives. Cost: perplexity "
+            f"the budget matched to {match}'s sparsity on that source (per KV group: each group of heads sharing keys "
+            "keeps its own tokens, unless a name ends in -layer: one token set per layer, shared by the groups), step "
+            "by step as the text arrives; the oracle (hindsight) is a reference, not a rule. Cost: perplexity "
             "relative to the dense base, pooled over tokens, with a 95 % bootstrap interval over windows. "
             f"\"{match} ahead by\": cost(policy) - cost({match}) on the same resampled windows (above 0: {match} costs "
             f"less); \"windows won\": windows where the policy costs more than {match}.")
     if prompt:
         text += (f" After a prompt: the first {prompt} tokens of each window are a prompt read in full, and only the "
-                 f"{window - prompt - 1} queries after it are scored and counted; a policy in prompt mode compresses the "
-                 f"prompt once and keeps what follows (SnapKV: its last 32 queries vote, max-pooled over 7 positions); "
-                 f"the step policies evict as before; every policy's budget is matched to {match}'s sparsity over those queries.")
+                 f"{window - prompt - 1} queries after it are scored and counted; a policy in prompt mode compresses "
+                 f"the prompt once and keeps what follows (SnapKV: its last 32 queries vote, max-pooled over 7 "
+                 f"positions); the step policies evict as before; every policy's budget is matched to {match}'s "
+                 f"sparsity over those queries.")
     return text
 
 
@@ -171,7 +180,8 @@ def _standing(rows: list[dict], budgets: dict, match: str) -> dict:
     return {"row": m, "beats_all": all(r["vs_match_ci"][0] > 0 for r in matched) if callable_ else None,
             "strongest": strongest["method"] if strongest else "-",
             "strongest_lead": (strongest["vs_match"], strongest["vs_match_ci"]) if strongest else None,
-            "unmatched": [(r["method"], r["sparsity"], r["vs_match"], r["vs_match_ci"]) for r in others if r not in matched]}
+            "unmatched": [(r["method"], r["sparsity"], r["vs_match"], r["vs_match_ci"])
+                          for r in others if r not in matched]}
 
 
 def verdict(results: dict[str, dict], match: str) -> list[dict]:
@@ -194,9 +204,9 @@ def verdict(results: dict[str, dict], match: str) -> list[dict]:
              "unmatched": [("", *u) for u in whole["unmatched"]]}
         if "prompt" in res:
             gen = _standing(res["prompt"]["rows"], res["prompt"]["budgets"], match)
-            v.update(prompt=res["prompt"]["length"], prompt_sparsity=gen["row"]["sparsity"], prompt_cost=gen["row"]["cost"],
-                     prompt_beats_all=gen["beats_all"], prompt_strongest=gen["strongest"],
-                     prompt_strongest_lead=gen["strongest_lead"])
+            v.update(prompt=res["prompt"]["length"], prompt_sparsity=gen["row"]["sparsity"],
+                     prompt_cost=gen["row"]["cost"], prompt_beats_all=gen["beats_all"],
+                     prompt_strongest=gen["strongest"], prompt_strongest_lead=gen["strongest_lead"])
             v["unmatched"] += [("after the prompt", *u) for u in gen["unmatched"]]
             if v["bar"] is not None:
                 v["bar"] = None if gen["beats_all"] is None else v["bar"] and gen["beats_all"]
@@ -206,14 +216,16 @@ def verdict(results: dict[str, dict], match: str) -> list[dict]:
 
 def _table(title: str, rows: list[dict], budgets: dict, match: str) -> list[str]:
     lines = [f"## {title} ({rows[0]['windows']} windows, {rows[0]['tokens']:,} scored tokens)", "",
-             f"| method | budget | sparsity | perplexity | cost vs dense [95 % CI] | {match} ahead by [95 % CI] | windows won |",
+             f"| method | budget | sparsity | perplexity | cost vs dense [95 % CI] | {match} ahead by [95 % CI] "
+             "| windows won |",
              "|---|---:|---:|---:|---|---|---:|"]
     for r in rows:
         ahead = (f"{r['vs_match']:+.2%} [{r['vs_match_ci'][0]:+.2%}, {r['vs_match_ci'][1]:+.2%}]"
                  if "vs_match" in r else "-")
         won = f"{r['wins']}/{r['windows']}" if "wins" in r else "-"
-        lines.append(f"| {r['method']} | {budgets.get(r['method'], '-')} | {r['sparsity']:.1%} | {r['perplexity']:.3f} | "
-                     f"{r['cost']:+.2%} [{r['cost_ci'][0]:+.2%}, {r['cost_ci'][1]:+.2%}] | {ahead} | {won} |")
+        lines.append(f"| {r['method']} | {budgets.get(r['method'], '-')} | {r['sparsity']:.1%} | "
+                     f"{r['perplexity']:.3f} | {r['cost']:+.2%} [{r['cost_ci'][0]:+.2%}, {r['cost_ci'][1]:+.2%}] | "
+                     f"{ahead} | {won} |")
     return lines + [""]
 
 
@@ -264,7 +276,8 @@ def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: lis
             target, gen_budgets = pooled_sparsity(gen[match], late=False), {}
             for name in names:
                 gen_budgets[name] = b = policies.budget_for(name, target, window - 1, prompt, first=prompt)
-                for ids in tqdm(windows, desc=f"{source}: {name} at {b} after a {prompt}-token prompt", file=sys.stderr):
+                for ids in tqdm(windows, desc=f"{source}: {name} at {b} after a {prompt}-token prompt",
+                                file=sys.stderr):
                     vis, _, lp = pruning.method_run(base.model, ids, name, b, prompt)
                     gen.setdefault(name, Windows(first=prompt)).add(vis, lp)
             results[source]["prompt"] = {"length": prompt, "budgets": gen_budgets,
@@ -274,16 +287,18 @@ def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: lis
     return results
 
 
-def add_arguments(ap: argparse.ArgumentParser, default_source: str | None = None) -> None:
-    ap.add_argument("--source", action="append", default=None, required=default_source is None,
-                    help="NAME=DIR:SPLIT or NAME=DIR:all (repeat)" + (f"; default {default_source}" if default_source else ""))
+def add_arguments(ap: argparse.ArgumentParser, default_source: str | None = None, required: bool = True) -> None:
+    ap.add_argument("--source", action="append", default=None, required=required and default_source is None,
+                    help="NAME=DIR:SPLIT or NAME=DIR:all (repeat)"
+                         + (f"; default {default_source}" if default_source else ""))
     ap.add_argument("--windows", type=int, default=24, help="windows per source (the protocol)")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                     help="method ids (models.pruning.policies: a name, ':prompt' or ':step' for the other mode); "
                          "step-mode ones run in both readings, prompt-mode ones (compress once) in the second")
     ap.add_argument("--prompt-share", type=float, default=0.75,
                     help="the prompt's share of a window in the prompt-then-generation reading (0: no such reading)")
-    ap.add_argument("--match", default=None, help="the pruned model whose sparsity the policies match (default: the first)")
+    ap.add_argument("--match", default=None,
+                    help="the pruned model whose sparsity the policies match (default: the first)")
 
 
 def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, list[list[int]]], list[str], int | None]:
@@ -295,7 +310,7 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
     bad = policies.check_methods(names)
     if bad:
         ap.error(f"--policies: {'; '.join(bad)}")
-    prompt = round(args.prompt_share * window) if args.prompt_share else None
+    prompt = prompt_length(args.prompt_share, window)
     if prompt is not None and not (0 < args.prompt_share < 1 and 2 <= prompt < window - 1):
         ap.error(f"--prompt-share {args.prompt_share} leaves no prompt or no query after it in {window}-token windows")
     once = [n for n in names if policies.once(n)]
@@ -331,33 +346,97 @@ def match_name(ap: argparse.ArgumentParser, args, models: list) -> str:
     return match
 
 
-def command_flags(args, match: str) -> str:
-    """The protocol's flags as a command line repeats them."""
-    return (" ".join(f"--source {shlex.quote(s)}" for s in args.source)
-            + f" --windows {args.windows} --policies {args.policies} --prompt-share {args.prompt_share} --match {match}")
+def command_flags(protocol: dict) -> str:
+    """The protocol's flags (saved_protocol's settings) as a command line repeats them."""
+    return (" ".join(f"--source {shlex.quote(s)}" for s in protocol["sources"])
+            + f" --windows {protocol['windows']} --policies {protocol['policies']}"
+            + f" --prompt-share {protocol['prompt_share']} --match {protocol['match']}")
+
+
+# what two saved runs must share for their sources to sit in one report
+PROTOCOL_KEYS = ("models", "base", "window", "windows", "policies", "prompt_share", "match")
+
+
+def saved_protocol(args, models: list[str], match: str) -> dict:
+    """What --json saves beside the results: the protocol's settings, for merge and command_flags."""
+    return {"models": models, "base": args.base, "window": args.window, "windows": args.windows,
+            "policies": args.policies, "prompt_share": args.prompt_share, "match": match, "sources": args.source}
+
+
+def merge(paths: list[str]) -> tuple[dict, dict]:
+    """Saved runs (--json) of one protocol -> (its settings with every run's sources, the results in the order
+    given); ValueError naming what differs, or a source in two runs."""
+    runs = []
+    for path in paths:
+        try:
+            runs.append(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a saved run ({e})") from None
+        if not isinstance(runs[-1], dict) or not all(k in runs[-1] for k in (*PROTOCOL_KEYS, "results", "sources")):
+            raise ValueError(f"{path}: not a saved run of this command (written with --json)")
+    first, results = runs[0], {}
+    for path, run in zip(paths, runs):
+        differ = [k for k in PROTOCOL_KEYS if run[k] != first[k]]
+        if differ:
+            raise ValueError(f"{path} differs from {paths[0]} in {', '.join(differ)}: not one protocol")
+        for source, res in run["results"].items():
+            if source in results:
+                raise ValueError(f"source {source} is in more than one run")
+            results[source] = res
+    protocol = {k: first[k] for k in PROTOCOL_KEYS} | {"sources": [s for run in runs for s in run["sources"]]}
+    return protocol, results
+
+
+def prompt_length(prompt_share: float, window: int) -> int | None:
+    return round(prompt_share * window) if prompt_share else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis.reports.matched", description=__doc__.split("\n")[0])
-    ap.add_argument("pruned", nargs="+", help="model directories: pruned ones run their own rule, others run dense")
-    ap.add_argument("--base", required=True, help="the dense base the policies run on")
+    ap.add_argument("pruned", nargs="*", help="model directories: pruned ones run their own rule, others run dense")
+    ap.add_argument("--base", help="the dense base the policies run on (required unless --merge)")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--out", default="docs/real_matched.md")
-    add_arguments(ap)
+    ap.add_argument("--json", default=None, help="also save the results here, for --merge")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="RUN.json",
+                    help="render saved runs (--json) of one protocol as one report instead of running")
+    add_arguments(ap, required=False)  # checked below: not with --merge
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
+    if args.merge:
+        if args.pruned or args.source:
+            ap.error("--merge renders saved runs: give no model directories or --source")
+        try:
+            protocol, results = merge(args.merge)
+        except ValueError as e:
+            ap.error(str(e))
+        window = protocol["window"]
+        command = (f"python -m analysis.reports.matched {' '.join(protocol['models'])} --base {protocol['base']} "
+                   f"--window {window} {command_flags(protocol)}; sources run apart, joined by --merge")
+        write(args.out, render(command, results, protocol["match"], window,
+                               prompt_length(protocol["prompt_share"], window)))
+        return 0
+    if not args.pruned or not args.base or not args.source:
+        ap.error("give the pruned model directories, --base and at least one --source (or --merge)")
     policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     sources, names, prompt = parse(ap, args, args.window)
     base = load_model_dir(args.base, device=args.device)
     pruned = [load_model_dir(p, device=args.device) for p in args.pruned]
     match = match_name(ap, args, pruned)
     results = evaluate(base, pruned, sources, names, args.window, match, prompt)
+    protocol = saved_protocol(args, args.pruned, match)
     command = (f"python -m analysis.reports.matched {' '.join(args.pruned)} --base {args.base} --window {args.window} "
-               + command_flags(args, match))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render(command, results, match, args.window, prompt), encoding="utf-8")
-    print(f"wrote {args.out}", file=sys.stderr)
+               + command_flags(protocol))
+    if args.json:
+        write(args.json, json.dumps(protocol | {"results": results}, indent=1))
+    write(args.out, render(command, results, match, args.window, prompt))
     return 0
+
+
+def write(path: str, text: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text, encoding="utf-8")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of
 def model_buckets(loaded, window: int, data: str | None = None, max_windows: int | None = None) -> list[dict]:
     """Rows of one loaded model: the test split (of `data`, default the card's) joined and cut into windows."""
     loaded.model.check_fits(window, f"tokens (the window of {loaded.path})")
-    docs = encode_documents(loaded.tokenizer, load_documents(data or loaded.card.get("data", {}).get("dir", "data"), "test"))
+    docs = encode_documents(loaded.tokenizer,
+                            load_documents(data or loaded.card.get("data", {}).get("dir", "data"), "test"))
     stream = [t for doc in docs for t in doc]
     buckets = [b for b in BUCKETS if b[0] < window]
     return [{"model": loaded.path.name, "method": method_of(loaded.config, loaded.card), **r}
@@ -34,7 +35,8 @@ def model_buckets(loaded, window: int, data: str | None = None, max_windows: int
 
 def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_windows: int | None = None,
                     device: str = "cpu") -> pd.DataFrame:
-    return pd.DataFrame([r for d in dirs for r in model_buckets(load_model_dir(d, device=device), window, data, max_windows)])
+    return pd.DataFrame([r for d in dirs
+                         for r in model_buckets(load_model_dir(d, device=device), window, data, max_windows)])
 
 
 def figure(table: pd.DataFrame):
@@ -52,7 +54,8 @@ def render(table: pd.DataFrame, window: int, command: str) -> str:
              "its attention cannot see, averaged over layers.", "",
              "| model | method | context | tokens | perplexity | sparsity |", "|---|---|---|---:|---:|---:|"]
     for _, r in table.iterrows():
-        lines.append(f"| {r['model']} | {r['method']} | {r['bucket']} | {r['tokens']:,} | {r['perplexity']:.2f} | {r['sparsity']:.1%} |")
+        lines.append(f"| {r['model']} | {r['method']} | {r['bucket']} | {r['tokens']:,} | {r['perplexity']:.2f} | "
+                     f"{r['sparsity']:.1%} |")
     return "\n".join(lines) + "\n"
 
 

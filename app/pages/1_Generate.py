@@ -15,7 +15,6 @@ import streamlit as st  # noqa: E402
 
 from analysis import live  # noqa: E402
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
-from analysis.text import MAX_CHARS  # noqa: E402
 from app import access  # noqa: E402
 from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, setup  # noqa: E402
 from models import trace as traces  # noqa: E402
@@ -50,9 +49,11 @@ if loaded is None:
 cfg = loaded.config
 compactable = loaded.model.blocks[0].mixer.decodes_compacted
 
-prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt", max_chars=MAX_CHARS)
+prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt",
+                      max_chars=access.max_chars())
 c1, c2, c3, c4, c5 = st.columns(5)
-max_new = c1.number_input("New tokens", 1, cfg.context, min(64, cfg.context - 1), key="gen_n")
+most_new = access.max_new_tokens(cfg.context)   # serve mode caps it
+max_new = c1.number_input("New tokens", 1, most_new, min(64, most_new, cfg.context - 1), key="gen_n")
 greedy = c2.checkbox("Greedy", value=False, key="gen_greedy")
 temperature = c3.slider("Temperature", 0.1, 2.0, 0.8, 0.05, key="gen_temp", disabled=greedy)
 top_k = c4.number_input("Top-k (0 = off)", 0, cfg.vocab_size, 40, key="gen_topk", disabled=greedy)
@@ -63,7 +64,8 @@ policy = None
 if compactable and cfg.pattern == "dense":
     e1, e2 = s2.columns(2)
     groups = loaded.model.blocks[0].mixer.n_groups
-    method = e1.selectbox("Eviction", ["learned" if cfg.prune else "none", *policies.methods(decoding=True, groups=groups)],
+    method = e1.selectbox("Eviction",
+                          ["learned" if cfg.prune else "none", *policies.methods(decoding=True, groups=groups)],
                           format_func=method_title, key="gen_evict",
                           help="Per-KV-group policies keep a budget in each group of a layer" +
                                (f" (this model has {groups} KV groups)" if groups > 1 else "") +
@@ -105,8 +107,9 @@ def draw_live(boxes, names, runs):
         lp = [x.logprob for x in events]
         rate = (len(events) - 1) / sum(x.latency_s for x in events[1:]) if len(events) > 1 else float("nan")
         box["text"].markdown(colored_tokens_html(run["texts"], [math.exp(v) for v in lp]), unsafe_allow_html=True)
-        box["stats"].caption(f"**{name}** · token {e.index + 1}: model {e.latency_s * 1000:.1f} ms · {rate:.1f} tokens/s · "
-                             f"perplexity {math.exp(-sum(lp) / len(lp)):.2f} · cache held {e.held_bytes / 1024:.0f} KiB "
+        box["stats"].caption(f"**{name}** · token {e.index + 1}: model {e.latency_s * 1000:.1f} ms · "
+                             f"{rate:.1f} tokens/s · perplexity {math.exp(-sum(lp) / len(lp)):.2f} · "
+                             f"cache held {e.held_bytes / 1024:.0f} KiB "
                              f"(dense {e.dense_bytes / 1024:.0f} KiB, allocated {e.alloc_bytes / 1024:.0f} KiB)")
 
 
@@ -153,7 +156,8 @@ if st.button("Generate", type="primary", key="gen_go"):
                 partial = GenerationResult.collect(ids, runs[0]["events"], runs[0]["info"], cfg.n_layers, "running")
                 tr = traces.build(partial, loaded.tokenizer)
                 labels = live.labels_of(tr, loaded.tokenizer)
-                strip_box.plotly_chart(live.strip_figure(tr, done - 1, labels, "held (blue) and dropped (red), per layer"),
+                strip_box.plotly_chart(live.strip_figure(tr, done - 1, labels,
+                                                         "held (blue) and dropped (red), per layer"),
                                        width="stretch", key=f"gen_strip_live_{done}")
                 last_fig = time.perf_counter()
             last_text = time.perf_counter()
@@ -166,7 +170,8 @@ if st.button("Generate", type="primary", key="gen_go"):
     out = []
     for run, (_, m) in zip(runs, models):
         res = GenerationResult.collect(ids, run["events"], run["info"], m.config.n_layers)
-        out.append((m.path, res, traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=prompt, settings=settings)))
+        out.append((m.path, res,
+                    traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=prompt, settings=settings)))
     st.session_state["gen_result"] = {"runs": out, "prompt": prompt, "draw_s": draw_s, "labels": [n for n, _ in models],
                                       "wall_s": time.perf_counter() - t_start, "model": str(loaded.path)}
     st.rerun()  # the results below replace the live view
@@ -181,7 +186,8 @@ if saved and saved["model"] == str(loaded.path):
     m = st.columns(5)
     m[0].metric("tokens/s (decode)", f"{res.decode_tokens_per_s:.1f}")
     m[1].metric("first token (ms)", f"{res.events[0].latency_s * 1000:.1f}")
-    m[2].metric("median ms/token", f"{table['latency_ms'].iloc[1:].median() if len(table) > 1 else table['latency_ms'].iloc[0]:.2f}")
+    m[2].metric("median ms/token",
+                f"{table['latency_ms'].iloc[1:].median() if len(table) > 1 else table['latency_ms'].iloc[0]:.2f}")
     m[3].metric("perplexity of output", f"{res.perplexity:.2f}")
     last = res.events[-1]
     m[4].metric("cache memory", f"{last.held_bytes / 1024:.1f} KiB",
@@ -202,7 +208,8 @@ if saved and saved["model"] == str(loaded.path):
         t[1].metric("latency pruned / dense" if labels[0] == "pruned" else f"latency {labels[0]} / {labels[1]}",
                     f"{s['latency_ratio']:.2f}x")
         t[2].metric("perplexity of own output", f"{s['perplexity_pruned']:.2f}",
-                    f"{s['perplexity_change']:+.1%} vs {labels[1]} ({s['perplexity_dense']:.2f})", delta_color="inverse")
+                    f"{s['perplexity_change']:+.1%} vs {labels[1]} ({s['perplexity_dense']:.2f})",
+                    delta_color="inverse")
         t[3].metric("tokens before the texts part", f"{s['same_prefix']}/{s['tokens']}")
         cols = st.columns(2)
         for col, (p, r, _), label in zip(cols, saved["runs"], labels):
@@ -213,7 +220,8 @@ if saved and saved["model"] == str(loaded.path):
         st.subheader("Replay: the cache at step s")
         labels = live.labels_of(tr, loaded.tokenizer)
         r1, r2 = st.columns([3, 1])
-        step = r1.slider("Step", 0, len(res.events) - 1, len(res.events) - 1, key="gen_step") if len(res.events) > 1 else 0
+        step = (r1.slider("Step", 0, len(res.events) - 1, len(res.events) - 1, key="gen_step")
+                if len(res.events) > 1 else 0)
         which = r2.selectbox("Fade for", ["all layers", *range(cfg.n_layers)], key="gen_fade_layer")
         held = traces.held_at(tr, step)
         shade = live.held_fraction(tr, step) if which == "all layers" else held[int(which)]
@@ -223,7 +231,8 @@ if saved and saved["model"] == str(loaded.path):
         strip = live.strip_figure(tr, step, labels, f"{path.name}: what each layer holds after step {step}")
         st.plotly_chart(strip, width="stretch")
         settings = {"step": step, **tr["settings"]}
-        export_buttons(strip, lambda: live.steps_frame(tr), "generation_strip", path, used_prompt, settings, key="gen_strip")
+        export_buttons(strip, lambda: live.steps_frame(tr), "generation_strip", path, used_prompt, settings,
+                       key="gen_strip")
         drops = live.drops_frame(tr, labels)
         st.dataframe(drops[drops["step"] == step], hide_index=True, width="stretch")
         st.caption(f"The drops made at step {step} ({int((drops['step'] == step).sum())}); "
@@ -231,16 +240,18 @@ if saved and saved["model"] == str(loaded.path):
         all_traces = {p.name: t for p, _, t in saved["runs"]}
         curve = live.cache_curve_figure(all_traces, "cache held per step")
         st.plotly_chart(curve, width="stretch")
-        export_buttons(curve, lambda: live.steps_frame(tr), "generation_cache", path, used_prompt, tr["settings"], key="gen_curve")
+        export_buttons(curve, lambda: live.steps_frame(tr), "generation_cache", path, used_prompt, tr["settings"],
+                       key="gen_curve")
         lat = live.latency_curve_figure(all_traces, "model latency per token")
         st.plotly_chart(lat, width="stretch")
-        export_buttons(lat, lambda: live.steps_frame(tr), "generation_latency", path, used_prompt, tr["settings"], key="gen_lat")
+        export_buttons(lat, lambda: live.steps_frame(tr), "generation_latency", path, used_prompt, tr["settings"],
+                       key="gen_lat")
         files = traces.files(tr)
         d = st.columns(3)
         for col, (suffix, body) in zip(d, files.items()):
             body = access.public(body) if isinstance(body, str) else body  # serve mode: no server paths in files
-            col.download_button(f"trace{suffix}", body, file_name=f"trace{suffix}", on_click="ignore", key=f"dl_trace{suffix}",
-                                mime="application/json" if suffix == ".json" else "text/csv")
+            col.download_button(f"trace{suffix}", body, file_name=f"trace{suffix}", on_click="ignore",
+                                key=f"dl_trace{suffix}", mime="application/json" if suffix == ".json" else "text/csv")
     else:
         st.markdown(colored_tokens_html([used_prompt] + list(table["token"]), [1.0] + list(table["prob"])),
                     unsafe_allow_html=True)

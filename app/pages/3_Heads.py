@@ -12,8 +12,10 @@ from app.common import export_buttons, load, pick_model, setup  # noqa: E402
 KIND_HELP = {
     "e_Q": "query head embeddings e_i^Q", "e_K": "key head embeddings e_i^K", "e_V": "value head embeddings e_i^V",
     "g": "MHE-MUL's effective per-head query scaling g_i = (1+e_i^Q)(1+e_i^K)",
-    "W_Q": "per-head query projections W_i^Q (flattened)", "W_K": "per-head (GQA: per-group) key projections W_i^K (flattened)",
-    "W_V": "per-head (GQA: per-group) value projections W_i^V (flattened)", "W_KV": "SKV's per-head key=value projections W_i^KV",
+    "W_Q": "per-head query projections W_i^Q (flattened)",
+    "W_K": "per-head (GQA: per-group) key projections W_i^K (flattened)",
+    "W_V": "per-head (GQA: per-group) value projections W_i^V (flattened)",
+    "W_KV": "SKV's per-head key=value projections W_i^KV",
 }
 
 
@@ -43,7 +45,8 @@ def show(loaded, col, key: str):
     fig = heads.pca_figure(geo, var, f"{cfg.mixer}: {kind}, all layers")
     col.plotly_chart(fig, width="stretch", key=f"{key}_pca")
     with col:
-        export_buttons(fig, geo, f"heads_pca_{cfg.mixer}_{kind}", loaded.path, None, {"kind": kind, "dims": dims}, key=f"{key}_pca")
+        export_buttons(fig, geo, f"heads_pca_{cfg.mixer}_{kind}", loaded.path, None, {"kind": kind, "dims": dims},
+                       key=f"{key}_pca")
     layer = col.selectbox("Layer for cosine similarity", range(cfg.n_layers), key=f"{key}_layer")
     cos = heads.cosine_figure(vec[kind], layer, f"{cfg.mixer}: cosine similarity of {kind}, layer {layer}")
     col.plotly_chart(cos, width="stretch", key=f"{key}_cos")

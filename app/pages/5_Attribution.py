@@ -18,7 +18,8 @@ def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | No
     memo = st.session_state.setdefault("attr_memo", {})
     key = (path, ids, position, target, method, steps)
     if key not in memo:
-        memo[key] = attribution.attribute(load(path).model, list(ids), position, target, method, steps, progress=progress)
+        memo[key] = attribution.attribute(load(path).model, list(ids), position, target, method, steps,
+                                          progress=progress)
         while len(memo) > 8:
             memo.pop(next(iter(memo)))
     return memo[key]

@@ -12,7 +12,8 @@ import streamlit as st  # noqa: E402
 from analysis import pruning, tokens  # noqa: E402
 from analysis.pruning import LEARNED, NOTHING  # noqa: E402
 from app import access  # noqa: E402
-from app.common import dense_base_path, export_buttons, load, method_title, model_paths, model_text_tokens, setup, window_picker  # noqa: E402
+from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,  # noqa: E402
+                        model_text_tokens, setup, window_picker)
 from models.checkpoint import CheckpointError, read_json, valid_sparsity  # noqa: E402
 from models.delta import unfetched_base  # noqa: E402
 from models.generate import layer_bytes_per_token  # noqa: E402
@@ -89,16 +90,18 @@ def budget_controls(method: str, n: int, key: str, where) -> tuple[int, int | No
     a, b, c = where.columns(3)
     unit = a.radio("Budget as", ["share of the window", "tokens"], horizontal=True, key=f"{key}_unit")
     if unit == "tokens":
-        budget = int(b.number_input(f"Budget (tokens held per layer, {low}-{n})", low, n, max(low, n // 4), key=f"{key}_tok"))
+        budget = int(b.number_input(f"Budget (tokens held per layer, {low}-{n})", low, n, max(low, n // 4),
+                                    key=f"{key}_tok"))
     else:
         share = b.slider("Budget (share of the window held per layer)", 0.01, 1.0, 0.25, 0.01, key=f"{key}_share")
         budget = max(low, min(n, round(share * n)))
         b.caption(f"= {budget} tokens")
     prompt = None
     if policies.once(method):
-        prompt = int(c.number_input("Prompt mode: the prompt ends after token", 2, n, default_prompt(n), key=f"{key}_prompt",
-                                    help="The policy compresses the prompt once, to the budget; the tokens after it are "
-                                         "read as generated and all kept."))
+        prompt = int(c.number_input("Prompt mode: the prompt ends after token", 2, n, default_prompt(n),
+                                    key=f"{key}_prompt",
+                                    help="The policy compresses the prompt once, to the budget; the tokens after "
+                                         "it are read as generated and all kept."))
     return budget, prompt
 
 
@@ -136,7 +139,8 @@ budget = prompt = None
 if method != LEARNED:
     modes = policies.REGISTRY[method].modes
     mode = mc2.radio("Mode", modes, index=modes.index(policies.REGISTRY[method].default_mode), horizontal=True,
-                     key=f"prune_mode_{method}", format_func={"step": "step by step", "prompt": "once after a prompt"}.get)
+                     key=f"prune_mode_{method}",
+                     format_func={"step": "step by step", "prompt": "once after a prompt"}.get)
     method = policies.method_id(method, mode)
     budget, prompt = budget_controls(method, n, "prune_budget", st)
     if cfg.prune:
@@ -151,8 +155,8 @@ m = st.columns(5)
 m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
 m[1].metric("cache after the text", f"{held_bytes / 1024:.1f} KiB", f"{held_bytes / dense_bytes - 1:+.0%} vs dense",
             delta_color="inverse")
-m[2].metric(f"perplexity ({'pruned' if method == LEARNED else method})", f"{ppl:.2f}", f"{ppl / ppl0 - 1:+.2%} vs nothing evicted",
-            delta_color="inverse")
+m[2].metric(f"perplexity ({'pruned' if method == LEARNED else method})", f"{ppl:.2f}",
+            f"{ppl / ppl0 - 1:+.2%} vs nothing evicted", delta_color="inverse")
 m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a pruned "
             "model's rule switched off).")
 base_dir = dense_base_path(loaded) if cfg.prune else None
@@ -173,8 +177,8 @@ name = "learned pruning" if method == LEARNED else f"{method} at {budget} tokens
 layer = st.selectbox("Layer", range(cfg.n_layers), key="prune_layer")
 st.markdown(pruning.struck_text_html(table, layer), unsafe_allow_html=True)
 st.caption("Struck through: dropped by this layer before the end of the text (hover for when and at which token's "
-           "step; StreamingLLM step by step evicts before that token's query attends, the others after). Dotted: dropped "
-           "by some of the layer's KV groups only.")
+           "step; StreamingLLM step by step evicts before that token's query attends, the others after). Dotted: "
+           "dropped by some of the layer's KV groups only.")
 
 fig = pruning.token_layer_figure(table, f"{cfg.mixer}, {name}: tokens dropped per layer")
 st.plotly_chart(fig, width="stretch")
@@ -207,14 +211,17 @@ other = c1.selectbox("Compare with", ["-"] + others, format_func=lambda r: METHO
 if other != "-":
     prompt_b = prompt
     if policies.once(other) and prompt_b is None:
-        prompt_b = int(c2.number_input("Prompt mode: the prompt ends after token", 2, n, default_prompt(n), key="prune_prompt_b"))
+        prompt_b = int(c2.number_input("Prompt mode: the prompt ends after token", 2, n, default_prompt(n),
+                                       key="prune_prompt_b"))
     budget_b = pruning.matched_budget(other, target, n, prompt_b)
     table_b, sp_layers_b, lp_b = run_method(path, ids, other, budget_b, prompt_b)
     sp_b = float(sp_layers_b["sparsity"].mean())
     ppl_b = tokens.perplexity(lp_b)
     name_b = f"{METHODS.get(other, other)} at {budget_b} tokens"
-    summary = pd.DataFrame([{"method": name, "sparsity": target, "perplexity": ppl, "vs nothing evicted": ppl / ppl0 - 1},
-                            {"method": name_b, "sparsity": sp_b, "perplexity": ppl_b, "vs nothing evicted": ppl_b / ppl0 - 1}])
+    summary = pd.DataFrame([{"method": name, "sparsity": target, "perplexity": ppl,
+                             "vs nothing evicted": ppl / ppl0 - 1},
+                            {"method": name_b, "sparsity": sp_b, "perplexity": ppl_b,
+                             "vs nothing evicted": ppl_b / ppl0 - 1}])
     st.dataframe(summary.style.format({"sparsity": "{:.1%}", "perplexity": "{:.2f}", "vs nothing evicted": "{:+.2%}"}),
                  hide_index=True)
     st.caption(f"{other}'s budget is the one whose sparsity on a {n}-token text is nearest {target:.1%} "
@@ -225,8 +232,8 @@ if other != "-":
     d = pruning.disagreement(table, table_b)
     cmp_fig = pruning.disagreement_figure(d, (name, name_b), "who drops each token by the end of the text")
     st.plotly_chart(cmp_fig, width="stretch")
-    export_buttons(cmp_fig, d, "pruning_disagreement", loaded.path, text, settings | {"compare": other, "budget_b": budget_b},
-                   key="cmp")
+    export_buttons(cmp_fig, d, "pruning_disagreement", loaded.path, text,
+                   settings | {"compare": other, "budget_b": budget_b}, key="cmp")
     by_layer = pruning.disagreement_by_layer(d).rename(columns={"a only": f"{name} only", "b only": f"{name_b} only"})
     st.dataframe(by_layer.style.format({"overlap": "{:.0%}"}), hide_index=True)
     st.markdown("**Tokens they disagree on** (layers in which only one of them dropped it)")
@@ -247,7 +254,8 @@ if st.toggle("Every policy at this sparsity (one forward each, each in its defau
         bp = pruning.matched_budget(p, target, n, prompt_all)
         t_p, sp_p, lp_p = run_method(path, ids, p, bp, prompt_all if policies.once(p) else None)
         tables[f"{p} at {bp}"] = t_p
-        rows.append({"method": p, "budget": bp, "sparsity": float(sp_p["sparsity"].mean()), "perplexity": tokens.perplexity(lp_p)})
+        rows.append({"method": p, "budget": bp, "sparsity": float(sp_p["sparsity"].mean()),
+                     "perplexity": tokens.perplexity(lp_p)})
         bar.progress((i + 1) / len(others), text=f"{p} done")
     bar.empty()
     every = pd.DataFrame(rows).assign(vs_nothing_evicted=lambda f: f["perplexity"] / ppl0 - 1)
@@ -260,6 +268,7 @@ if st.toggle("Every policy at this sparsity (one forward each, each in its defau
     if any(policies.once(p) for p in others):
         st.caption(f"Policies in prompt mode read the first {prompt_all} tokens as the prompt.")
     allprof = pruning.pos_profile(tables)
-    all_fig = pruning.pos_profile_figure(allprof, "every method at matched sparsity: hidden from later queries, by part of speech")
+    all_fig = pruning.pos_profile_figure(allprof, "every method at matched sparsity: hidden from later queries, "
+                                                  "by part of speech")
     st.plotly_chart(all_fig, width="stretch")
     export_buttons(all_fig, allprof, "pruning_pos_profile_all", loaded.path, text, settings, key="profall")

@@ -47,7 +47,8 @@ def attend_by_group(mixer, q, k, v, allowed: torch.Tensor, record=None) -> torch
         return mixer.attend(q, k, v, additive(allowed, q.dtype), record, causal=False)
     want = record is not None and record.attention_maps
     o, probs = kernels.attention(*group_rows(mixer, q, k, v), scale=mixer.scale,
-                                 bias=additive(allowed.reshape(b * g, 1, t, s), q.dtype), need_weights=want, causal=False)
+                                 bias=additive(allowed.reshape(b * g, 1, t, s), q.dtype), need_weights=want,
+                                 causal=False)
     if want:
         record.attn = probs.reshape(b, h, t, s)
     return mixer.output(o.reshape(b, h, t, d))

@@ -178,7 +178,8 @@ def compress_prompt(mixer, cache, q, kk, vv, q_pos):
         for a in range(first, t, CHUNK):
             b = min(a + CHUNK, t)
             allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, a:b, None])              # [B,c,S]
-            _, probs = kernels.attention(q[:, :, a:b], kk, vv, scale=mixer.scale, bias=additive(allowed, q.dtype)[:, None],
+            _, probs = kernels.attention(q[:, :, a:b], kk, vv, scale=mixer.scale,
+                                         bias=additive(allowed, q.dtype)[:, None],
                                          need_weights=True, causal=False, **mixer.head_maps())
             part = probs.float().sum(2)                                   # [B,H,S] (MHE: H heads from one q)
             got = part if got is None else got + part

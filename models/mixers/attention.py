@@ -79,7 +79,8 @@ class Attention(Mixer):
         self.n_heads, self.d_head = n_heads, cfg.d_head
         self.scale = 1.0 / math.sqrt(cfg.d_head)
         # GPT-2 residual scaling: output projections start smaller in deeper models
-        self.W_O = nn.Parameter(torch.randn(n_heads * cfg.d_head, cfg.d_model) * cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.W_O = nn.Parameter(torch.randn(n_heads * cfg.d_head, cfg.d_model) * cfg.init_std
+                                / math.sqrt(2 * cfg.n_layers))
         self.pruning = (ContextPruning(cfg.d_model, cfg.prune_r, cfg.prune_beta, cfg.prune_distance, cfg.prune_sinks)
                         if cfg.prune else None)
         self.prune_mass = None  # training: sum over j < k of I_{k,j}, batch mean (for the sparsity loss)
@@ -163,7 +164,8 @@ class MHA(Attention):
     n_groups = property(lambda self: self.kv_heads)
 
     def project(self, x):
-        return split_heads(x, self.W_Q, self.b_Q), split_heads(x, self.W_K, self.b_K), split_heads(x, self.W_V, self.b_V)
+        return (split_heads(x, self.W_Q, self.b_Q), split_heads(x, self.W_K, self.b_K),
+                split_heads(x, self.W_V, self.b_V))
 
 
 @register("sha")
@@ -220,7 +222,8 @@ class ELAtt(Attention):
     def check_config(cls, cfg):
         super().check_config(cfg)
         if cfg.n_heads * cfg.d_head != cfg.d_model:
-            raise ConfigError(f"el-att slices the input into heads: n_heads*d_head ({cfg.n_heads}*{cfg.d_head}) must equal d_model ({cfg.d_model})")
+            raise ConfigError(f"el-att slices the input into heads: n_heads*d_head ({cfg.n_heads}*{cfg.d_head}) "
+                              f"must equal d_model ({cfg.d_model})")
 
     def __init__(self, cfg):
         super().__init__(cfg, cfg.n_heads)

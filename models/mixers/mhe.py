@@ -38,7 +38,8 @@ class MHE(Attention):
 
 @register("mhe-mul")
 class MHEMul(MHE):
-    """psi(A, e) = A * (e + 1). Q~_i K~_i^T = Q diag(g_i) K^T, g_i = (1+e_i^Q)(1+e_i^K); A_i V~_i = (A_i V) diag(1+e_i^V)."""
+    """psi(A, e) = A * (e + 1). Q~_i K~_i^T = Q diag(g_i) K^T, g_i = (1+e_i^Q)(1+e_i^K);
+    A_i V~_i = (A_i V) diag(1+e_i^V)."""
 
     def query_scale(self) -> torch.Tensor:
         """g_i [n, d_h]: the effective per-head diagonal query scaling."""

@@ -35,7 +35,8 @@ class CompactCache:
         # holding its own slots of one group's K/V (models.backends.compacted.by_group)
         self.batch, self.device, self.groups = batch, device, groups
         self.capacity = _round_up(capacity)
-        self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device) for n, s in spec.items()}
+        self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device)
+                        for n, s in spec.items()}
         self.live = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)
         self.pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)  # -1: empty slot
         self.trig = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)  # dropper's position

@@ -171,7 +171,7 @@ def make(method: str, budget: int, **kwargs) -> Policy:
     return cls(budget, mode=mode, **kwargs)
 
 
-# ---- helpers the policies share (and a plug-in may use) ----------------------------------------------------------------------------------
+# ---- helpers the policies share (and a plug-in may use) --------------------------------------------------------
 
 def _current(pos, q_pos):
     return pos == q_pos[:, None]

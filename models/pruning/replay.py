@@ -174,4 +174,5 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Met
     with evaluating(model):
         logits = model(x, cache=cache).logits
     lp = target_logprobs(logits[0, :-1], x[0, 1:])
-    return MethodRun(torch.stack([c.visible for c in cache.layers]), torch.stack([c.dropped_at for c in cache.layers]), lp)
+    return MethodRun(torch.stack([c.visible for c in cache.layers]),
+                     torch.stack([c.dropped_at for c in cache.layers]), lp)
