@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run serve test test-all lint install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
+.PHONY: run serve test test-quick test-all lint install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ serve: $(STAMP)
 # what CI runs: the linter (pyflakes' checks, lines <= 120), then every test but the slow and GPU ones
 test: $(STAMP) chromium lint
 	$(PY) -m pytest
+
+# a change in progress: the linter and everything but the browser, AppTest pages, subprocesses, the Triton
+# interpreter and figure export (tests/conftest.py FULL_TIER_FILES), under 2 minutes on 2 cores
+test-quick: $(STAMP) lint
+	$(PY) -m pytest -m "not slow and not gpu and not full" -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check --quiet .

@@ -1,15 +1,10 @@
 """Models: the zoo as a table, with the efficiency view (perplexity vs attention parameters)."""
-import sys
-from pathlib import Path
+import streamlit as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, wherever streamlit was started
+from app import access
+from app.common import MAX_PATH, add_path, export_buttons, model_paths, setup
 
-import streamlit as st  # noqa: E402
-
-from app import access  # noqa: E402
-from app.common import MAX_PATH, add_path, export_buttons, model_paths, setup  # noqa: E402
-
-from analysis.zoo import efficiency_figure, models_root, zoo_table  # noqa: E402
+from analysis.zoo import efficiency_figure, models_root, zoo_table
 
 setup("Models")
 st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SKV, EL-ATT, MHE-ADD, MHE-MUL "

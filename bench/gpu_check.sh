@@ -15,7 +15,7 @@ fi
 if [ -z "$PY" ]; then
   echo "gpu-check: no Python here has a CUDA build of torch with a GPU visible, and triton."
   echo "  On a GPU machine: python3 -m venv .venv && .venv/bin/pip install torch triton (the CUDA wheels),"
-  echo "  then .venv/bin/pip install -e ".[test,gpu]", and run make gpu-check again."
+  echo '  then .venv/bin/pip install -e ".[test,gpu]", and run make gpu-check again.'
   exit 1
 fi
 # what tests/test_gpu.py and bench/gpu_check.py import (no streamlit, plotly or spacy: the app's loader is in models/)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ SERVE_FLAGS = ["--server.maxUploadSize", "1", "--client.showErrorDetails", "none
 
 def app_command(host: str, port: int, serve: bool) -> tuple[list[str], dict]:
     """The streamlit command line and environment that start the app."""
-    cmd = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "Models.py"), *STREAMLIT_FLAGS,
+    cmd = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), *STREAMLIT_FLAGS,
            "--server.address", host, "--server.port", str(port), *(SERVE_FLAGS if serve else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if serve:
@@ -55,16 +54,20 @@ def start_app(argv: list[str], serve: bool) -> int:
     args = ap.parse_args(argv)
     # the app itself never fetches: bases come before it starts (a failure is reported, not fatal)
     if not args.no_fetch:
-        from models import delta
-        delta.main(["fetch", str(ROOT / "assets" / "models")])
+        try:
+            from models import delta
+            delta.main(["fetch", str(ROOT / "assets" / "models")])
+        except Exception as e:  # noqa: BLE001 - the app opens without the bases; the Models page says what is missing
+            print(f"mixscope: fetching the shipped deltas' bases failed ({e}); the app starts without them",
+                  file=sys.stderr)
     cmd, env = app_command(args.host, args.port, serve)
     print(f"mixscope{' (serve mode)' if serve else ''}: open http://{args.host}:{args.port} (Ctrl-C stops it)",
           file=sys.stderr)
-    try:
-        # from the checkout: streamlit reads .streamlit/config.toml (the upload cap among it) from its directory
-        return subprocess.run(cmd, env=env, cwd=ROOT, check=False).returncode
-    except KeyboardInterrupt:
-        return 130
+    sys.stderr.flush()
+    # streamlit takes this process's place, so Ctrl-C and a supervisor's SIGTERM reach it directly; from the
+    # checkout, where it reads .streamlit/config.toml (the upload cap among it)
+    os.chdir(ROOT)
+    os.execve(cmd[0], cmd, env)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -41,7 +41,7 @@ class GenerationResult:
     prompt_ids: list[int]
     new_ids: list[int]
     events: list[TokenEvent]
-    stop_reason: str    # "max_new_tokens" | "stop_token" | "callback"
+    stop_reason: str    # "max_new_tokens" | "stop_token" | "callback" (| "stopped": the app, a user's Stop)
     notes: list[str] = field(default_factory=list)
     prefill_s: float = 0.0
     cache_bytes: int = 0

@@ -34,6 +34,17 @@ def titles(at) -> list[str]:
     return [json.loads(c.proto.spec)["layout"].get("title", {}).get("text") for c in at.get("plotly_chart")]
 
 
+def test_one_entry_point_declares_every_page_and_no_page_edits_sys_path():
+    import re
+    declared = re.findall(r'st\.Page\("([^"]+)"', (APP / "main.py").read_text())
+    assert sorted(declared) == sorted(["Models.py"] + [f"pages/{p}" for p in PAGES[1:]])
+    at = AppTest.from_file(str(APP / "main.py"), default_timeout=180).run()
+    assert not at.exception and at.title[0].value == "Models"
+    at.switch_page("pages/2_Attention.py").run()
+    assert not at.exception and at.title[0].value == "Attention"
+    assert not [p.name for p in APP.rglob("*.py") if "sys.path" in p.read_text()]
+
+
 @pytest.mark.parametrize("name", PAGES)
 def test_page_renders_without_exceptions(name):
     at = page(name).run()

@@ -1,4 +1,4 @@
-"""The app in a real browser: headless Debian chromium driven by Playwright, the server started as `make run` does.
+"""The app in a real browser: headless Debian chromium driven by Playwright, the server started by `make run`'s command.
 Screenshots go to test-output/screenshots/."""
 import os
 import socket
@@ -29,9 +29,8 @@ def server():
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
     port = free_port()
-    cmd = [sys.executable, "-m", "streamlit", "run", "app/Models.py", "--server.headless", "true", "--server.address",
-           "127.0.0.1", "--server.port", str(port), "--server.fileWatcherType", "none",
-           "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"]
+    # `make run`'s own command (models.cli run: streamlit takes its process's place), without fetching bases
+    cmd = [sys.executable, "-m", "models.cli", "run", "--no-fetch", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     url = f"http://127.0.0.1:{port}"
@@ -202,6 +201,29 @@ def test_generate_shows_pruning_live_beside_the_dense_twin(server, browser, tmp_
     import json
     got = json.loads(path.read_text())
     assert got["cache"] == "compacted" and len(got["steps"]) == 700 and got["drops"]
+    page.close()
+
+
+def test_stop_keeps_what_was_generated(server, browser):
+    """Stop mid-way: the page shows the tokens generated so far (both models, equal lengths), marked stopped."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    page.goto(f"{server}/Generate?model=mha-1024-pruned")
+    wait_idle(page)
+    box = page.get_by_label("New tokens")
+    box.fill("900")
+    box.press("Enter")
+    wait_idle(page)
+    page.get_by_role("button", name="Generate").click(timeout=60_000)
+    page.wait_for_selector("text=held (blue) and dropped (red), per layer", timeout=120_000)
+    page.get_by_role("button", name="Stop generating").click(timeout=60_000)
+    page.wait_for_selector("text=Replay: the cache at step s", timeout=120_000)
+    wait_idle(page)
+    assert page.locator("[data-testid='stException']").count() == 0
+    assert page.get_by_text("stop: stopped").count() == 1
+    same = page.locator("[data-testid='stMetric']", has_text="tokens before the texts part").inner_text()
+    kept = int(same.split("/")[-1])
+    assert 0 < kept < 900
+    assert page.get_by_role("button", name="Stop generating").count() == 0
     page.close()
 
 

@@ -35,7 +35,7 @@ def test_a_subcommand_equals_its_python_m_form():
 def test_serve_adds_the_lab_limits_to_what_run_starts():
     run_cmd, run_env = cli.app_command("127.0.0.1", 8600, serve=False)
     serve_cmd, serve_env = cli.app_command("0.0.0.0", 8601, serve=True)
-    assert run_cmd[1:4] == ["-m", "streamlit", "run"] and Path(run_cmd[4]) == ROOT / "app" / "Models.py"
+    assert run_cmd[1:4] == ["-m", "streamlit", "run"] and Path(run_cmd[4]) == ROOT / "app" / "main.py"
     assert run_env.get("MIXSCOPE_SERVE") == __import__("os").environ.get("MIXSCOPE_SERVE")  # run adds nothing
     assert serve_env["MIXSCOPE_SERVE"] == "1" and str(ROOT) in serve_env["PYTHONPATH"]
     flag = dict(zip(serve_cmd[5::2], serve_cmd[6::2]))

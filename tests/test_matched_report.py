@@ -1,6 +1,8 @@
 """analysis.reports.matched: the held-out protocol's numbers equal token-by-token scoring of the same windows."""
+import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,7 +174,7 @@ def test_a_policy_that_cannot_reach_the_sparsity_is_reported_not_counted():
     assert v["prompt_beats_all"] is False and v["bar"] is False and v["unmatched"] == []
 
 
-def test_sources_run_apart_and_merged_equal_one_run(tmp_path, capsys):
+def test_sources_run_apart_and_merged_equal_one_run(tmp_path, capsys, monkeypatch):
     """--json then --merge: two processes each running one source render the tables one run of both makes; runs of
     another protocol, a source in two runs and a file that is not a saved run are refused."""
     for name, seed in (("a", 5), ("b", 6)):
@@ -202,3 +204,15 @@ def test_sources_run_apart_and_merged_equal_one_run(tmp_path, capsys):
     with pytest.raises(SystemExit):   # a merge runs nothing
         matched.main(["--merge", str(tmp_path / "a.json")] + src["a"])
     assert not (tmp_path / "x.md").exists()
+    saved = json.loads((tmp_path / "a.json").read_text())
+    assert saved["weights"] == matched.weights_sha256(["assets/models/mha-1024", "assets/models/mha-1024-pruned"])
+    saved["commit"] = "another"    # a run of other code does not merge
+    (tmp_path / "c.json").write_text(json.dumps(saved | {"results": {"c": saved["results"]["a"]}}))
+    with pytest.raises(SystemExit):
+        matched.main(["--merge", str(tmp_path / "b.json"), str(tmp_path / "c.json"), "--out", str(tmp_path / "x.md")])
+    assert "in commit" in capsys.readouterr().err
+    # a run of some sources saves its results without writing over the whole report
+    absolute = [str(Path(a).resolve()) if a.startswith("assets/") else a for a in common]
+    monkeypatch.chdir(tmp_path)
+    assert matched.main(absolute + src["b"] + ["--json", "only.json"]) == 0
+    assert (tmp_path / "only.json").exists() and not (tmp_path / matched.DEFAULT_OUT).exists()

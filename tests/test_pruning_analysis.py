@@ -147,7 +147,20 @@ def test_real_model_report_from_a_base_and_a_pruned_run(tmp_path):
     with pytest.raises(SystemExit):  # a saved run of other models
         real.main([str(tmp_path / "base"), "--base", str(tmp_path / "base"), *common, "--out", str(tmp_path / "x.md"),
                    "--matched", str(tmp_path / "m.json")])
+    with pytest.raises(SystemExit):  # settings the saved run fixed
+        real.main([str(tmp_path / "run"), "--base", str(tmp_path / "base"), *common, "--out", str(tmp_path / "x.md"),
+                   "--matched", str(tmp_path / "m.json"), "--windows", "8"])
+    import shutil
+    shutil.copytree(tmp_path / "run", tmp_path / "elsewhere" / "run")   # same name, another directory
+    with pytest.raises(SystemExit):
+        real.main([str(tmp_path / "elsewhere" / "run"), "--base", str(tmp_path / "base"), *common,
+                   "--out", str(tmp_path / "x.md"), "--matched", str(tmp_path / "m.json")])
     assert not (tmp_path / "x.md").exists()
+    from analysis.reports.real import ran_elsewhere
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert ran_elsewhere(saved, [str(tmp_path / "run")], str(tmp_path / "base"), 128) is None
+    saved["weights"]["run"] = "0" * 64   # the directory's weights changed since the run
+    assert "changed" in ran_elsewhere(saved, [str(tmp_path / "run")], str(tmp_path / "base"), 128)
 
 
 def test_keep_only_diagnostics_skip_the_attention_probabilities():

@@ -94,8 +94,9 @@ def test_a_model_directory_is_checked_again_when_it_is_opened(serve, tmp_path):
 
 
 def test_serve_mode_caps_text_and_new_tokens(serve, monkeypatch):
-    """Every text box takes at most the serve cap (the browser stops there), an upload over it is refused, and
-    Generate cannot ask for more new tokens than the cap; outside serve mode the usual limits hold."""
+    """Every text box takes at most the serve cap (the browser stops there; uploads are checked against the same
+    `access.max_chars()`), and Generate cannot ask for more new tokens than the cap; outside serve mode the usual
+    limits hold."""
     from analysis.text import MAX_CHARS
     assert access.max_chars() == access.SERVE_MAX_CHARS < MAX_CHARS and access.max_new_tokens(2048) == 256
     monkeypatch.setenv("MIXSCOPE_SERVE_MAX_NEW_TOKENS", "16")

@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from analysis import pruning
-from models.checkpoint import load_model_dir
+from models.checkpoint import code_version, file_sha256, load_model_dir
 from models.data.corpus import load_tokens
 from models.device import add_arguments as add_device_arguments
 from models.pruning import policies, sparsity
@@ -54,6 +54,7 @@ REGIME = (0.6, 0.03)          # the paper's regime: at least 60 % dropped for at
 MIN_VERDICT_WINDOWS = 10      # fewer windows give intervals too narrow to call (one window: a point)
 MATCH_GAP = 0.01              # a policy more than this below match's sparsity could not reach it (its smallest
                               # budget sees more): reported beside the bar, not in it
+DEFAULT_OUT = "docs/real_matched.md"
 SOURCE_NAME = re.compile(r"\w[\w.-]*")  # goes into markdown headings and table cells
 
 
@@ -353,14 +354,24 @@ def command_flags(protocol: dict) -> str:
             + f" --prompt-share {protocol['prompt_share']} --match {protocol['match']}")
 
 
-# what two saved runs must share for their sources to sit in one report
+# what two saved runs must share for their sources to sit in one report; the weights' hashes and the code's commit
+# too, where a run saved them (runs saved before they were recorded have neither)
 PROTOCOL_KEYS = ("models", "base", "window", "windows", "policies", "prompt_share", "match")
+PROVENANCE_KEYS = ("weights", "commit")
+RESULT_KEYS = ("budgets", "all", "late")
+
+
+def weights_sha256(dirs: list[str]) -> dict[str, str]:
+    """Each model directory's weights file hash (a delta's own file: its base.json pins the base), keyed by name."""
+    return {Path(d).name: file_sha256(Path(d) / "model.safetensors") for d in dirs}
 
 
 def saved_protocol(args, models: list[str], match: str) -> dict:
-    """What --json saves beside the results: the protocol's settings, for merge and command_flags."""
+    """What --json saves beside the results: the protocol's settings and what ran them, for merge, command_flags
+    and analysis.reports.real --matched."""
     return {"models": models, "base": args.base, "window": args.window, "windows": args.windows,
-            "policies": args.policies, "prompt_share": args.prompt_share, "match": match, "sources": args.source}
+            "policies": args.policies, "prompt_share": args.prompt_share, "match": match, "sources": args.source,
+            "weights": weights_sha256([args.base, *models]), "commit": code_version()}
 
 
 def merge(paths: list[str]) -> tuple[dict, dict]:
@@ -369,21 +380,26 @@ def merge(paths: list[str]) -> tuple[dict, dict]:
     runs = []
     for path in paths:
         try:
-            runs.append(json.loads(Path(path).read_text(encoding="utf-8")))
+            run = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not a saved run ({e})") from None
-        if not isinstance(runs[-1], dict) or not all(k in runs[-1] for k in (*PROTOCOL_KEYS, "results", "sources")):
+        ok = (isinstance(run, dict) and all(k in run for k in (*PROTOCOL_KEYS, "results", "sources"))
+              and isinstance(run["results"], dict)
+              and all(isinstance(r, dict) and all(k in r for k in RESULT_KEYS) for r in run["results"].values()))
+        if not ok:
             raise ValueError(f"{path}: not a saved run of this command (written with --json)")
+        runs.append(run)
     first, results = runs[0], {}
     for path, run in zip(paths, runs):
-        differ = [k for k in PROTOCOL_KEYS if run[k] != first[k]]
+        differ = [k for k in (*PROTOCOL_KEYS, *PROVENANCE_KEYS) if run.get(k) != first.get(k)]
         if differ:
             raise ValueError(f"{path} differs from {paths[0]} in {', '.join(differ)}: not one protocol")
         for source, res in run["results"].items():
             if source in results:
                 raise ValueError(f"source {source} is in more than one run")
             results[source] = res
-    protocol = {k: first[k] for k in PROTOCOL_KEYS} | {"sources": [s for run in runs for s in run["sources"]]}
+    protocol = ({k: first.get(k) for k in (*PROTOCOL_KEYS, *PROVENANCE_KEYS)}
+                | {"sources": [s for run in runs for s in run["sources"]]})
     return protocol, results
 
 
@@ -396,7 +412,9 @@ def main(argv=None) -> int:
     ap.add_argument("pruned", nargs="*", help="model directories: pruned ones run their own rule, others run dense")
     ap.add_argument("--base", help="the dense base the policies run on (required unless --merge)")
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--out", default="docs/real_matched.md")
+    ap.add_argument("--out", default=None,
+                    help="the report (default docs/real_matched.md; with --json, only when given: runs of some "
+                         "sources should not write over the whole report)")
     ap.add_argument("--json", default=None, help="also save the results here, for --merge")
     ap.add_argument("--merge", nargs="+", default=None, metavar="RUN.json",
                     help="render saved runs (--json) of one protocol as one report instead of running")
@@ -413,7 +431,7 @@ def main(argv=None) -> int:
         window = protocol["window"]
         command = (f"python -m analysis.reports.matched {' '.join(protocol['models'])} --base {protocol['base']} "
                    f"--window {window} {command_flags(protocol)}; sources run apart, joined by --merge")
-        write(args.out, render(command, results, protocol["match"], window,
+        write(args.out or DEFAULT_OUT, render(command, results, protocol["match"], window,
                                prompt_length(protocol["prompt_share"], window)))
         return 0
     if not args.pruned or not args.base or not args.source:
@@ -429,7 +447,8 @@ def main(argv=None) -> int:
                + command_flags(protocol))
     if args.json:
         write(args.json, json.dumps(protocol | {"results": results}, indent=1))
-    write(args.out, render(command, results, match, args.window, prompt))
+    if args.out or not args.json:
+        write(args.out or DEFAULT_OUT, render(command, results, match, args.window, prompt))
     return 0
 
 

@@ -49,6 +49,20 @@ def pos_view(loaded, docs: list[str], size: int) -> pd.DataFrame:
     return pd.concat(tables, ignore_index=True)
 
 
+def ran_elsewhere(protocol: dict, runs: list[str], base: str, window: int) -> str | None:
+    """Why a saved protocol run (analysis.reports.matched --json) is not of these models (None: it is): the same
+    directories (resolved), the same window and, where the run saved them, the same weights."""
+    want, had = [Path(d).resolve() for d in (*runs, base)], [Path(d).resolve() for d in (*protocol["models"],
+                                                                                         protocol["base"])]
+    if want != had:
+        return f"it ran {', '.join(map(str, had))}, not {', '.join(map(str, want))}"
+    if protocol["window"] != window:
+        return f"it ran {protocol['window']}-token windows, not {window}"
+    if protocol.get("weights") and protocol["weights"] != matched.weights_sha256([base, *runs]):
+        return "the weights in those directories changed since it ran"
+    return None
+
+
 def figure_path(figure: str, name: str, several: bool) -> Path:
     """figure itself for a single pruned run; with several, each run's name before the suffix."""
     path = Path(figure)
@@ -152,17 +166,18 @@ def main(argv=None) -> int:
     policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     saved = None
     if args.matched:
-        if args.source or args.policies != ap.get_default("policies") or args.match:
-            ap.error("--matched brings its own sources, policies and match: give none of --source, --policies, --match")
+        given = [n for n in ("source", "match") if getattr(args, n)] + [
+            n for n in ("policies", "windows", "prompt_share") if getattr(args, n) != ap.get_default(n)]
+        if given:
+            ap.error("--matched brings its own sources, policies, windows, prompt share and match: drop "
+                     + ", ".join("--" + n.replace("_", "-") for n in given))
         try:
             saved = matched.merge(args.matched)
         except ValueError as e:
             ap.error(str(e))
-        same = {"models": [Path(r).name for r in args.runs], "base": Path(args.base).name, "window": args.window}
-        had = {"models": [Path(r).name for r in saved[0]["models"]], "base": Path(saved[0]["base"]).name,
-               "window": saved[0]["window"]}
-        if same != had:
-            ap.error(f"--matched ran {had}, not these runs {same}")
+        why = ran_elsewhere(saved[0], args.runs, args.base, args.window)
+        if why:
+            ap.error(f"--matched: {why}")
     args.source = args.source or [f"test={args.data}:test"]
     sources, names, prompt = matched.parse(ap, args, args.window) if not saved else ({}, [], None)
     docs_text = load_documents(args.data, "test")

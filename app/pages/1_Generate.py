@@ -4,25 +4,22 @@ generates through the compacted cache: the page shows, live, which earlier token
 a twin (the dense base, the same model with nothing evicted, or a pruned model's own rule); afterwards a step
 slider replays the cache."""
 import math
-import sys
 import time
 from itertools import zip_longest
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import streamlit as st
 
-import streamlit as st  # noqa: E402
-
-from analysis import live  # noqa: E402
-from analysis.tokens import colored_tokens_html, generation_table, latency_figure  # noqa: E402
-from app import access  # noqa: E402
-from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, setup  # noqa: E402
-from models import trace as traces  # noqa: E402
-from models.checkpoint import CheckpointError  # noqa: E402
-from models.delta import unfetched_base  # noqa: E402
-from models.device import describe as device_name  # noqa: E402
-from models.generate import GenerationResult, stream  # noqa: E402
-from models.pruning import policies  # noqa: E402
+from analysis import live
+from analysis.tokens import colored_tokens_html, generation_table, latency_figure
+from app import access
+from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, setup
+from models import trace as traces
+from models.checkpoint import CheckpointError
+from models.delta import unfetched_base
+from models.device import describe as device_name
+from models.generate import GenerationResult, stream
+from models.pruning import policies
 
 TEXT_EVERY_S, FIGURES_EVERY_S = 0.25, 1.5  # live redraws are throttled so that drawing never dominates
 
@@ -113,6 +110,26 @@ def draw_live(boxes, names, runs):
                              f"(dense {e.dense_bytes / 1024:.0f} KiB, allocated {e.alloc_bytes / 1024:.0f} KiB)")
 
 
+def finish(pending: dict, stop_reason: str | None = None) -> None:
+    """Keep a run's results (all its tokens, or those before it was stopped) for the view below."""
+    out, runs = [], [(r, m) for r, (_, m) in zip(pending["runs"], pending["models"]) if r["events"]]
+    n = min((len(r["events"]) for r, _ in runs), default=0)  # the models took turns: compare equal lengths
+    for run, m in runs:
+        res = GenerationResult.collect(pending["ids"], run["events"][:n], run["info"], m.config.n_layers, stop_reason)
+        out.append((m.path, res, traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=pending["prompt"],
+                                              settings=pending["settings"])))
+    if out:
+        st.session_state["gen_result"] = {
+            "runs": out, "prompt": pending["prompt"], "draw_s": pending["draw_s"],
+            "labels": [label for label, _ in pending["models"]][:len(out)], "model": pending["model"],
+            "wall_s": time.perf_counter() - pending["t_start"]}
+
+
+# A click on any widget (Stop included) ends a running script; what it had generated is kept, marked "stopped".
+interrupted = st.session_state.pop("gen_pending", None)
+if interrupted is not None:
+    finish(interrupted, "stopped")
+
 if st.button("Generate", type="primary", key="gen_go"):
     ids = loaded.tokenizer.encode(prompt).ids
     if not prompt.strip() or not ids:
@@ -138,42 +155,46 @@ if st.button("Generate", type="primary", key="gen_go"):
     settings = dict(temperature=float(temperature), top_k=int(top_k) or None, top_p=float(top_p), greedy=greedy,
                     seed=int(seed))
     runs = [{"events": [], "texts": [], "info": {}} for _ in models]
+    pending = {"models": models, "runs": runs, "ids": ids, "prompt": prompt, "settings": settings, "draw_s": 0.0,
+               "t_start": time.perf_counter(), "model": str(loaded.path)}
+    st.session_state["gen_pending"] = pending  # read by the next run if this one is stopped
+    st.button("Stop generating", key="gen_stop", help="Keeps the tokens generated so far")
     gens = [stream(m.model, ids, int(max_new), info=run["info"], policy=policy if i == 0 else None, **settings)
             for i, ((_, m), run) in enumerate(zip(models, runs))]
     draw_s, last_text, last_fig, t_start = 0.0, 0.0, 0.0, time.perf_counter()
-    for step_events in zip_longest(*gens):  # the models take turns: each event's latency is its model's own
-        for run, (_, m), e in zip(runs, models, step_events):
-            if e is not None:
-                run["events"].append(e)
-                run["texts"].append(m.tokenizer.decode([e.token_id]))
-        now = time.perf_counter()
-        done = len(runs[0]["events"])
-        if now - last_text >= TEXT_EVERY_S:
-            t0 = time.perf_counter()
-            draw_live(boxes, names, runs)
-            bar.progress(done / total, text=f"{done}/{total} tokens")
-            if pruned and now - last_fig >= FIGURES_EVERY_S:
-                partial = GenerationResult.collect(ids, runs[0]["events"], runs[0]["info"], cfg.n_layers, "running")
-                tr = traces.build(partial, loaded.tokenizer)
-                labels = live.labels_of(tr, loaded.tokenizer)
-                strip_box.plotly_chart(live.strip_figure(tr, done - 1, labels,
-                                                         "held (blue) and dropped (red), per layer"),
-                                       width="stretch", key=f"gen_strip_live_{done}")
-                last_fig = time.perf_counter()
-            last_text = time.perf_counter()
-            draw_s += last_text - t0
-            wall = last_text - t_start
-            drawing.caption(f"page drawing so far: {draw_s:.2f} s of {wall:.2f} s wall time "
-                            f"({draw_s / wall:.0%}); model latencies above exclude it")
+    try:
+        for step_events in zip_longest(*gens):  # the models take turns: each event's latency is its model's own
+            for run, (_, m), e in zip(runs, models, step_events):
+                if e is not None:
+                    run["events"].append(e)
+                    run["texts"].append(m.tokenizer.decode([e.token_id]))
+            now = time.perf_counter()
+            done = len(runs[0]["events"])
+            if now - last_text >= TEXT_EVERY_S:
+                t0 = time.perf_counter()
+                draw_live(boxes, names, runs)
+                bar.progress(done / total, text=f"{done}/{total} tokens")
+                if pruned and now - last_fig >= FIGURES_EVERY_S:
+                    partial = GenerationResult.collect(ids, runs[0]["events"], runs[0]["info"], cfg.n_layers, "running")
+                    tr = traces.build(partial, loaded.tokenizer)
+                    labels = live.labels_of(tr, loaded.tokenizer)
+                    strip_box.plotly_chart(live.strip_figure(tr, done - 1, labels,
+                                                             "held (blue) and dropped (red), per layer"),
+                                           width="stretch", key=f"gen_strip_live_{done}")
+                    last_fig = time.perf_counter()
+                last_text = time.perf_counter()
+                draw_s += last_text - t0
+                pending["draw_s"] = draw_s
+                wall = last_text - t_start
+                drawing.caption(f"page drawing so far: {draw_s:.2f} s of {wall:.2f} s wall time "
+                                f"({draw_s / wall:.0%}); model latencies above exclude it")
+    except Exception:  # a failure is not a stop: nothing of it is kept
+        del st.session_state["gen_pending"]
+        raise
     draw_live(boxes, names, runs)
     bar.empty()
-    out = []
-    for run, (_, m) in zip(runs, models):
-        res = GenerationResult.collect(ids, run["events"], run["info"], m.config.n_layers)
-        out.append((m.path, res,
-                    traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=prompt, settings=settings)))
-    st.session_state["gen_result"] = {"runs": out, "prompt": prompt, "draw_s": draw_s, "labels": [n for n, _ in models],
-                                      "wall_s": time.perf_counter() - t_start, "model": str(loaded.path)}
+    del st.session_state["gen_pending"]
+    finish(pending)
     st.rerun()  # the results below replace the live view
 
 saved = st.session_state.get("gen_result")

@@ -1,13 +1,8 @@
 """Attention: per layer and head maps for a text (an Extractor's effective mixing matrix instead)."""
-import sys
-from pathlib import Path
+import streamlit as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import streamlit as st  # noqa: E402
-
-from analysis import maps  # noqa: E402
-from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
+from analysis import maps
+from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 
 MAX_VIEW = 128  # tokens per view: beyond this a window selector keeps the page responsive
 
@@ -40,13 +35,20 @@ st.plotly_chart(fig, width="stretch")
 export_buttons(fig, lambda: maps.maps_table(m, view.labels), "maps_overview", loaded.path, text,
                {"window_start": start, "tokens": len(view.ids)})
 
-st.subheader("Zoom")
-c1, c2 = st.columns(2)
-layer = c1.selectbox("Layer", range(cfg.n_layers), index=cfg.n_layers - 1, key="attn_layer")
-head = c2.selectbox("Head", range(m.shape[1]), key="attn_head") if m.shape[1] > 1 else 0
-title = f"{cfg.mixer}: layer {layer}" + (f", head {head}" if kind == "attention" else " (mixing)")
-zoom = maps.map_figure(m[layer, head], view.labels, title, colorscale="RdBu" if kind == "extractor" else "Viridis",
-                       zmid=0.0 if kind == "extractor" else None)
-st.plotly_chart(zoom, width="stretch")
-export_buttons(zoom, maps.maps_table(m[layer:layer + 1, head:head + 1], view.labels), f"map_l{layer}_h{head}",
-               loaded.path, text, {"layer": layer, "head": head, "window_start": start}, key="zoom")
+@st.fragment
+def zoom_view():
+    """The zoomed map: its selectors redraw this part alone (the overview above is not sent again)."""
+    st.subheader("Zoom")
+    c1, c2 = st.columns(2)
+    layer = c1.selectbox("Layer", range(cfg.n_layers), index=cfg.n_layers - 1, key="attn_layer")
+    head = c2.selectbox("Head", range(m.shape[1]), key="attn_head") if m.shape[1] > 1 else 0
+    title = f"{cfg.mixer}: layer {layer}" + (f", head {head}" if kind == "attention" else " (mixing)")
+    zoom = maps.map_figure(m[layer, head], view.labels, title,
+                           colorscale="RdBu" if kind == "extractor" else "Viridis",
+                           zmid=0.0 if kind == "extractor" else None)
+    st.plotly_chart(zoom, width="stretch")
+    export_buttons(zoom, maps.maps_table(m[layer:layer + 1, head:head + 1], view.labels), f"map_l{layer}_h{head}",
+                   loaded.path, text, {"layer": layer, "head": head, "window_start": start}, key="zoom")
+
+
+zoom_view()

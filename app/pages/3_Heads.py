@@ -1,13 +1,8 @@
 """Heads: where the head embeddings (MHE) or per-head projections (MHA, MQA, SKV, EL-ATT) sit."""
-import sys
-from pathlib import Path
+import streamlit as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import streamlit as st  # noqa: E402
-
-from analysis import heads  # noqa: E402
-from app.common import export_buttons, load, pick_model, setup  # noqa: E402
+from analysis import heads
+from app.common import export_buttons, load, pick_model, setup
 
 KIND_HELP = {
     "e_Q": "query head embeddings e_i^Q", "e_K": "key head embeddings e_i^K", "e_V": "value head embeddings e_i^V",

@@ -1,14 +1,9 @@
 """Extractors: the learned lag weights of SHE, HE, WE and ME."""
-import sys
-from pathlib import Path
+import pandas as pd
+import streamlit as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import pandas as pd  # noqa: E402
-import streamlit as st  # noqa: E402
-
-from analysis import lags  # noqa: E402
-from app.common import export_buttons, pick_model, setup  # noqa: E402
+from analysis import lags
+from app.common import export_buttons, pick_model, setup
 
 
 def only_extractors(loaded):

@@ -1,13 +1,8 @@
 """Attribution: which earlier tokens drove one next-token prediction (captum)."""
-import sys
-from pathlib import Path
+import streamlit as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import streamlit as st  # noqa: E402
-
-from analysis import attribution  # noqa: E402
-from app.common import export_buttons, load, model_text_tokens, setup, window_picker  # noqa: E402
+from analysis import attribution
+from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 
 
 MAX_VIEW = 256  # tokens per attributed window: each gradient costs a forward and backward over all of them

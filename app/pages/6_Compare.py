@@ -1,17 +1,13 @@
 """Compare: two models on the same text, side by side."""
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
+import pandas as pd
+import streamlit as st
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import streamlit as st  # noqa: E402
-
-from analysis import maps, tokens  # noqa: E402
-from analysis.text import tokenize, window  # noqa: E402
-from app.common import export_buttons, load, pick_model, setup, text_input  # noqa: E402
+from analysis import maps, tokens
+from analysis.text import tokenize, window
+from app.common import export_buttons, load, pick_model, setup, text_input
 
 
 @st.cache_data(max_entries=32, show_spinner="Running the models…")

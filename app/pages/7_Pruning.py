@@ -1,23 +1,20 @@
 """Pruning: which tokens a method drops, per layer and part of speech, and what it costs. The method is a model's
 own learned context pruning (its rule) or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at
 a budget, on any softmax attention model; two methods can be put side by side on one text at matched sparsity."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pandas as pd
+import streamlit as st
 
-import pandas as pd  # noqa: E402
-import streamlit as st  # noqa: E402
-
-from analysis import pruning, tokens  # noqa: E402
-from analysis.pruning import LEARNED, NOTHING  # noqa: E402
-from app import access  # noqa: E402
-from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,  # noqa: E402
+from analysis import pruning, tokens
+from analysis.pruning import LEARNED, NOTHING
+from app import access
+from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,
                         model_text_tokens, setup, window_picker)
-from models.checkpoint import CheckpointError, read_json, valid_sparsity  # noqa: E402
-from models.delta import unfetched_base  # noqa: E402
-from models.generate import layer_bytes_per_token  # noqa: E402
-from models.pruning import policies  # noqa: E402
+from models.checkpoint import CheckpointError, read_json, valid_sparsity
+from models.delta import unfetched_base
+from models.generate import layer_bytes_per_token
+from models.pruning import policies
 
 def prunable(loaded):
     """None when the page can show this model: a pruned one (its rule and the policies) or a dense softmax one

@@ -1,0 +1,161 @@
+"""Every app page as a user meets it: the real server (`make run`'s command) and headless Debian chromium, timed
+until the page is idle and its figures are drawn (server work, transfer and the browser's drawing), on a real model
+at a 1,000-token text and at the longest text a page accepts.
+
+    python -m bench.browser_pages [--model assets/models/smollm2-135m] [--extra assets/models/smollm2-pruned-window]
+        [--data data/smollm2] [--tokens 1000] [--threads 2] [--json FILE]
+
+For a page that reads a text, the time runs from submitting the text (pasted into its box, Ctrl+Enter) to ready;
+for the others (Models, Generate before generating, Heads, Extractors) from opening the page to ready. Ready: no
+running indicator or spinner for a moment, and every plotly figure on the page drawn; the time is taken at the
+last moment the page was still busy or drawing. Each page is opened fresh (a new browser session) after the
+models were loaded once (timed apart), so shared caches hold the models, not the page's results; the two texts
+differ, so the second reading computes anew. The Pruning page opens on the first --extra (a pruned model). Do not
+run it beside training or tests: on 2 cores anything else running changes the times.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench import cpu_model, report
+
+CHROMIUM = "/usr/bin/chromium"
+BUSY = "[data-testid='stStatusWidgetRunningIcon'], [data-testid='stSpinner'], [data-testid='stProgress']"
+# page url -> does it read a text
+PAGES = {"": False, "Generate": False, "Attention": True, "Heads": False, "Extractors": False, "Attribution": True,
+         "Compare": True, "Pruning": True}
+DRAWN = ("() => { const p = Array.from(document.querySelectorAll('.js-plotly-plot'));"
+         " return p.filter(e => !e.querySelector('.main-svg')).length; }")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The server process's peak resident memory so far (Linux VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def ready_after(page, start: float, timeout_s: float = 600, quiet_s: float = 2.0) -> float:
+    """Seconds from `start` to the last moment the page was busy (running, a spinner or a progress bar) or had a
+    figure still undrawn, once it has been neither for quiet_s."""
+    last, deadline = time.perf_counter(), time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if page.locator(BUSY).count() or page.evaluate(DRAWN):
+            last = time.perf_counter()
+        elif time.perf_counter() - last >= quiet_s:
+            return last - start
+        page.wait_for_timeout(50)
+    raise TimeoutError(f"the page was still busy after {timeout_s} s")
+
+
+def start_server(zoo: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    from models import cli
+    port = free_port()
+    cmd, env = cli.app_command("127.0.0.1", port, serve=False)
+    env.update(MIXSCOPE_MODELS=str(zoo), MIXSCOPE_THREADS=str(threads), MIXSCOPE_NO_FETCH="1")
+    proc = subprocess.Popen(cmd, cwd=cli.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("streamlit did not start")
+
+
+def time_page(browser, url: str, name: str, model: str, text: str | None) -> dict:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)[:200]))
+    t0 = time.perf_counter()
+    page.goto(f"{url}/{name}?model={model}")
+    page.wait_for_selector("h1", timeout=600_000)
+    seconds = ready_after(page, t0)
+    if text is not None:
+        box = page.get_by_role("textbox", name="Paste text")
+        box.fill(text)
+        t0 = time.perf_counter()
+        box.press("Control+Enter")
+        page.wait_for_timeout(300)   # the rerun's running indicator comes up after a moment
+        seconds = ready_after(page, t0)
+    figures = page.locator(".js-plotly-plot").count()
+    problems = [t[:200] for t in page.locator("[data-testid='stException']").all_inner_texts()]
+    page.close()
+    return {"page": name or "Models", "seconds": seconds, "figures": figures, "errors": errors + problems}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.browser_pages", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="assets/models/smollm2-135m")
+    ap.add_argument("--extra", action="append", default=[], help="more model directories (the first: Pruning's)")
+    ap.add_argument("--data", default="data/smollm2")
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
+    from analysis.text import MAX_CHARS
+    from bench.app_pages import sample_text
+    from models.checkpoint import load_model_dir
+    zoo = Path(tempfile.mkdtemp(prefix="browser-bench-"))
+    for d in [args.model, *args.extra]:
+        (zoo / Path(d).name).symlink_to(Path(d).resolve())
+    name = Path(args.model).name
+    tokenizer = load_model_dir(args.model).tokenizer
+    texts = {f"{args.tokens} tokens": sample_text(tokenizer, Path(args.data), args.tokens)}
+    longest = sample_text(tokenizer, Path(args.data), 100_000)[:MAX_CHARS]
+    texts[f"{MAX_CHARS:,} characters (the longest accepted)"] = longest
+    proc, url = start_server(zoo, args.threads)
+    rows, load = [], {}
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            for m in [name, *[Path(d).name for d in args.extra]]:   # each model loaded once, timed apart
+                t0 = time.perf_counter()
+                page = browser.new_page()
+                page.goto(f"{url}/Generate?model={m}")
+                page.wait_for_selector("h1", timeout=600_000)
+                load[m] = ready_after(page, t0)
+                page.close()
+            for label, text in texts.items():
+                n = len(tokenizer.encode(text).ids)
+                for page_name, reads_text in PAGES.items():
+                    model = Path(args.extra[0]).name if page_name == "Pruning" and args.extra else name
+                    row = time_page(browser, url, page_name, model, text if reads_text else None)
+                    row.update(text=label, tokens=n if reads_text else None, model=model)
+                    rows.append(row)
+                    print(f"{label:<40} {row['page']:<12} {row['seconds']:6.2f} s  {row['figures']} figures  "
+                          f"{'; '.join(row['errors'])[:120]}", file=sys.stderr)
+            browser.close()
+        peak = peak_rss_mb(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    import torch
+    result = {"benchmark": "browser_pages", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
+              "browser": f"chromium ({CHROMIUM})", "model": args.model, "extra": args.extra, "load_s": load,
+              "server_peak_mb": peak, "pages": rows,
+              "note": "seconds: submitting the text (or opening the page) to idle with every figure drawn, "
+                      "in headless chromium against the real server; models loaded first"}
+    return report(result, args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
