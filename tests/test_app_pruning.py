@@ -51,6 +51,26 @@ def test_pruning_page(pruned_zoo):
     assert at.markdown[0].value != first or "<s " not in first
 
 
+def test_score_view_shows_the_layers_scores_closest_calls_and_soft_rule(pruned_zoo):
+    """Opened: layer 1's x_{n,j} heatmap, the closest calls (a drop's own score is negative), one call's terms summed
+    to its score, and the soft rule's sparsity moving with alpha toward the step's."""
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    at.selectbox(key="prune_layer").select(1).run()
+    assert not any(t.startswith("layer 1: x_n,j") for t in titles(at))   # closed until asked (one more forward)
+    at.toggle(key="prune_scores").set_value(True).run()
+    assert not at.exception, at.exception
+    assert any(t.startswith("layer 1: x_n,j") for t in titles(at))
+    close = at.dataframe[-1].value
+    assert len(close) and (close["score"].abs().diff().dropna() >= 0).all()   # nearest the threshold first
+    split_title = next(t for t in titles(at) if "term by term" in t)
+    assert f"x_{close['closest_query'][0]},{close['position'][0]}" in split_title
+    soft = {a: next(m for m in at.metric if m.label.startswith("sparsity of this layer")) for a in (1.0,)}
+    at.slider(key="prune_scores_alpha").set_value(8.0).run()
+    sharp = next(m for m in at.metric if m.label.startswith("sparsity of this layer at alpha 8"))
+    assert soft[1.0].delta == sharp.delta      # the step's sparsity, for reference, does not move with alpha
+    assert soft[1.0].value != sharp.value
+
+
 def window_length(zoo) -> int:
     """Tokens the page shows: the sample text, at most the tiny model's context of 64."""
     from analysis.text import tokenize

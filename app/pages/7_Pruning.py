@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from analysis import pruning, tokens
+from analysis import pruning, scores, tokens
 from analysis.pruning import LEARNED, NOTHING
 from app import access
 from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,
@@ -74,6 +74,54 @@ def cached_tags(text: str, offsets: tuple[tuple[int, int], ...]):
 @st.cache_data(max_entries=64)
 def cached_logprobs(path: str, ids: tuple[int, ...]):
     return tokens.token_logprobs(load(path).model, list(ids))
+
+
+@st.cache_data(max_entries=4, show_spinner="Recording the interaction scores (one forward)…")
+def cached_interaction(path: str, ids: tuple[int, ...]):
+    return scores.recorded(load(path).model, list(ids))
+
+
+@st.fragment
+def score_view(layer: int) -> None:
+    """x_{n,j} of one layer: the heatmap with the threshold, each token's closest call, one score's terms, the soft
+    rule at a chosen alpha. A fragment: its controls redraw this part alone."""
+    st.subheader(f"Why: layer {layer}'s interaction scores")
+    if not st.toggle("Show the scores behind the decisions (one more forward)", key="prune_scores"):
+        return
+    rule = loaded.model.blocks[layer].mixer.pruning
+    q, k = cached_interaction(path, ids)[layer]
+    x = scores.layer_scores(rule, q, k)
+    fate = scores.fates(x, rule.sinks)
+    at = 0
+    if n > scores.VIEW:
+        at = int(st.slider("Drawn from token", 0, n - scores.VIEW, 0, key="prune_scores_at",
+                           help=f"{scores.VIEW} queries x {scores.VIEW} keys at a time"))
+    fig = scores.score_figure(x, fate, at, view.labels, f"layer {layer}: x_n,j (a token is dropped at the first "
+                                                         "query whose score is not positive)")
+    st.plotly_chart(fig, width="stretch")
+    export_buttons(fig, fate, "pruning_scores", loaded.path, text, settings | {"layer": layer, "from": at},
+                   key="scores")
+    st.markdown("**Closest calls**: the tokens whose fate was nearest the threshold (score at the query where it "
+                "came closest; a negative one is the drop itself)")
+    close = scores.fragile(fate, view.labels)
+    st.dataframe(close.style.format({"score": "{:+.4f}"}), hide_index=True)
+    if not len(close):
+        return
+    c1, c2 = st.columns(2)
+    pick = c1.selectbox("Split a closest call over its terms", range(len(close)), key="prune_scores_pick",
+                        format_func=lambda i: f"{close['token'][i]!r} (position {close['position'][i]}) at query "
+                                              f"{close['closest_query'][i]}")
+    j, q_at = int(close["position"][pick]), int(close["closest_query"][pick])
+    terms = scores.split(rule, q, k, q_at, j)
+    bars = scores.split_figure(terms, 12, f"x_{q_at},{j} = {terms['value'].sum():+.4f}, term by term")
+    c1.plotly_chart(bars, width="stretch")
+    alpha = c2.slider("alpha of the soft rule (training raised it from 1 to 8)", 1.0, 8.0, 1.0, 0.5,
+                      key="prune_scores_alpha")
+    soft, hard = scores.soft_keep(x, alpha, rule.sinks), scores.soft_keep(x, float("inf"), rule.sinks)
+    c2.metric(f"sparsity of this layer at alpha {alpha:g}", f"{scores.soft_sparsity(soft):.1%}",
+              f"{scores.soft_sparsity(hard):.1%} at inference (the step)", delta_color="off")
+    c2.plotly_chart(scores.soft_figure(soft, at, view.labels, f"I_k,j under sigma_alpha, alpha {alpha:g}"),
+                    width="stretch")
 
 
 def default_prompt(n: int) -> int:
@@ -197,6 +245,8 @@ else:
     st.caption("Triggers are shown for the learned rule: a policy evicts to stay within its budget, whichever token "
                "arrives.")
 st.dataframe(sp.style.format({"sparsity": "{:.1%}"}), hide_index=True)
+if method == LEARNED:
+    score_view(layer)
 
 # ---- two methods side by side at matched sparsity -------------------------------------------------------------------
 st.subheader("Side by side at matched sparsity")

@@ -28,6 +28,8 @@ class LayerRecord:
     keep: torch.Tensor | None = None       # context pruning's visibility [B,T,S] (1: the query sees the key)
     mixing: torch.Tensor | None = None     # an Extractor's lag weights as a [T,S] mixing matrix
     slot_pos: torch.Tensor | None = None   # over a compacted cache: the position each key slot holds [B,S]
+    q_int: torch.Tensor | None = None      # context pruning, whole sequence: x W^Qint [B,T,r], fp32 at least (the
+    k_int: torch.Tensor | None = None      # scores x_{n,j} follow from these and the rule: ContextPruning.scores_of)
 
 
 class Mixer(nn.Module):

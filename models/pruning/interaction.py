@@ -119,7 +119,12 @@ class ContextPruning(nn.Module):
                q_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x_{n,j} for the query rows x_q [B,Tq,d] against interaction keys k_int [B,S,r] -> [B,Tq,S]; with
         the distance term, key_pos [S] or [B,S] and q_pos [Tq] or [B,Tq] say where each sits."""
-        x = (x_q @ self.W_Qint.to(x_q.dtype)) @ k_int.to(x_q.dtype).transpose(1, 2) / math.sqrt(self.r) + self.beta
+        return self.scores_of(x_q @ self.W_Qint.to(x_q.dtype), k_int, key_pos, q_pos)
+
+    def scores_of(self, q_int: torch.Tensor, k_int: torch.Tensor, key_pos: torch.Tensor | None = None,
+                  q_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x_{n,j} from interaction queries q_int [B,Tq,r] (x_q W^Qint) and keys k_int [B,S,r] -> [B,Tq,S]."""
+        x = q_int @ k_int.to(q_int.dtype).transpose(1, 2) / math.sqrt(self.r) + self.beta
         if self.lam is not None:
             x = x + distance_term(self.lam.to(x.dtype), key_pos[..., None, :], q_pos[..., :, None])
         return x
@@ -142,15 +147,12 @@ class ContextPruning(nn.Module):
     def _log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[1]
         pos = torch.arange(t, device=x.device)
-        sig = alpha_sigmoid(self.scores(x, self.keys(x), pos, pos), self.current_alpha())  # [B, n, j]
-        if self.sinks:
-            sig = torch.cat([torch.ones_like(sig[..., :self.sinks]), sig[..., self.sinks:]], dim=-1)
+        sig = gates(self.scores(x, self.keys(x), pos, pos), self.current_alpha(), self.sinks)  # [B, n, j]
         later = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1)           # n > j
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        one, zero = torch.ones((), dtype=sig.dtype, device=x.device), torch.zeros((), dtype=sig.dtype, device=x.device)
+        zero = torch.zeros((), dtype=sig.dtype, device=x.device)
         log_i = torch.where(later, sig.clamp_min(LOG_FLOOR).log(), zero).cumsum(dim=1)  # sum over j < n <= k
-        keep = torch.where(causal, torch.where(later, sig, one).cumprod(dim=1), zero)
-        return log_i.masked_fill(~causal, float("-inf")), keep
+        return log_i.masked_fill(~causal, float("-inf")), keep_from_gates(sig)
 
     @staticmethod
     def mass(keep: torch.Tensor) -> torch.Tensor:
@@ -174,6 +176,23 @@ class ContextPruning(nn.Module):
         j = torch.arange(s, device=x_new.device)
         q = torch.arange(s - t, s, device=x_new.device)
         return alive[:, None, :] & self.survival(x_new, k_int, j, q) & (j[None, :] <= q[:, None])
+
+
+def gates(x: torch.Tensor, alpha: float, sinks: int = 0) -> torch.Tensor:
+    """sigma_alpha(x_{n,j}) for scores x [..., T, T] (the step at alpha = inf), the first `sinks` keys held at 1."""
+    sig = alpha_sigmoid(x, alpha)
+    if sinks:
+        sig = torch.cat([torch.ones_like(sig[..., :sinks]), sig[..., sinks:]], dim=-1)
+    return sig
+
+
+def keep_from_gates(sig: torch.Tensor) -> torch.Tensor:
+    """I_{k,j} = prod_{n=j+1..k} sig_{n,j} below the diagonal, 1 on it, 0 above ([..., T, T] -> [..., T, T])."""
+    t = sig.shape[-1]
+    later = torch.ones(t, t, dtype=torch.bool, device=sig.device).tril(-1)
+    causal = torch.ones(t, t, dtype=torch.bool, device=sig.device).tril()
+    one, zero = torch.ones((), dtype=sig.dtype, device=sig.device), torch.zeros((), dtype=sig.dtype, device=sig.device)
+    return torch.where(causal, torch.where(later, sig, one).cumprod(dim=-2), zero)
 
 
 def sparsity(keep: torch.Tensor) -> torch.Tensor:
