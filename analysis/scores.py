@@ -44,7 +44,7 @@ def fates(x: torch.Tensor, sinks: int) -> pd.DataFrame:
     n = torch.arange(t)[:, None]
     j = torch.arange(t)[None, :]
     later = n > j
-    below = later & (x <= 0) & (j >= sinks)
+    below = later & ~(x > 0) & (j >= sinks)   # the step keeps x > 0 only (a NaN score drops, as in the forward)
     trigger = torch.where(below.any(0), below.int().argmax(0), torch.full((t,), -1))  # first True along n
     end = torch.where(trigger >= 0, trigger, torch.full((t,), t - 1))
     scored = later & (n <= end[None, :]) & (j >= sinks)
@@ -65,16 +65,18 @@ def fragile(table: pd.DataFrame, labels: list[str], top: int = 20) -> pd.DataFra
     return out.reset_index(drop=True)
 
 
-def score_figure(x: torch.Tensor, table: pd.DataFrame, start: int, labels: list[str], title: str) -> go.Figure:
+def score_figure(x: torch.Tensor, table: pd.DataFrame, start: int, labels: list[str], title: str,
+                 sinks: int = 0) -> go.Figure:
     """Heatmap of x_{n,j} over queries and keys start..start+VIEW, diverging at the threshold 0 (red: would
-    drop, blue: keeps); blank above the diagonal and after a token was dropped, where nothing is scored."""
+    drop, blue: keeps); blank above the diagonal, after a token was dropped and on the sinks: nothing is scored
+    there."""
     t = x.shape[0]
     stop = min(t, start + VIEW)
     z = x.detach().double().cpu().numpy()[start:stop, start:stop].copy()
     n, j = np.arange(start, stop)[:, None], np.arange(start, stop)[None, :]
     trig = np.full(t, t, dtype=np.int64)
     trig[table["position"].to_numpy()] = np.where(table["dropped_at"] >= 0, table["dropped_at"], t)
-    z[(j >= n) | (n > trig[start:stop][None, :])] = np.nan
+    z[(j >= n) | (n > trig[start:stop][None, :]) | (j < sinks)] = np.nan
     lim = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
     tick = [f"{p} {labels[p]}" for p in range(start, stop)]
     fig = go.Figure(go.Heatmap(z=z.astype(np.float32), x=tick, y=tick, zmid=0, zmin=-lim, zmax=lim,

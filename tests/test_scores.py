@@ -112,24 +112,31 @@ def test_soft_keep_is_the_literal_product_and_the_step_at_infinity(alpha):
     assert 0.0 <= scores.soft_sparsity(got) <= 1.0
 
 
-def test_figures_draw_a_bounded_window_and_blank_what_is_not_scored():
-    m = model("paper")
+@pytest.mark.parametrize("rule", list(RULES))
+def test_figures_draw_a_bounded_window_and_blank_what_is_not_scored(rule):
     t = 300
-    big = DecoderLM(tiny_config("mha", context=t, **RULES["paper"])).double().eval()
+    big = DecoderLM(tiny_config("mha", context=t, **RULES[rule])).double().eval()
     randomize(big, std=0.3, seed=2)
-    del m
+    for b in big.blocks:
+        with torch.no_grad():
+            b.mixer.pruning.beta.fill_(-0.5)   # most scores negative: the sinks' columns would show them
     out = big(torch.randint(0, 61, (1, t)), diagnostics=True, attention_maps=False)
     rec, p = out.diagnostics[0], big.blocks[0].mixer.pruning
     x = scores.layer_scores(p, rec.q_int, rec.k_int)
-    table = scores.fates(x, 0)
+    table = scores.fates(x, p.sinks)
     labels = [f"w{i}" for i in range(t)]
-    fig = scores.score_figure(x, table, 40, labels, "x")
-    z = np.asarray(fig.data[0].z, dtype=float)
-    assert z.shape == (scores.VIEW, scores.VIEW)
-    assert np.isnan(z[np.triu_indices(scores.VIEW)]).all()
-    for _, row in table[(table["position"] >= 40) & (table["dropped_at"] >= 0)].iterrows():
-        j, k = row["position"] - 40, row["dropped_at"] - 40
-        if k < scores.VIEW:
-            assert z[k, j] <= 0 and np.isnan(z[k + 1:, j]).all()  # the drop drawn, nothing scored after it
-    soft = scores.soft_figure(scores.soft_keep(x, 2.0, 0), 290, labels, "I")
+    for at in (0, 40):
+        z = np.asarray(scores.score_figure(x, table, at, labels, "x", p.sinks).data[0].z, dtype=float)
+        assert z.shape == (scores.VIEW, scores.VIEW)
+        assert np.isnan(z[np.triu_indices(scores.VIEW)]).all()
+        assert np.isnan(z[:, :max(0, p.sinks - at)]).all()   # sinks are never scored
+        drawn = 0
+        for _, row in table[(table["position"] >= at) & (table["dropped_at"] >= 0)].iterrows():
+            j, k = row["position"] - at, row["dropped_at"] - at
+            if k < scores.VIEW:
+                assert z[k, j] <= 0 and np.isnan(z[k + 1:, j]).all()  # the drop drawn, nothing scored after it
+                assert np.isfinite(z[j + 1:k + 1, j]).all()           # every query until then is
+                drawn += 1
+        assert drawn > 0
+    soft = scores.soft_figure(scores.soft_keep(x, 2.0, p.sinks), 290, labels, "I")
     assert np.asarray(soft.data[0].z).shape == (10, 10)

@@ -348,7 +348,7 @@ def match_name(ap: argparse.ArgumentParser, args, models: list) -> str:
 
 
 def command_flags(protocol: dict) -> str:
-    """The protocol's flags (saved_protocol's settings) as a command line repeats them."""
+    """The protocol's flags (settings) as a command line repeats them."""
     return (" ".join(f"--source {shlex.quote(s)}" for s in protocol["sources"])
             + f" --windows {protocol['windows']} --policies {protocol['policies']}"
             + f" --prompt-share {protocol['prompt_share']} --match {protocol['match']}")
@@ -362,16 +362,25 @@ RESULT_KEYS = ("budgets", "all", "late")
 
 
 def weights_sha256(dirs: list[str]) -> dict[str, str]:
-    """Each model directory's weights file hash (a delta's own file: its base.json pins the base), keyed by name."""
-    return {Path(d).name: file_sha256(Path(d) / "model.safetensors") for d in dirs}
+    """Each model directory's weights file hash (a delta's own file: its base.json pins the base), keyed by the
+    path as given, in order: compare the values (same_weights), since a path may be spelled another way later."""
+    return {str(d): file_sha256(Path(d) / "model.safetensors") for d in dirs}
 
 
-def saved_protocol(args, models: list[str], match: str) -> dict:
-    """What --json saves beside the results: the protocol's settings and what ran them, for merge, command_flags
-    and analysis.reports.real --matched."""
+def same_weights(saved: dict, dirs: list[str]) -> bool:
+    return list(saved.values()) == list(weights_sha256(dirs).values())
+
+
+def settings(args, models: list[str], match: str) -> dict:
+    """The protocol's settings as --json saves them (command_flags reads them back)."""
     return {"models": models, "base": args.base, "window": args.window, "windows": args.windows,
-            "policies": args.policies, "prompt_share": args.prompt_share, "match": match, "sources": args.source,
-            "weights": weights_sha256([args.base, *models]), "commit": code_version()}
+            "policies": args.policies, "prompt_share": args.prompt_share, "match": match, "sources": args.source}
+
+
+def provenance(args, models: list[str]) -> dict:
+    """What ran the protocol, taken before the models load (what they loaded, not what the files hold hours later):
+    the weights' hashes ([base, *models]) and the code's commit."""
+    return {"weights": weights_sha256([args.base, *models]), "commit": code_version()}
 
 
 def merge(paths: list[str]) -> tuple[dict, dict]:
@@ -438,11 +447,12 @@ def main(argv=None) -> int:
         ap.error("give the pruned model directories, --base and at least one --source (or --merge)")
     policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     sources, names, prompt = parse(ap, args, args.window)
+    ran = provenance(args, args.pruned) if args.json else {}
     base = load_model_dir(args.base, device=args.device)
     pruned = [load_model_dir(p, device=args.device) for p in args.pruned]
     match = match_name(ap, args, pruned)
     results = evaluate(base, pruned, sources, names, args.window, match, prompt)
-    protocol = saved_protocol(args, args.pruned, match)
+    protocol = settings(args, args.pruned, match) | ran
     command = (f"python -m analysis.reports.matched {' '.join(args.pruned)} --base {args.base} --window {args.window} "
                + command_flags(protocol))
     if args.json:

@@ -58,7 +58,7 @@ def ran_elsewhere(protocol: dict, runs: list[str], base: str, window: int) -> st
         return f"it ran {', '.join(map(str, had))}, not {', '.join(map(str, want))}"
     if protocol["window"] != window:
         return f"it ran {protocol['window']}-token windows, not {window}"
-    if protocol.get("weights") and protocol["weights"] != matched.weights_sha256([base, *runs]):
+    if protocol.get("weights") and not matched.same_weights(protocol["weights"], [base, *runs]):
         return "the weights in those directories changed since it ran"
     return None
 
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         match = matched.match_name(ap, args, runs[1:])
         protocol = (matched.evaluate(runs[0], runs[1:], sources, names, args.window, match, prompt), match, args.window,
                     prompt)
-        flags = " " + matched.command_flags(matched.saved_protocol(args, args.runs, match))
+        flags = " " + matched.command_flags(matched.settings(args, args.runs, match))
     command = ("python -m analysis.reports.real --base " + " ".join([args.base, *args.runs])
                + f" --window {args.window}" + (f" --max-windows {args.max_windows}" if args.max_windows else "")
                + f" --pos-docs {args.pos_docs}" + flags)

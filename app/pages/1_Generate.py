@@ -111,24 +111,30 @@ def draw_live(boxes, names, runs):
 
 
 def finish(pending: dict, stop_reason: str | None = None) -> None:
-    """Keep a run's results (all its tokens, or those before it was stopped) for the view below."""
-    out, runs = [], [(r, m) for r, (_, m) in zip(pending["runs"], pending["models"]) if r["events"]]
-    n = min((len(r["events"]) for r, _ in runs), default=0)  # the models took turns: compare equal lengths
-    for run, m in runs:
-        res = GenerationResult.collect(pending["ids"], run["events"][:n], run["info"], m.config.n_layers, stop_reason)
-        out.append((m.path, res, traces.build(res, m.tokenizer, model_dir=str(m.path), prompt=pending["prompt"],
-                                              settings=pending["settings"])))
-    if out:
-        st.session_state["gen_result"] = {
-            "runs": out, "prompt": pending["prompt"], "draw_s": pending["draw_s"],
-            "labels": [label for label, _ in pending["models"]][:len(out)], "model": pending["model"],
-            "wall_s": time.perf_counter() - pending["t_start"]}
+    """Keep a run's results (all its tokens, or those before it was stopped) for the view below. The result is
+    built once into the plain dict first (a session_state write can be where a click interrupts): collecting the
+    same pending run again only stores it again."""
+    if "result" not in pending:
+        runs = [r for r in pending["runs"] if r["events"]]     # a twin stopped before its first token is left out
+        n = min((len(r["events"]) for r in runs), default=0) if stop_reason == "stopped" else None
+        out = []
+        for r in runs:   # stopped: the models took turns, so both are cut to the same length to compare
+            res = GenerationResult.collect(pending["ids"], r["events"][:n], r["info"], r["n_layers"], stop_reason)
+            out.append((r["path"], res, traces.build(res, r["tokenizer"], model_dir=str(r["path"]),
+                                                      prompt=pending["prompt"], settings=pending["settings"])))
+        pending["result"] = out and {"runs": out, "prompt": pending["prompt"], "draw_s": pending["draw_s"],
+                                     "labels": [r["label"] for r in runs], "model": pending["model"],
+                                     "wall_s": pending["wall_s"]}
+    if pending["result"]:
+        st.session_state["gen_result"] = pending["result"]
 
 
-# A click on any widget (Stop included) ends a running script; what it had generated is kept, marked "stopped".
-interrupted = st.session_state.pop("gen_pending", None)
-if interrupted is not None:
-    finish(interrupted, "stopped")
+# A click on any widget (Stop included) ends a running script; what it had generated is kept, marked "stopped"
+# (one that had finished but for the last writes is kept as it was).
+if "gen_pending" in st.session_state:
+    interrupted = st.session_state["gen_pending"]
+    finish(interrupted, None if "result" in interrupted else "stopped")
+    del st.session_state["gen_pending"]
 
 if st.button("Generate", type="primary", key="gen_go"):
     ids = loaded.tokenizer.encode(prompt).ids
@@ -154,9 +160,11 @@ if st.button("Generate", type="primary", key="gen_go"):
     total = min(int(max_new), cfg.context - len(ids))
     settings = dict(temperature=float(temperature), top_k=int(top_k) or None, top_p=float(top_p), greedy=greedy,
                     seed=int(seed))
-    runs = [{"events": [], "texts": [], "info": {}} for _ in models]
-    pending = {"models": models, "runs": runs, "ids": ids, "prompt": prompt, "settings": settings, "draw_s": 0.0,
-               "t_start": time.perf_counter(), "model": str(loaded.path)}
+    # what finish() needs of each model, and no more: a run left pending must not pin a loaded model in memory
+    runs = [{"events": [], "texts": [], "info": {}, "label": label, "path": m.path, "tokenizer": m.tokenizer,
+             "n_layers": m.config.n_layers} for label, m in models]
+    pending = {"runs": runs, "ids": ids, "prompt": prompt, "settings": settings, "draw_s": 0.0, "wall_s": 0.0,
+               "model": str(loaded.path)}
     st.session_state["gen_pending"] = pending  # read by the next run if this one is stopped
     st.button("Stop generating", key="gen_stop", help="Keeps the tokens generated so far")
     gens = [stream(m.model, ids, int(max_new), info=run["info"], policy=policy if i == 0 else None, **settings)
@@ -184,17 +192,21 @@ if st.button("Generate", type="primary", key="gen_go"):
                     last_fig = time.perf_counter()
                 last_text = time.perf_counter()
                 draw_s += last_text - t0
-                pending["draw_s"] = draw_s
                 wall = last_text - t_start
+                pending["draw_s"], pending["wall_s"] = draw_s, wall
                 drawing.caption(f"page drawing so far: {draw_s:.2f} s of {wall:.2f} s wall time "
                                 f"({draw_s / wall:.0%}); model latencies above exclude it")
     except Exception:  # a failure is not a stop: nothing of it is kept
         del st.session_state["gen_pending"]
         raise
+    finally:  # stopped or not, each generator ends now (its cache and graph pool freed), not at garbage collection
+        for g in gens:
+            g.close()
     draw_live(boxes, names, runs)
     bar.empty()
-    del st.session_state["gen_pending"]
+    pending["wall_s"] = time.perf_counter() - t_start
     finish(pending)
+    del st.session_state["gen_pending"]
     st.rerun()  # the results below replace the live view
 
 saved = st.session_state.get("gen_result")

@@ -97,12 +97,13 @@ def score_view(layer: int) -> None:
         at = int(st.slider("Drawn from token", 0, n - scores.VIEW, 0, key="prune_scores_at",
                            help=f"{scores.VIEW} queries x {scores.VIEW} keys at a time"))
     fig = scores.score_figure(x, fate, at, view.labels, f"layer {layer}: x_n,j (a token is dropped at the first "
-                                                         "query whose score is not positive)")
+                                                         "query whose score is not positive)", rule.sinks)
     st.plotly_chart(fig, width="stretch")
     export_buttons(fig, fate, "pruning_scores", loaded.path, text, settings | {"layer": layer, "from": at},
                    key="scores")
-    st.markdown("**Closest calls**: the tokens whose fate was nearest the threshold (score at the query where it "
-                "came closest; a negative one is the drop itself)")
+    st.markdown("**Closest calls**: the tokens whose score came nearest the threshold while they were still held "
+                "(a negative one is the drop itself: raised above 0 it delays the drop; a small positive one: lowered "
+                "below 0 it drops the token there, earlier)")
     close = scores.fragile(fate, view.labels)
     st.dataframe(close.style.format({"score": "{:+.4f}"}), hide_index=True)
     if not len(close):

@@ -24,7 +24,8 @@ class FullSequence:
             log_i, keep = mixer.pruning.log_keep(x)                      # [B,T,T] each
             if record is not None:  # r-wide each, in log_keep's precision: what the Pruning page's score view reads
                 rule, xf = mixer.pruning, x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-                record.q_int, record.k_int = xf @ rule.W_Qint.to(xf.dtype), rule.keys(xf)
+                with torch.autocast(x.device.type, enabled=False):
+                    record.q_int, record.k_int = xf @ rule.W_Qint.to(xf.dtype), rule.keys(xf)
             if mixer.training:  # the sparsity loss's term, read by DecoderLM.forward after the blocks
                 mixer.prune_mass = mixer.pruning.mass(keep)
             return mixer.attend(q, k, v, log_i[:, None], record, keep)
