@@ -31,11 +31,12 @@ def model(rule: str, dtype=torch.float64, seed=7):
 def literal_scores(rule, q, k) -> np.ndarray:
     """x_{n,j} = q_n . k_j / sqrt(r) + beta - lambda log(n - j), for j < n, in loops."""
     t = q.shape[0]
-    lam = 0.0 if rule.lam is None else float(rule.lam)
+    lam = 0.0 if rule.lam is None else float(rule.lam.detach())
+    beta, q, k = float(rule.beta.detach()), q.detach(), k.detach()
     x = np.full((t, t), np.nan)
     for n in range(t):
         for j in range(n):
-            x[n, j] = float((q[n] @ k[j]).detach()) / math.sqrt(rule.r) + float(rule.beta.detach()) - lam * math.log(n - j)
+            x[n, j] = float(q[n] @ k[j]) / math.sqrt(rule.r) + beta - lam * math.log(n - j)
     return x
 
 
