@@ -132,6 +132,10 @@ def test_the_verdict_needs_every_policy_interval_above_zero():
     assert v["beats_all"] and v["bar"] and v["strongest"] == "tova" and v["strongest_lead"][1] == (0.001, 0.021)
     v, = matched.verdict(results(row("streamingllm", 0.02), row("tova", -0.001)), "m")  # a straddling interval
     assert v["beats_all"] is False and v["bar"] is False and v["strongest"] == "tova"
+    hindsight = results(row("streamingllm", 0.02), row("tova", 0.001), row("oracle", -0.03),
+                        budgets=("streamingllm", "tova", "oracle"))
+    v, = matched.verdict(hindsight, "m")   # the oracle reads the future: a reference in the tables, not in the bar
+    assert v["bar"] and v["strongest"] == "tova"
     v, = matched.verdict(results(budgets=()), "m")  # nothing to beat
     assert v["beats_all"] is None and v["strongest"] == "-"
     few = {"src": {"budgets": {"tova": 10}, "all": [row("m", 0.0, windows=3), row("tova", 0.5, windows=3)]}}

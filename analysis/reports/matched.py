@@ -170,11 +170,20 @@ def preamble(match: str, window: int, prompt: int | None = None) -> str:
     return text
 
 
+def reference(method: str) -> bool:
+    """A hindsight policy (the oracle) reads later queries' attention: a reference in the tables, not a rule the bar
+    counts (no deployable rule can read the future)."""
+    cls = policies.REGISTRY.get(method.partition(":")[0])
+    return cls is not None and cls.hindsight
+
+
 def _standing(rows: list[dict], budgets: dict, match: str) -> dict:
-    """match's row against the policies among rows: beats every matched one (each paired interval above 0; None
-    when there is none or too few windows to call), the strongest matched one (lowest bound on match's lead),
-    and the policies that could not reach match's sparsity (at their smallest budget they see more)."""
-    m, others = next(r for r in rows if r["method"] == match), [r for r in rows if r["method"] in budgets]
+    """match's row against the policies among rows (hindsight references left out): beats every matched one (each
+    paired interval above 0; None when there is none or too few windows to call), the strongest matched one
+    (lowest bound on match's lead), and the policies that could not reach match's sparsity (at their smallest
+    budget they see more)."""
+    m = next(r for r in rows if r["method"] == match)
+    others = [r for r in rows if r["method"] in budgets and not reference(r["method"])]
     matched = [r for r in others if r["sparsity"] >= m["sparsity"] - MATCH_GAP]
     callable_ = bool(matched) and m["windows"] >= MIN_VERDICT_WINDOWS
     strongest = min(matched, key=lambda r: r["vs_match_ci"][0]) if matched else None
