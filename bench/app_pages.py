@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 APP = Path(__file__).resolve().parent.parent / "app"
-PAGES = ["Models.py", "pages/1_Generate.py", "pages/2_Attention.py", "pages/3_Heads.py", "pages/4_Extractors.py",
-         "pages/5_Attribution.py", "pages/6_Compare.py", "pages/7_Pruning.py"]
+PAGES = ["Models.py", "views/1_Generate.py", "views/2_Attention.py", "views/3_Heads.py", "views/4_Extractors.py",
+         "views/5_Attribution.py", "views/6_Compare.py", "views/7_Pruning.py"]
 
 
 def peak_mb() -> float:
@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     rows = []
     # the Pruning page again with its heavier views: the learned rule beside TOVA, then every policy at once
     runs = [(p, p, {}) for p in PAGES] + [
-        ("pages/7_Pruning.py (beside TOVA)", "pages/7_Pruning.py", {"prune_compare": "tova"}),
-        ("pages/7_Pruning.py (every policy)", "pages/7_Pruning.py", {"prune_all": True})]
+        ("views/7_Pruning.py (beside TOVA)", "views/7_Pruning.py", {"prune_compare": "tova"}),
+        ("views/7_Pruning.py (every policy)", "views/7_Pruning.py", {"prune_all": True})]
     for label, page, state in runs:
         st.cache_data.clear()
         at = AppTest.from_file(str(APP / page), default_timeout=600)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
-PAGE = str(Path(__file__).resolve().parent.parent / "app" / "pages" / "1_Generate.py")
+PAGE = str(Path(__file__).resolve().parent.parent / "app" / "views" / "1_Generate.py")
 
 
 def titles(at) -> list[str]:

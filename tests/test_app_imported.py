@@ -12,7 +12,7 @@ from models.import_hf import import_hf
 from models.transformer import DecoderLM
 from tests.test_import_hf import llama, save_hf
 
-PAGES = Path(__file__).resolve().parent.parent / "app" / "pages"
+PAGES = Path(__file__).resolve().parent.parent / "app" / "views"
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from models.checkpoint import load_model_dir, save_model_dir
 from models.config import ModelConfig
 from models.transformer import DecoderLM
 
-PAGE = str(Path(__file__).resolve().parent.parent / "app" / "pages" / "7_Pruning.py")
+PAGE = str(Path(__file__).resolve().parent.parent / "app" / "views" / "7_Pruning.py")
 
 
 @pytest.fixture

@@ -132,7 +132,7 @@ def test_text_as_a_generate_prompt(case, data, pasted, refusal, good, capsys):
                          ids=[t[0] for t in TEXTS if t[2] is not None])
 def test_text_pasted_in_the_app(case, data, pasted, refusal, good, monkeypatch):
     monkeypatch.setenv("MIXSCOPE_MODELS", str(good.parent))
-    at = AppTest.from_file(str(APP / "pages" / "2_Attention.py"), default_timeout=120).run()
+    at = AppTest.from_file(str(APP / "views" / "2_Attention.py"), default_timeout=120).run()
     at.text_area(key="text_area").set_value(pasted).run()
     assert not at.exception, at.exception
     if case == "one over the limit":  # the text box keeps the first MAX_CHARS characters, and says it cut the rest
@@ -179,7 +179,7 @@ def test_damaged_model_added_by_path_in_the_app(case, good, tmp_path, tok, monke
     else:
         assert any(MODELS[case][1] in e.value for e in at.error)
         assert "1 model(s) found" in [s.value for s in at.subheader][0]   # the good one is still listed
-    at = AppTest.from_file(str(APP / "pages" / "2_Attention.py"), default_timeout=120)
+    at = AppTest.from_file(str(APP / "views" / "2_Attention.py"), default_timeout=120)
     at.session_state["added_paths"] = [str(path)]
     at.run()
     at.sidebar.selectbox(key="model").select(f"path:{path}").run()   # an added model's id: "path:" + its path

@@ -68,7 +68,7 @@ def test_the_example_registers_and_evicts_by_its_rule(plugin):
 
 def test_the_pruning_page_offers_it(plugin):
     from streamlit.testing.v1 import AppTest
-    at = AppTest.from_file(str(ROOT / "app/pages/7_Pruning.py"), default_timeout=180)
+    at = AppTest.from_file(str(ROOT / "app/views/7_Pruning.py"), default_timeout=180)
     at.session_state["model"] = "mha"
     at.run()
     assert not at.exception, at.exception

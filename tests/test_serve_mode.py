@@ -101,10 +101,10 @@ def test_serve_mode_caps_text_and_new_tokens(serve, monkeypatch):
     assert access.max_chars() == access.SERVE_MAX_CHARS < MAX_CHARS and access.max_new_tokens(2048) == 256
     monkeypatch.setenv("MIXSCOPE_SERVE_MAX_NEW_TOKENS", "16")
     monkeypatch.setenv("MIXSCOPE_SERVE_MAX_CHARS", "300")
-    at = AppTest.from_file(str(APP / "pages" / "1_Generate.py"), default_timeout=120).run()
+    at = AppTest.from_file(str(APP / "views" / "1_Generate.py"), default_timeout=120).run()
     assert not at.exception
     assert at.number_input(key="gen_n").max == 16 and at.text_area(key="gen_prompt").max_chars == 300
-    at = AppTest.from_file(str(APP / "pages" / "2_Attention.py"), default_timeout=120).run()
+    at = AppTest.from_file(str(APP / "views" / "2_Attention.py"), default_timeout=120).run()
     area = next(a for a in at.text_area if a.key.endswith("_area"))
     assert area.max_chars == 300 and "at most 300 characters" in area.label
     area.input("word " * 59 + "last").run()
