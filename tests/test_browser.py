@@ -174,19 +174,25 @@ def test_four_sessions_at_once_each_see_their_own_numbers(server, browser):
         page.close()
 
 
-def test_generate_shows_pruning_live_beside_the_dense_twin(server, browser, tmp_path):
-    """The shipped pruned model generates long enough to be caught mid-way: the live strip and both columns are
-    on screen then; afterwards the replay, the twin summary and the trace download."""
-    SHOTS.mkdir(parents=True, exist_ok=True)
+def generating(browser, server, tokens: int):
+    """A page on which the shipped pruned model is generating `tokens` new tokens, caught once its live strip shows."""
     page = browser.new_page(viewport={"width": 1400, "height": 1200}, accept_downloads=True)
     page.goto(f"{server}/Generate?model=mha-1024-pruned")
     wait_idle(page)
     box = page.get_by_label("New tokens")
-    box.fill("700")
+    box.fill(str(tokens))
     box.press("Enter")
     wait_idle(page)
     page.get_by_role("button", name="Generate").click(timeout=60_000)
     page.wait_for_selector("text=held (blue) and dropped (red), per layer", timeout=120_000)
+    return page
+
+
+def test_generate_shows_pruning_live_beside_the_dense_twin(server, browser, tmp_path):
+    """The shipped pruned model generates long enough to be caught mid-way: the live strip and both columns are
+    on screen then; afterwards the replay, the twin summary and the trace download."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page = generating(browser, server, 700)
     page.wait_for_selector("text=dense twin", timeout=60_000)
     page.screenshot(path=str(SHOTS / "Generate_live_mid.png"), full_page=True)
     assert page.locator("[data-testid='stException']").count() == 0
@@ -206,15 +212,7 @@ def test_generate_shows_pruning_live_beside_the_dense_twin(server, browser, tmp_
 
 def test_stop_keeps_what_was_generated(server, browser):
     """Stop mid-way: the page shows the tokens generated so far (both models, equal lengths), marked stopped."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1200})
-    page.goto(f"{server}/Generate?model=mha-1024-pruned")
-    wait_idle(page)
-    box = page.get_by_label("New tokens")
-    box.fill("900")
-    box.press("Enter")
-    wait_idle(page)
-    page.get_by_role("button", name="Generate").click(timeout=60_000)
-    page.wait_for_selector("text=held (blue) and dropped (red), per layer", timeout=120_000)
+    page = generating(browser, server, 900)
     page.get_by_role("button", name="Stop generating").click(timeout=60_000)
     page.wait_for_selector("text=Replay: the cache at step s", timeout=120_000)
     wait_idle(page)
