@@ -79,23 +79,29 @@ def token_table(keeps: np.ndarray, labels: list[str], tags: list[str],
     if keeps.ndim == 3:
         keeps = keeps[:, None]
         dropped_at = None if dropped_at is None else dropped_at[:, None]
-    rows = []
+    n_layers, t = keeps.shape[0], keeps.shape[-1]
+    lab, tag = np.array(labels, dtype=object), np.array(tags, dtype=object)
+    cols = {k: [] for k in ("left", "share", "hidden")}
     for layer, keep in enumerate(keeps):
-        t = keep.shape[-1]
         later = np.tril(keep, -1).sum(1)                            # [R,T]: how many later queries saw each token
         hidden = np.full(t, np.nan)
         hidden[:-1] = (1 - later[:, :-1] / (t - 1 - np.arange(t - 1))).mean(0)
         step = drop_records(torch.from_numpy(keep))[0].numpy() if dropped_at is None else dropped_at[layer]
         gone = step >= 0                                               # [R,T]
-        left = np.where(gone.all(0), step.max(0), -1)                  # the step its last row let it go
-        share = gone.mean(0)
-        for j in range(t):
-            s = int(left[j])
-            rows.append({"layer": layer, "position": j, "token": labels[j], "pos": tags[j], "dropped": s >= 0,
-                         "drop_share": float(share[j]), "dropped_at": s, "trigger_token": labels[s] if s >= 0 else None,
-                         "trigger_pos": tags[s] if s >= 0 else None, "lifetime": (s - j) if s >= 0 else None,
-                         "hidden_share": hidden[j]})
-    return pd.DataFrame(rows)
+        cols["left"].append(np.where(gone.all(0), step.max(0), -1))   # the step its last row let it go
+        cols["share"].append(gone.mean(0))
+        cols["hidden"].append(hidden)
+    left = np.concatenate(cols["left"]).astype(np.int64)
+    out = left >= 0
+    at = np.where(out, left, 0)
+    none = np.array(None, dtype=object)
+    return pd.DataFrame({
+        "layer": np.repeat(np.arange(n_layers), t), "position": np.tile(np.arange(t), n_layers),
+        "token": np.tile(lab, n_layers), "pos": np.tile(tag, n_layers), "dropped": out,
+        "drop_share": np.concatenate(cols["share"]).astype(float), "dropped_at": left,
+        "trigger_token": np.where(out, lab[at], none), "trigger_pos": np.where(out, tag[at], none),
+        "lifetime": np.where(out, left - np.tile(np.arange(t), n_layers), np.nan),
+        "hidden_share": np.concatenate(cols["hidden"])})
 
 
 # a method decides what each query sees: one of these, or an eviction policy's name (models.pruning.policies)

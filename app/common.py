@@ -10,15 +10,15 @@ import streamlit as st
 import torch
 
 from analysis import export
-from app import access, model_cache
+from app import access, heavy, model_cache, slots
 from analysis.text import TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
 from models.checkpoint import CheckpointError, load_for_app
 from models.pruning import policies
 
-# Threads for the models, set once for the server: all cores by default (MIXSCOPE_THREADS to share the machine).
-# Sessions share them: two sessions computing at once split the cores rather than each taking them all.
-torch.set_num_threads(max(1, int(os.environ.get("MIXSCOPE_THREADS", os.cpu_count() or 1))))
+# Threads for the models, set once for the server: the cores (MIXSCOPE_THREADS to share the machine) split between
+# the computations that may run at once (app/slots.py), so all of them busy together use each core once.
+torch.set_num_threads(slots.threads_per_slot(heavy.SLOTS))
 
 SAMPLE_TEXT = ("The committee met again on Tuesday. After a long debate about the harbour, the roads and the "
                "price of bread, the members agreed that the new bridge would be built in the spring, and that "
@@ -39,6 +39,7 @@ def setup(title: str) -> None:
     # the operator's own eviction policies (docs/policies.md)
     policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))
     st.title(title)
+    heavy.room()   # where this page says its place in the server's queue, if it has to wait
 
 
 MODELS = model_cache.from_env()  # shared by every session of this server; bounded by bytes and idle time
@@ -50,7 +51,11 @@ def load(path: str):
         if problem:
             raise CheckpointError(access.public(f"{path}: {problem}"))
         return load_for_app(path, access.max_weight_bytes())  # on the GPU (bf16) when there is one
-    return MODELS.get(path, fresh)
+    ready = MODELS.peek(path)
+    if ready is not None:
+        return ready
+    with heavy.slot():   # the slot before the cache's per-model gate, always in this order: no two waits cross
+        return MODELS.get(path, fresh)
 
 
 MAX_PATH = 1024  # characters of a path typed on the Models page

@@ -48,6 +48,17 @@ class ModelCache:
                 self._drop_over_budget(keep=key)
             return value
 
+    def peek(self, key: str):
+        """The value if loaded (marked used), else None; never loads."""
+        with self._lock:
+            self._drop_idle()
+            item = self._items.get(key)
+            if item is None:
+                return None
+            item[2] = self.clock()
+            self._items.move_to_end(key)
+            return item[0]
+
     def _drop_idle(self) -> None:
         now = self.clock()
         for key in [k for k, (_, _, used) in self._items.items() if now - used > self.idle_s]:

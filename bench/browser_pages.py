@@ -61,11 +61,13 @@ def ready_after(page, start: float, timeout_s: float = 600, quiet_s: float = 2.0
     raise TimeoutError(f"the page was still busy after {timeout_s} s")
 
 
-def start_server(zoo: Path, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(zoo: Path, threads: int | None) -> tuple[subprocess.Popen, str]:
     from models import cli
     port = free_port()
     cmd, env = cli.app_command("127.0.0.1", port, serve=False)
-    env.update(MIXSCOPE_MODELS=str(zoo), MIXSCOPE_THREADS=str(threads), MIXSCOPE_NO_FETCH="1")
+    env.update(MIXSCOPE_MODELS=str(zoo), MIXSCOPE_NO_FETCH="1")
+    if threads is not None:   # (None: the server's own default, split between its computation slots)
+        env["MIXSCOPE_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, cwd=cli.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
@@ -118,8 +120,10 @@ def main(argv=None) -> int:
         (zoo / Path(d).name).symlink_to(Path(d).resolve())
     name = Path(args.model).name
     tokenizer = load_model_dir(args.model).tokenizer
-    texts = {f"{args.tokens} tokens": sample_text(tokenizer, Path(args.data), args.tokens)}
-    longest = sample_text(tokenizer, Path(args.data), 100_000)[:MAX_CHARS]
+    short = sample_text(tokenizer, Path(args.data), args.tokens)
+    texts = {f"{args.tokens} tokens": short}
+    # taken after the short one: a page that reads a window from the start must not find it cached
+    longest = sample_text(tokenizer, Path(args.data), 100_000)[len(short):][:MAX_CHARS]
     texts[f"{MAX_CHARS:,} characters (the longest accepted)"] = longest
     proc, url = start_server(zoo, args.threads)
     rows, load = [], {}

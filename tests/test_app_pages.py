@@ -99,6 +99,18 @@ def test_two_models_with_one_name_both_open(tmp_path):
     assert any(i.value.startswith("mha (shipped) (mha):") for i in at.info)       # the shipped MHA, refused here
 
 
+def test_a_symlinked_model_keeps_its_folder_name_as_its_id(tmp_path):
+    """A models folder of symlinks (a lab linking its runs in, the browser benchmark's zoo): each model's id is its
+    name there, so `?model=NAME` opens it (the id was once taken after resolving the link, 'path:...', and the query
+    parameter fell back to the first model)."""
+    from analysis.zoo import model_id, model_labels
+    (tmp_path / "linked").symlink_to(models_root() / "me")
+    (tmp_path / "real").mkdir()
+    assert model_id(tmp_path / "linked", tmp_path) == "linked" and model_id(tmp_path / "real", tmp_path) == "real"
+    assert model_id(models_root() / "me", tmp_path).startswith("path:")       # outside the root, as given
+    assert model_labels([tmp_path / "linked"], tmp_path) == {"linked": "linked"}
+
+
 def test_generate_streams_and_reports_speed():
     at = page("1_Generate.py").run()
     at.number_input(key="gen_n").set_value(8)

@@ -12,7 +12,7 @@ import streamlit as st
 
 from analysis import live
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure
-from app import access
+from app import access, heavy
 from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, setup
 from models import trace as traces
 from models.checkpoint import CheckpointError
@@ -170,8 +170,13 @@ if st.button("Generate", type="primary", key="gen_go"):
     gens = [stream(m.model, ids, int(max_new), info=run["info"], policy=policy if i == 0 else None, **settings)
             for i, ((_, m), run) in enumerate(zip(models, runs))]
     draw_s, last_text, last_fig, t_start = 0.0, 0.0, 0.0, time.perf_counter()
+    steps = zip_longest(*gens)  # the models take turns: each event's latency is its model's own
     try:
-        for step_events in zip_longest(*gens):  # the models take turns: each event's latency is its model's own
+        while True:
+            with heavy.slot():  # one step at a time: other sessions' computations take their turns in between
+                step_events = next(steps, None)
+            if step_events is None:
+                break
             for run, (_, m), e in zip(runs, models, step_events):
                 if e is not None:
                     run["events"].append(e)

@@ -2,6 +2,7 @@
 import streamlit as st
 
 from analysis import maps
+from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 
 MAX_VIEW = 128  # tokens per view: beyond this a window selector keeps the page responsive
@@ -9,7 +10,8 @@ MAX_VIEW = 128  # tokens per view: beyond this a window selector keeps the page 
 
 @st.cache_data(max_entries=32, show_spinner="Running the model…")
 def cached_maps(path: str, ids: tuple[int, ...]):
-    return maps.mixing_maps(load(path).model, list(ids))
+    with heavy.slot():
+        return maps.mixing_maps(load(path).model, list(ids))
 
 
 setup("Attention")

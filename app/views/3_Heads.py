@@ -2,6 +2,7 @@
 import streamlit as st
 
 from analysis import heads
+from app import heavy
 from app.common import export_buttons, load, pick_model, setup
 
 KIND_HELP = {
@@ -17,12 +18,14 @@ KIND_HELP = {
 @st.cache_resource(max_entries=4, show_spinner="Collecting per-head vectors…")
 def cached_vectors(path: str):
     """Every layer's per-head vectors, flattened (30 layers x 9 heads x 36,864 for SmolLM2's W_Q): once per model."""
-    return heads.head_vectors(load(path).model)
+    with heavy.slot():
+        return heads.head_vectors(load(path).model)
 
 
 @st.cache_data(max_entries=16, show_spinner="PCA…")
 def cached_geometry(path: str, kind: str, dims: int):
-    return heads.geometry_table(cached_vectors(path)[kind], dims)
+    with heavy.slot():
+        return heads.geometry_table(cached_vectors(path)[kind], dims)
 
 
 def no_heads(loaded):

@@ -2,6 +2,7 @@
 import streamlit as st
 
 from analysis import attribution
+from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 
 
@@ -13,8 +14,9 @@ def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | No
     memo = st.session_state.setdefault("attr_memo", {})
     key = (path, ids, position, target, method, steps)
     if key not in memo:
-        memo[key] = attribution.attribute(load(path).model, list(ids), position, target, method, steps,
-                                          progress=progress)
+        with heavy.slot():
+            memo[key] = attribution.attribute(load(path).model, list(ids), position, target, method, steps,
+                                              progress=progress)
         while len(memo) > 8:
             memo.pop(next(iter(memo)))
     return memo[key]

@@ -7,11 +7,17 @@ import streamlit as st
 
 from analysis import maps, tokens
 from analysis.text import tokenize, window
+from app import heavy
 from app.common import export_buttons, load, pick_model, setup, text_input
 
 
 @st.cache_data(max_entries=32, show_spinner="Running the models…")
 def run(path: str, text: str, size: int):
+    with heavy.slot():   # (the latency below is then the model's alone, not shared with another session's)
+        return run_alone(path, text, size)
+
+
+def run_alone(path: str, text: str, size: int):
     loaded = load(path)
     toks = window(tokenize(loaded.tokenizer, text), 0, min(size, loaded.config.context))
     lp = tokens.token_logprobs(loaded.model, toks.ids)

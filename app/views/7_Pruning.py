@@ -8,7 +8,7 @@ import streamlit as st
 
 from analysis import pruning, scores, tokens
 from analysis.pruning import LEARNED, NOTHING
-from app import access
+from app import access, heavy
 from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,
                         model_text_tokens, setup, window_picker)
 from models.checkpoint import CheckpointError, read_json, valid_sparsity
@@ -57,7 +57,8 @@ def cached_method(path: str, ids: tuple[int, ...], method: str, budget: int | No
                   labels: tuple[str, ...], tags: tuple[str, ...]):
     """(token table, sparsity per layer, log-probabilities) of one method on one window: one forward. The masks
     [layers, rows, T, T] are not kept (per KV group on SmolLM2 at 1,024 tokens: 94 MB)."""
-    keeps, dropped_at, lp = pruning.method_run(load(path).model, list(ids), method, budget, prompt)
+    with heavy.slot():
+        keeps, dropped_at, lp = pruning.method_run(load(path).model, list(ids), method, budget, prompt)
     return pruning.token_table(keeps, list(labels), list(tags), dropped_at), pruning.sparsity_per_layer(keeps), lp
 
 
@@ -68,17 +69,20 @@ def run_method(path, ids, method, budget=None, prompt=None):
 
 @st.cache_data(max_entries=32, show_spinner="Tagging parts of speech (spaCy)…")
 def cached_tags(text: str, offsets: tuple[tuple[int, int], ...]):
-    return pruning.pos_tags(text, list(offsets))
+    with heavy.slot():
+        return pruning.pos_tags(text, list(offsets))
 
 
 @st.cache_data(max_entries=64)
 def cached_logprobs(path: str, ids: tuple[int, ...]):
-    return tokens.token_logprobs(load(path).model, list(ids))
+    with heavy.slot():
+        return tokens.token_logprobs(load(path).model, list(ids))
 
 
 @st.cache_data(max_entries=4, show_spinner="Recording the interaction scores (one forward)…")
 def cached_interaction(path: str, ids: tuple[int, ...]):
-    return scores.recorded(load(path).model, list(ids))
+    with heavy.slot():
+        return scores.recorded(load(path).model, list(ids))
 
 
 @st.fragment
@@ -86,6 +90,7 @@ def score_view(layer: int) -> None:
     """x_{n,j} of one layer: the heatmap with the threshold, each token's closest call, one score's terms, the soft
     rule at a chosen alpha. A fragment: its controls redraw this part alone."""
     st.subheader(f"Why: layer {layer}'s interaction scores")
+    heavy.room()   # (a fragment's rerun cannot write to the page's line)
     if not st.toggle("Show the scores behind the decisions (one more forward)", key="prune_scores"):
         return
     rule = loaded.model.blocks[layer].mixer.pruning

@@ -1,0 +1,63 @@
+"""Heavy computations on a page go through one server-wide queue (app/slots.py); a waiting user sees their place.
+
+Use `with heavy.slot():` inside the cached function that computes (a cache hit then never waits), and call
+`heavy.room()` where a page or fragment starts, for the place to show. The place is written outside Streamlit's
+record of the cached function's elements, so a later cache hit does not replay an old "waiting" message.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import streamlit as st
+from streamlit.errors import StreamlitAPIException
+
+from app import slots
+
+SLOTS = slots.from_env()
+_room = threading.local()
+
+try:  # Streamlit records elements written inside a cached function to replay them on a hit; not these
+    from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function as _recording
+except ImportError:  # (an older or newer layout: the place is then not shown, the spinner still is)
+    _recording = None
+
+
+def room(where=None) -> None:
+    """An empty line at the top of this run (a page or a fragment) where the queue place is shown if it waits."""
+    _room.box = (where or st).empty()
+
+
+def _write(method: str, text: str = "") -> None:
+    box = getattr(_room, "box", None)
+    if box is None or _recording is None:
+        return
+    token = _recording.set(False)
+    try:
+        getattr(box, method)(*([text] if text else []))
+    except StreamlitAPIException:   # a box from another run (a fragment's rerun): the spinner alone shows
+        pass
+    finally:
+        _recording.reset(token)
+
+
+@contextmanager
+def slot():
+    """Hold one of the server's computation slots for the body, waiting in line (the place shown) or, when
+    the line is full, stopping the run with "busy"."""
+    waited = []
+
+    def report(place: int) -> None:   # every second while waiting: a rewrite is also where a rerun can stop it
+        running, waiting = SLOTS.state()
+        _write("info", f"The server is busy ({running} computation(s) running, {waiting} waiting): you are number "
+                       f"{place} in line. This page goes on by itself when your turn comes.")
+        waited.append(place)
+
+    try:
+        with SLOTS.hold(report, poll_s=1.0):
+            if waited:
+                _write("empty")
+            yield
+    except slots.Busy as e:
+        _write("warning", f"The server is busy ({e}); try again in a minute.")
+        st.stop()

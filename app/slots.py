@@ -1,0 +1,108 @@
+"""A server-wide limit on heavy computations (forwards, attribution, generation steps, model loads).
+
+Every browser session of one server shares the cores and the memory: two forwards at once each take all the
+threads (on 2 cores a 2-thread forward beside another ran several times slower) and each holds its own peak.
+`Slots` lets `size` computations run at once and queues the rest first come, first served; a full queue
+answers "busy" at once instead of piling up work. Waiting is polled, so the waiter can report its place and a
+Streamlit rerun or a closed tab (which raise inside the report) leave the queue cleanly. A thread that
+already holds a slot passes through a nested request (a cached computation that calls another).
+
+No Streamlit here: app/heavy.py shows the place on a page; tests drive this module with plain threads.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from contextlib import contextmanager
+
+
+class Busy(RuntimeError):
+    """The queue is full: the caller should ask the user to try again shortly."""
+
+
+class Slots:
+    def __init__(self, size: int, queue: int):
+        if size < 1 or queue < 0:
+            raise ValueError("at least one slot and a queue of zero or more")
+        self.size, self.queue = size, queue
+        self._cond = threading.Condition()
+        self._running = 0
+        self._waiting: deque[object] = deque()
+        self._held = threading.local()   # per thread: how many nested holds
+
+    def state(self) -> tuple[int, int]:
+        """(computations running, computations waiting)."""
+        with self._cond:
+            return self._running, len(self._waiting)
+
+    @contextmanager
+    def hold(self, report=None, poll_s: float = 0.25):
+        """Run the body in a slot. report(place) is called (outside the lock) whenever the caller's place in
+        the queue changes (1: next), and again every poll_s while it waits, so a caller whose report raises
+        (a rerun, a stop) leaves the queue. Raises Busy when `queue` callers already wait."""
+        depth = getattr(self._held, "depth", 0)
+        if depth:   # this thread holds a slot already
+            self._held.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._held.depth = depth
+            return
+        self._enter(report, poll_s)
+        self._held.depth = 1
+        try:
+            yield
+        finally:
+            self._held.depth = 0
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def _enter(self, report, poll_s: float) -> None:
+        ticket = object()
+        with self._cond:
+            if self._running < self.size and not self._waiting:
+                self._running += 1
+                return
+            if len(self._waiting) >= self.queue:
+                raise Busy(f"{self._running} computation(s) running and {len(self._waiting)} waiting")
+            self._waiting.append(ticket)
+        try:
+            while True:
+                with self._cond:
+                    if self._waiting[0] is ticket and self._running < self.size:
+                        self._waiting.popleft()
+                        self._running += 1
+                        self._cond.notify_all()   # the next in line moves up a place
+                        return
+                    place = self._waiting.index(ticket) + 1
+                if report is not None:
+                    report(place)
+                with self._cond:
+                    if not (self._waiting[0] is ticket and self._running < self.size):
+                        self._cond.wait(poll_s)
+        except BaseException:
+            with self._cond:
+                if ticket in self._waiting:
+                    self._waiting.remove(ticket)
+                    self._cond.notify_all()
+            raise
+
+
+def cores() -> int:
+    return os.cpu_count() or 1
+
+
+def from_env() -> Slots:
+    """MIXSCOPE_HEAVY_SLOTS computations at once (default: one per 4 cores, at least one), MIXSCOPE_HEAVY_QUEUE
+    waiting (default 16)."""
+    size = int(os.environ.get("MIXSCOPE_HEAVY_SLOTS", max(1, cores() // 4)))
+    return Slots(max(1, size), max(0, int(os.environ.get("MIXSCOPE_HEAVY_QUEUE", 16))))
+
+
+def threads_per_slot(slots: Slots) -> int:
+    """Threads each computation takes so that all slots busy at once use the cores once: MIXSCOPE_THREADS
+    overrides (the whole server's count, then split)."""
+    total = int(os.environ.get("MIXSCOPE_THREADS", cores()))
+    return max(1, total // slots.size)

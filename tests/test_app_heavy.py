@@ -1,0 +1,90 @@
+"""The server-wide queue for heavy computations on real pages (AppTest): a waiting page says its place and goes on,
+a full queue answers "busy" and keeps nothing, and a later cache hit neither waits nor replays the message."""
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from app import heavy
+from app.slots import Slots
+
+VIEWS = Path(__file__).resolve().parent.parent / "app" / "views"
+
+
+@pytest.fixture
+def server(monkeypatch):
+    """A server of one slot and a queue of one; occupy() lets 'another session' hold the slot until release()."""
+    slots = Slots(1, queue=1)
+    monkeypatch.setattr(heavy, "SLOTS", slots)
+    gate, threads = threading.Event(), []
+
+    def other_session(held):
+        with slots.hold():
+            held.set()
+            gate.wait(60)
+
+    def occupy():
+        held = threading.Event()
+        threads.append(threading.Thread(target=other_session, args=(held,)))
+        threads[-1].start()
+        assert held.wait(10)
+
+    yield slots, occupy, gate
+    gate.set()
+    for t in threads:
+        t.join()
+
+
+def attention(text: str) -> AppTest:
+    """The Attention page opened (its sample text computed while the server is free), then given `text`."""
+    at = AppTest.from_file(str(VIEWS / "2_Attention.py"), default_timeout=120)
+    at.query_params["model"] = "mha"
+    at.run()
+    assert not at.exception
+    at.text_area(key="text_area").input(text)
+    return at
+
+
+def test_a_waiting_page_says_its_place_then_computes(server, monkeypatch):
+    slots, occupy, gate = server
+    written = []
+    real = heavy._write
+    monkeypatch.setattr(heavy, "_write", lambda method, text="": (written.append((method, text)), real(method, text)))
+    at = attention("A harbour town waited for its turn at the queue.")
+    occupy()
+    threading.Timer(2.0, gate.set).start()
+    t0 = time.monotonic()
+    at.run()
+    assert time.monotonic() - t0 >= 1.5 and not at.exception
+    assert any(m == "info" and "number 1 in line" in t for m, t in written)
+    assert written[-1] == ("empty", "")                         # the line is cleared once its turn came
+    assert at.get("plotly_chart") and not any("in line" in i.value for i in at.info)
+    written.clear()
+    at.run()   # the same text: a cache hit takes no slot and replays no waiting message
+    assert not at.exception and not written and not any("in line" in i.value for i in at.info)
+    assert slots.state() == (0, 0)
+
+
+def test_a_full_queue_answers_busy_and_keeps_nothing(server):
+    slots, occupy, gate = server
+    at = attention("Nobody else can wait in this line today.")
+    occupy()
+    def queued_session():
+        with slots.hold(poll_s=0.01):
+            pass
+
+    waiting = threading.Thread(target=queued_session)
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while slots.state() != (1, 1):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    at.run()
+    assert not at.exception and any("The server is busy" in w.value for w in at.warning)
+    assert not at.get("plotly_chart")
+    gate.set()
+    waiting.join()
+    at.run()   # once the server is free the same text computes (the refusal was not cached)
+    assert not at.exception and at.get("plotly_chart") and not at.warning

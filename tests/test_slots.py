@@ -1,0 +1,141 @@
+"""The server-wide limit on heavy computations (app/slots.py), driven by plain threads."""
+import threading
+import time
+
+import pytest
+
+from app.slots import Busy, Slots
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_never_more_than_size_at_once_and_every_caller_runs():
+    slots, lock = Slots(2, queue=64), threading.Lock()
+    now, most, done = [0], [0], []
+
+    def work(i):
+        with slots.hold(poll_s=0.01):
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            time.sleep(0.01)
+            with lock:
+                now[0] -= 1
+        done.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 2 and sorted(done) == list(range(12)) and slots.state() == (0, 0)
+
+
+def test_first_come_first_served_with_places_reported():
+    slots = Slots(1, queue=8)
+    gate, order, places = threading.Event(), [], {}
+
+    def first():
+        with slots.hold():
+            gate.wait()
+            order.append("first")
+
+    def waiter(name):
+        with slots.hold(report=lambda p: places.setdefault(name, []).append(p), poll_s=0.01):
+            order.append(name)
+
+    a = threading.Thread(target=first)
+    a.start()
+    wait_until(lambda: slots.state() == (1, 0))
+    waiters = []
+    for k, name in enumerate(["b", "c", "d"]):
+        waiters.append(threading.Thread(target=waiter, args=(name,)))
+        waiters[-1].start()
+        wait_until(lambda k=k: slots.state() == (1, k + 1))
+    wait_until(lambda: all(n in places for n in "bcd"))
+    assert places["b"][0] == 1 and places["c"][0] == 2 and places["d"][0] == 3
+    gate.set()
+    for t in [a, *waiters]:
+        t.join()
+    assert order == ["first", "b", "c", "d"]
+    assert all(p == sorted(p, reverse=True) for p in places.values())   # places only ever go down
+
+
+def test_a_full_queue_answers_busy_at_once():
+    slots, gate = Slots(1, queue=1), threading.Event()
+
+    def hold_until_gate():
+        with slots.hold(poll_s=0.01):
+            gate.wait()
+
+    threads = [threading.Thread(target=hold_until_gate) for _ in range(2)]
+    threads[0].start()
+    wait_until(lambda: slots.state() == (1, 0))
+    threads[1].start()
+    wait_until(lambda: slots.state() == (1, 1))
+    with pytest.raises(Busy, match="1 computation"):
+        with slots.hold():
+            pass
+    gate.set()
+    for t in threads:
+        t.join()
+    assert slots.state() == (0, 0)
+
+
+def test_a_caller_whose_report_raises_leaves_the_line():
+    """A Streamlit rerun or a closed tab raises inside the report: the others move up, no slot is lost."""
+    slots, gate = Slots(1, queue=8), threading.Event()
+
+    def holder():
+        with slots.hold():
+            gate.wait()
+
+    class Rerun(Exception):
+        pass
+
+    def quitter():
+        def report(place):
+            raise Rerun
+
+        with pytest.raises(Rerun):
+            with slots.hold(report=report, poll_s=0.01):
+                pass
+
+    h = threading.Thread(target=holder)
+    h.start()
+    wait_until(lambda: slots.state() == (1, 0))
+    q = threading.Thread(target=quitter)
+    q.start()
+    q.join()
+    assert slots.state() == (1, 0)
+    gate.set()
+    h.join()
+    with slots.hold():   # the slot came back
+        assert slots.state() == (1, 0)
+    assert slots.state() == (0, 0)
+
+
+def test_a_nested_hold_in_the_same_thread_passes_through():
+    """A cached computation that calls another (a forward inside a cached function that loads the model) must not
+    wait for its own slot."""
+    slots = Slots(1, queue=0)
+    with slots.hold():
+        with slots.hold():
+            assert slots.state() == (1, 0)
+        assert slots.state() == (1, 0)
+    assert slots.state() == (0, 0)
+
+
+def test_an_error_in_the_body_gives_the_slot_back():
+    slots = Slots(1, queue=0)
+    with pytest.raises(ZeroDivisionError):
+        with slots.hold():
+            1 / 0
+    assert slots.state() == (0, 0)
+    with slots.hold():
+        pass
