@@ -80,7 +80,7 @@ def token_table(keeps: np.ndarray, labels: list[str], tags: list[str],
         keeps = keeps[:, None]
         dropped_at = None if dropped_at is None else dropped_at[:, None]
     n_layers, t = keeps.shape[0], keeps.shape[-1]
-    lab, tag = np.array(labels, dtype=object), np.array(tags, dtype=object)
+    lab, tag = np.array(labels[:t], dtype=object), np.array(tags[:t], dtype=object)
     cols = {k: [] for k in ("left", "share", "hidden")}
     for layer, keep in enumerate(keeps):
         later = np.tril(keep, -1).sum(1)                            # [R,T]: how many later queries saw each token
@@ -100,8 +100,19 @@ def token_table(keeps: np.ndarray, labels: list[str], tags: list[str],
         "token": np.tile(lab, n_layers), "pos": np.tile(tag, n_layers), "dropped": out,
         "drop_share": np.concatenate(cols["share"]).astype(float), "dropped_at": left,
         "trigger_token": np.where(out, lab[at], none), "trigger_pos": np.where(out, tag[at], none),
-        "lifetime": np.where(out, left - np.tile(np.arange(t), n_layers), np.nan),
+        "lifetime": lifetimes(left, out, t, n_layers),
         "hidden_share": np.concatenate(cols["hidden"])})
+
+
+def lifetimes(left: np.ndarray, out: np.ndarray, t: int, n_layers: int) -> np.ndarray:
+    """Steps each dropped token lived, with the dtype a table of per-row None/int had: int when every token was
+    dropped, None (object) when none was, float with NaN otherwise."""
+    span = left - np.tile(np.arange(t), n_layers)
+    if out.all():
+        return span
+    if not out.any():
+        return np.full(len(out), None, dtype=object)
+    return np.where(out, span, np.nan)
 
 
 # a method decides what each query sees: one of these, or an eviction policy's name (models.pruning.policies)

@@ -34,10 +34,11 @@ def model_id(path: Path, root: Path | None = None) -> str:
     """A model's unique id: its path relative to the models root (a shipped model: its folder name), or, for one
     added by path, "path:" and that path as given (never equal to a shipped one's). `?model=` takes it."""
     root = models_root() if root is None else root
-    # as written first: a model folder that is a symlink inside the root keeps its name there as its id
-    inside = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
-    if inside not in (os.curdir, os.pardir) and not inside.startswith(os.pardir + os.sep):
-        return inside
+    try:   # a folder (or a symlink) directly in the root: its name there, links resolved for the parent only
+        if Path(path).name and Path(path).parent.resolve() == Path(root).resolve():
+            return Path(path).name
+    except (OSError, RuntimeError):
+        pass
     try:
         return str(Path(path).resolve().relative_to(Path(root).resolve()))
     except (ValueError, OSError, RuntimeError):

@@ -23,9 +23,16 @@ except ImportError:  # (an older or newer layout: the place is then not shown, t
     _recording = None
 
 
-def room(where=None) -> None:
-    """An empty line at the top of this run (a page or a fragment) where the queue place is shown if it waits."""
+def room(where=None):
+    """An empty line at the top of this run (a page or a fragment) where the queue place is shown if it waits;
+    returns the line it replaces (a fragment gives it back when it ends: restore())."""
+    before = getattr(_room, "box", None)
     _room.box = (where or st).empty()
+    return before
+
+
+def restore(box) -> None:
+    _room.box = box
 
 
 def _write(method: str, text: str = "") -> None:
@@ -42,9 +49,10 @@ def _write(method: str, text: str = "") -> None:
 
 
 @contextmanager
-def slot():
+def slot(refuse: bool = True):
     """Hold one of the server's computation slots for the body, waiting in line (the place shown) or, when
-    the line is full, stopping the run with "busy"."""
+    the line is full, stopping the run with "busy" (refuse=False: work under way, such as the next token of a
+    generation, waits in line however long it is)."""
     waited = []
 
     def report(place: int) -> None:   # every second while waiting: a rewrite is also where a rerun can stop it
@@ -54,7 +62,7 @@ def slot():
         waited.append(place)
 
     try:
-        with SLOTS.hold(report, poll_s=1.0):
+        with SLOTS.hold(report, poll_s=1.0, refuse=refuse):
             if waited:
                 _write("empty")
             yield

@@ -37,10 +37,11 @@ class Slots:
             return self._running, len(self._waiting)
 
     @contextmanager
-    def hold(self, report=None, poll_s: float = 0.25):
+    def hold(self, report=None, poll_s: float = 0.25, refuse: bool = True):
         """Run the body in a slot. report(place) is called (outside the lock) whenever the caller's place in
         the queue changes (1: next), and again every poll_s while it waits, so a caller whose report raises
-        (a rerun, a stop) leaves the queue. Raises Busy when `queue` callers already wait."""
+        (a rerun, a stop) leaves the queue. Raises Busy when `queue` callers already wait, unless refuse is False
+        (the next step of work already under way: it waits in line past the limit)."""
         depth = getattr(self._held, "depth", 0)
         if depth:   # this thread holds a slot already
             self._held.depth = depth + 1
@@ -49,7 +50,7 @@ class Slots:
             finally:
                 self._held.depth = depth
             return
-        self._enter(report, poll_s)
+        self._enter(report, poll_s, refuse)
         self._held.depth = 1
         try:
             yield
@@ -59,13 +60,13 @@ class Slots:
                 self._running -= 1
                 self._cond.notify_all()
 
-    def _enter(self, report, poll_s: float) -> None:
+    def _enter(self, report, poll_s: float, refuse: bool) -> None:
         ticket = object()
         with self._cond:
             if self._running < self.size and not self._waiting:
                 self._running += 1
                 return
-            if len(self._waiting) >= self.queue:
+            if refuse and len(self._waiting) >= self.queue:
                 raise Busy(f"{self._running} computation(s) running and {len(self._waiting)} waiting")
             self._waiting.append(ticket)
         try:
@@ -97,12 +98,12 @@ def cores() -> int:
 def from_env() -> Slots:
     """MIXSCOPE_HEAVY_SLOTS computations at once (default: one per 4 cores, at least one), MIXSCOPE_HEAVY_QUEUE
     waiting (default 16)."""
-    size = int(os.environ.get("MIXSCOPE_HEAVY_SLOTS", max(1, cores() // 4)))
-    return Slots(max(1, size), max(0, int(os.environ.get("MIXSCOPE_HEAVY_QUEUE", 16))))
+    size = int(os.environ.get("MIXSCOPE_HEAVY_SLOTS") or max(1, cores() // 4))
+    return Slots(max(1, size), max(0, int(os.environ.get("MIXSCOPE_HEAVY_QUEUE") or 16)))
 
 
 def threads_per_slot(slots: Slots) -> int:
     """Threads each computation takes so that all slots busy at once use the cores once: MIXSCOPE_THREADS
     overrides (the whole server's count, then split)."""
-    total = int(os.environ.get("MIXSCOPE_THREADS", cores()))
+    total = int(os.environ.get("MIXSCOPE_THREADS") or cores())
     return max(1, total // slots.size)

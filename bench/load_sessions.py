@@ -83,9 +83,25 @@ def numbers(page) -> dict:
     return out
 
 
-def finish(live: dict, s: dict, t0: float) -> dict:
+def idle_all(pages: list, starts: list[float], timeout_s: float = 900, quiet_s: float = 2.0) -> list[float]:
+    """Seconds from each start to the last moment its page was busy or drawing, watching every page at once
+    (checked one after another, a page that finished early would be timed when its turn to be checked came)."""
+    from bench.browser_pages import BUSY, DRAWN
+    now = time.perf_counter()
+    last, deadline = [now] * len(pages), now + timeout_s
+    while True:
+        for i, page in enumerate(pages):
+            if page.locator(BUSY).count() or page.evaluate(DRAWN):
+                last[i] = time.perf_counter()
+        if time.perf_counter() - max(last) >= quiet_s:
+            return [t - s for t, s in zip(last, starts)]
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"pages still busy after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def finish(live: dict, s: dict, seconds: float) -> dict:
     page = live["page"]
-    seconds = ready_after(page, t0, timeout_s=900)
     if s.get("generate"):
         page.wait_for_selector("text=perplexity of output", timeout=600_000)
     problems = [t[:200] for t in page.locator("[data-testid='stException']").all_inner_texts()]
@@ -104,11 +120,13 @@ def run(zoo: Path, plan: list[dict], texts: dict, together: bool) -> tuple[list[
                 lives = [open_session(browser, url, s, texts) for s in plan]   # every page open and filled in
                 t_all = time.perf_counter()
                 starts = [go(live, s) for live, s in zip(lives, plan)]      # then all asked at once
-                rows = [finish(live, s, t) for live, s, t in zip(lives, plan, starts)]
+                seconds = idle_all([live["page"] for live in lives], starts)
+                rows = [finish(live, s, t) for live, s, t in zip(lives, plan, seconds)]
             else:
                 for s in plan:
                     live = open_session(browser, url, s, texts)
-                    rows.append(finish(live, s, go(live, s)))
+                    t0 = go(live, s)
+                    rows.append(finish(live, s, idle_all([live["page"]], [t0])[0]))
                     live["page"].close()
             wall = time.perf_counter() - t_all
             browser.close()

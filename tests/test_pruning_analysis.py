@@ -51,6 +51,10 @@ def test_drop_tables_from_a_known_keep_matrix():
     for fig in (pruning.pos_heatmap(rates, "t"), pruning.token_layer_figure(table, "t"),
                 pruning.triggers_figure(pruning.trigger_counts(table), "t")):
         assert fig.data
+    # the table is built column-wise; it reads as the row-by-row table did (None where nothing was dropped)
+    assert np.isnan(table.lifetime[(table.layer == 1)]).all()
+    kept = pruning.token_table(keeps[1:], labels + ["extra"], tags + ["X"])   # labels past T are ignored
+    assert kept.lifetime.tolist() == [None] * 5 and kept.trigger_token.tolist() == [None] * 5
 
 
 def test_keep_matrices_from_a_pruned_model():

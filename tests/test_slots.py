@@ -120,6 +120,30 @@ def test_a_caller_whose_report_raises_leaves_the_line():
     assert slots.state() == (0, 0)
 
 
+def test_work_under_way_waits_in_line_past_the_limit():
+    """The next step of a generation already running is never refused as busy: it waits its turn."""
+    slots, gate = Slots(1, queue=0), threading.Event()
+
+    def holder():
+        with slots.hold():
+            gate.wait()
+
+    h = threading.Thread(target=holder)
+    h.start()
+    wait_until(lambda: slots.state() == (1, 0))
+    with pytest.raises(Busy):
+        with slots.hold():
+            pass
+    ran = []
+    step = threading.Thread(target=lambda: slots.hold(poll_s=0.01, refuse=False).__enter__() or ran.append(1))
+    step.start()
+    wait_until(lambda: slots.state() == (1, 1))
+    gate.set()
+    h.join()
+    step.join()
+    assert ran == [1]
+
+
 def test_a_nested_hold_in_the_same_thread_passes_through():
     """A cached computation that calls another (a forward inside a cached function that loads the model) must not
     wait for its own slot."""

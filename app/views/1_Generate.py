@@ -173,7 +173,9 @@ if st.button("Generate", type="primary", key="gen_go"):
     steps = zip_longest(*gens)  # the models take turns: each event's latency is its model's own
     try:
         while True:
-            with heavy.slot():  # one step at a time: other sessions' computations take their turns in between
+            # one step at a time: other sessions' computations take their turns in between; the first step may
+            # be refused as "busy", a later one (the run under way) waits its turn
+            with heavy.slot(refuse=not runs[0]["events"]):
                 step_events = next(steps, None)
             if step_events is None:
                 break

@@ -24,8 +24,9 @@ def cached_vectors(path: str):
 
 @st.cache_data(max_entries=16, show_spinner="PCA…")
 def cached_geometry(path: str, kind: str, dims: int):
+    vectors = cached_vectors(path)[kind]   # before the slot: never wait on another cache's lock while holding one
     with heavy.slot():
-        return heads.geometry_table(cached_vectors(path)[kind], dims)
+        return heads.geometry_table(vectors, dims)
 
 
 def no_heads(loaded):

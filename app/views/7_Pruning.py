@@ -59,7 +59,7 @@ def cached_method(path: str, ids: tuple[int, ...], method: str, budget: int | No
     [layers, rows, T, T] are not kept (per KV group on SmolLM2 at 1,024 tokens: 94 MB)."""
     with heavy.slot():
         keeps, dropped_at, lp = pruning.method_run(load(path).model, list(ids), method, budget, prompt)
-    return pruning.token_table(keeps, list(labels), list(tags), dropped_at), pruning.sparsity_per_layer(keeps), lp
+        return pruning.token_table(keeps, list(labels), list(tags), dropped_at), pruning.sparsity_per_layer(keeps), lp
 
 
 def run_method(path, ids, method, budget=None, prompt=None):
@@ -87,10 +87,17 @@ def cached_interaction(path: str, ids: tuple[int, ...]):
 
 @st.fragment
 def score_view(layer: int) -> None:
+    page_line = heavy.room()   # (a fragment's rerun cannot write to the page's line)
+    try:
+        scores_of_layer(layer)
+    finally:
+        heavy.restore(page_line)
+
+
+def scores_of_layer(layer: int) -> None:
     """x_{n,j} of one layer: the heatmap with the threshold, each token's closest call, one score's terms, the soft
     rule at a chosen alpha. A fragment: its controls redraw this part alone."""
     st.subheader(f"Why: layer {layer}'s interaction scores")
-    heavy.room()   # (a fragment's rerun cannot write to the page's line)
     if not st.toggle("Show the scores behind the decisions (one more forward)", key="prune_scores"):
         return
     rule = loaded.model.blocks[layer].mixer.pruning
