@@ -14,6 +14,18 @@ def wait_until(cond, timeout=10.0):
         time.sleep(0.005)
 
 
+def holding(slots, gate) -> threading.Thread:
+    """Another caller, started and holding a slot until gate is set."""
+    def hold():
+        with slots.hold():
+            gate.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    wait_until(lambda: slots.state()[0] >= 1)
+    return t
+
+
 def test_never_more_than_size_at_once_and_every_caller_runs():
     slots, lock = Slots(2, queue=64), threading.Lock()
     now, most, done = [0], [0], []
@@ -91,10 +103,6 @@ def test_a_caller_whose_report_raises_leaves_the_line():
     """A Streamlit rerun or a closed tab raises inside the report: the others move up, no slot is lost."""
     slots, gate = Slots(1, queue=8), threading.Event()
 
-    def holder():
-        with slots.hold():
-            gate.wait()
-
     class Rerun(Exception):
         pass
 
@@ -106,9 +114,7 @@ def test_a_caller_whose_report_raises_leaves_the_line():
             with slots.hold(report=report, poll_s=0.01):
                 pass
 
-    h = threading.Thread(target=holder)
-    h.start()
-    wait_until(lambda: slots.state() == (1, 0))
+    h = holding(slots, gate)
     q = threading.Thread(target=quitter)
     q.start()
     q.join()
@@ -124,13 +130,7 @@ def test_work_under_way_waits_in_line_past_the_limit():
     """The next step of a generation already running is never refused as busy: it waits its turn."""
     slots, gate = Slots(1, queue=0), threading.Event()
 
-    def holder():
-        with slots.hold():
-            gate.wait()
-
-    h = threading.Thread(target=holder)
-    h.start()
-    wait_until(lambda: slots.state() == (1, 0))
+    h = holding(slots, gate)
     with pytest.raises(Busy):
         with slots.hold():
             pass
