@@ -24,9 +24,13 @@ class TooLarge(ValueError):
 def bytes_per_sample(cfg, t: int) -> int:
     """Estimated activation bytes one backward pass keeps for a t-token sequence, in float32: per layer about
     12 d_model + 4 d_ff values a token (SDPA's CPU backward is flash-style: no [H,t,t] maps) and one [t,t]
-    mask or log I. Measured on SmolLM2-135M (30 layers): 1.38 GB a sample at t = 1000, 0.38 GB at t = 256;
-    this gives 1.69 and 0.41 GB."""
-    return cfg.n_layers * 4 * (t * (12 * cfg.d_model + 4 * cfg.d_ff) + t * t)
+    mask or log I, times a margin of 1.15 (MARGIN). Measured on SmolLM2-135M (30 layers; bench/peak_memory.py):
+    at 256 tokens one gradient peaked 438 MB above the loaded model and five at once 2,031 MB, against 390 and
+    1,950 MB without the margin (449 and 2,243 MB with it); 1.38 GB a sample at t = 1000 (1.94 GB with it)."""
+    return int(MARGIN * cfg.n_layers * 4 * (t * (12 * cfg.d_model + 4 * cfg.d_ff) + t * t))
+
+
+MARGIN = 1.15   # what the count above misses: the embeddings' gradients, the last logits, allocator slack
 
 
 def max_tokens(cfg, budget: int = BUDGET_BYTES) -> int:

@@ -66,17 +66,76 @@ def versions() -> dict[str, str]:
     return out
 
 
-def sidecar(model_dir: str | Path | None, text: str | None, settings: dict, figure: str) -> dict:
+def code_version() -> dict:
+    """This checkout's package version and git commit (None outside a git checkout), read from .git's files."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        version = metadata.version("mixscope")
+    except metadata.PackageNotFoundError:
+        version = None
+    commit = None
+    try:
+        head = (root / ".git" / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            loose = root / ".git" / ref
+            if loose.is_file():
+                commit = loose.read_text().strip()
+            else:   # a packed ref: "<sha> <ref>" lines
+                packed = (root / ".git" / "packed-refs").read_text().splitlines()
+                commit = next((ln.split()[0] for ln in packed if ln.endswith(" " + ref)), None)
+        else:
+            commit = head   # a detached checkout
+    except OSError:
+        pass
+    return {"mixscope": version, "commit": commit}
+
+
+def base_of(model_dir: Path) -> dict | None:
+    """A delta's base as its base.json pins it (the weights' sha256 is checked whenever the base is opened)."""
+    spec = Path(model_dir) / "base.json"
+    if not spec.is_file():
+        return None
+    try:
+        data = json.loads(spec.read_text(encoding="utf-8"))
+        return {"source": data.get("source"), "weights_sha256": data.get("weights_sha256")}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+_HASHES: dict[tuple, str] = {}   # (path, size, mtime, inode) -> sha256
+
+
+def weights_sha256(path: Path) -> str:
+    """The file's sha256, remembered while its size, modification time and inode stay the same: a page's export
+    buttons ask on every rerun (SmolLM2's 538 MB took 0.5 s a time, three times on the Heads page)."""
     from models.checkpoint import file_sha256
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _HASHES:
+        if len(_HASHES) >= 64:
+            _HASHES.pop(next(iter(_HASHES)))
+        _HASHES[key] = file_sha256(path)
+    return _HASHES[key]
+
+
+def sidecar(model_dir: str | Path | None, text: str | None, settings: dict, figure: str,
+            fig: go.Figure | None = None) -> dict:
+    """What was drawn: the model, its weights' hash (and a delta's base, as pinned), the text's hash, the settings,
+    the code's version and commit, the packages' versions and, given the figure, its whole plotly spec under "plotly"
+    (so `python -m analysis.render` redraws it without the model)."""
     weights = Path(model_dir) / "model.safetensors" if model_dir else None
     return {
         "figure": figure,
         "model_dir": str(model_dir) if model_dir else None,
-        "checkpoint_sha256": file_sha256(weights) if weights and weights.is_file() else None,
+        "checkpoint_sha256": weights_sha256(weights) if weights and weights.is_file() else None,
+        "base": base_of(Path(model_dir)) if model_dir else None,   # a delta's: its base's pinned weights
+        "code": code_version(),
         "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text is not None else None,
         "settings": settings,
         "versions": versions(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **({"plotly": json.loads(fig.to_json())} if fig is not None else {}),
     }
 
 
@@ -159,7 +218,7 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
                           f"{' ...' if len(clash) > 4 else ''}): choose another --out, or pass --force")
     written = []
     for name, fig, table, settings in figures:
-        written += write_bundle(fig, table, out, name, sidecar(model_dir, text, settings, name))
+        written += write_bundle(fig, table, out, name, sidecar(model_dir, text, settings, name, fig))
     return written
 
 

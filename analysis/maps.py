@@ -6,6 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from analysis.axes import position_axis, position_names
 from models.mixers import LayerRecord
 from models.mixers.extractor import Extractor
 from models.transformer import evaluating
@@ -120,16 +121,15 @@ def overview_figure(maps: np.ndarray, kind: str, title: str = "", cells: int = 6
 
 def map_figure(m: np.ndarray, labels: list[str], title: str, colorscale: str = "Viridis",
                zmid: float | None = None) -> go.Figure:
-    """One map with readable token labels on both axes (positions, so repeated tokens stay apart)."""
+    """One map with readable token labels on both axes (one category per position, so repeated tokens stay
+    apart; hovering a cell names its query and key)."""
     T = len(labels)
-    ticks = list(range(T))
-    step = max(1, T // 60)  # keep labels legible on long windows
-    fig = go.Figure(go.Heatmap(z=_masked(m), colorscale=colorscale, zmid=zmid,
-                               customdata=np.array([[f"{labels[k]} → {labels[q]}" for k in range(T)]
-                                                    for q in range(T)]),
-                               hovertemplate="%{customdata}<br>query %{y}, key %{x}: %{z:.4f}<extra></extra>"))
-    fig.update_xaxes(tickvals=ticks[::step], ticktext=labels[::step], tickangle=-60, title="key (attended to)")
-    fig.update_yaxes(tickvals=ticks[::step], ticktext=labels[::step], autorange="reversed", title="query")
+    names = position_names(labels)
+    fig = go.Figure(go.Heatmap(z=_masked(m).astype(np.float32), x=names, y=names, colorscale=colorscale, zmid=zmid,
+                               hoverongaps=False,
+                               hovertemplate="query %{y}<br>key %{x}<br>%{z:.4f}<extra></extra>"))
+    fig.update_xaxes(**position_axis(labels, names), tickangle=-60, title="key (attended to)")
+    fig.update_yaxes(**position_axis(labels, names), autorange="reversed", title="query")
     fig.update_layout(title=title, height=max(420, min(900, 14 * T + 200)), margin={"l": 80, "r": 20, "t": 60, "b": 80})
     return fig
 

@@ -11,6 +11,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 import torch
 
+from analysis.axes import position_axis, position_names
 from analysis.maps import layer_records
 from models.pruning import drop_records, mean_sparsity, policies
 from models.pruning.replay import replay
@@ -183,13 +184,12 @@ def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> 
         scale += [[i / n, colour], [(i + 1) / n, colour]]
     names_by_code = np.array([{"a only": f"{names[0]} only", "b only": f"{names[1]} only"}.get(w, w)
                               for w in WHO_COLOURS])
-    fig = go.Figure(go.Heatmap(z=pivot.values, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
-                               customdata=np.dstack([np.array([labels] * len(pivot)), names_by_code[pivot.values]]),
+    names = position_names(labels)
+    fig = go.Figure(go.Heatmap(z=pivot.values, x=names, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
+                               customdata=names_by_code[pivot.values],
                                colorbar=dict(tickvals=list(range(n)), ticktext=list(names_by_code), title="dropped by"),
-                               hovertemplate="%{customdata[0]} (pos %{x}), layer %{y}: %{customdata[1]}"
-                                             "<extra></extra>"))
-    step = max(1, len(labels) // 60)
-    fig.update_xaxes(tickvals=list(range(0, len(labels), step)), ticktext=labels[::step], tickangle=-60)
+                               hovertemplate="%{x}, layer %{y}: %{customdata}<extra></extra>"))
+    fig.update_xaxes(**position_axis(labels, names), tickangle=-60)
     fig.update_yaxes(title="layer", autorange="reversed")
     fig.update_layout(title=title, height=140 + 40 * len(pivot))
     return fig
@@ -260,12 +260,11 @@ def token_layer_figure(table: pd.DataFrame, title: str) -> go.Figure:
     by the end of the text (1: dropped, 0: kept)."""
     pivot = table.pivot(index="layer", columns="position", values="drop_share").astype(float)
     labels = table[table["layer"] == 0].sort_values("position")["token"].tolist()
-    fig = go.Figure(go.Heatmap(z=pivot.values, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]], zmin=0, zmax=1,
-                               showscale=False, customdata=np.array([labels] * len(pivot)),
-                               hovertemplate="%{customdata} (pos %{x}), layer %{y}: "
-                               "%{z:.2f}<extra>1 = dropped (by every group)</extra>"))
-    step = max(1, len(labels) // 60)
-    fig.update_xaxes(tickvals=list(range(0, len(labels), step)), ticktext=labels[::step], tickangle=-60)
+    names = position_names(labels)
+    fig = go.Figure(go.Heatmap(z=pivot.values.astype(np.float32), x=names, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]],
+                               zmin=0, zmax=1, showscale=False,
+                               hovertemplate="%{x}, layer %{y}: %{z:.2f}<extra>1 = dropped (by every group)</extra>"))
+    fig.update_xaxes(**position_axis(labels, names), tickangle=-60)
     fig.update_yaxes(title="layer", autorange="reversed")
     fig.update_layout(title=title, height=140 + 40 * len(pivot))
     return fig

@@ -192,9 +192,13 @@ def export_buttons(fig, table, name: str, model_dir=None, text: str | None = Non
     cols[3].download_button("CSV", data=lambda: export.csv_bytes(table() if callable(table) else table),
                             file_name=f"{name}.csv", mime="text/csv",
                             on_click="ignore", key=f"dl_{key}_csv")
-    meta = export.sidecar(model_dir, text, settings or {}, name)
-    cols[4].download_button("JSON", data=access.public(json.dumps(meta, indent=2)), file_name=f"{name}.json",
-                            mime="application/json", on_click="ignore", key=f"dl_{key}_json")
+    # (built when clicked too: it hashes the weights, 0.4 s the first time for SmolLM2's 538 MB, and holds the
+    # figure's spec, which `mixscope render` redraws)
+    settings = dict(settings or {})
+    cols[4].download_button("JSON", data=lambda: access.public(json.dumps(export.sidecar(model_dir, text, settings,
+                                                                                         name, fig), indent=2)),
+                            file_name=f"{name}.json", mime="application/json", on_click="ignore",
+                            key=f"dl_{key}_json")
 
 
 def dense_base_path(loaded) -> str | None:

@@ -6,6 +6,9 @@ record of the cached function's elements, so a later cache hit does not replay a
 """
 from __future__ import annotations
 
+import functools
+import ipaddress
+import os
 import threading
 from contextlib import contextmanager
 
@@ -35,6 +38,19 @@ def restore(box) -> None:
     _room.box = box
 
 
+def fragment(fn):
+    """st.fragment with its own queue line: a fragment's rerun cannot write to its page's line, so it opens one
+    where it starts and gives the page's back when it ends."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        page_line = room()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            restore(page_line)
+    return st.fragment(run)
+
+
 def _write(method: str, text: str = "") -> None:
     box = getattr(_room, "box", None)
     if box is None or _recording is None:
@@ -46,6 +62,20 @@ def _write(method: str, text: str = "") -> None:
         pass
     finally:
         _recording.reset(token)
+
+
+def owner() -> str | None:
+    """Who asks, for the per-user limit (slots.Slots' per_owner): the header an authenticating proxy sets
+    (MIXSCOPE_USER_HEADER, such as X-Forwarded-User), else the browser's address, unless it is this machine's own
+    (its user, or a proxy on it: then unknown, and not limited per user)."""
+    try:
+        header = os.environ.get("MIXSCOPE_USER_HEADER")
+        if header:
+            return st.context.headers.get(header) or None
+        address = st.context.ip_address
+        return None if not address or ipaddress.ip_address(address).is_loopback else address
+    except Exception:   # noqa: BLE001 - outside a session (a test, a thread), or an address it cannot read
+        return None
 
 
 @contextmanager
@@ -62,7 +92,7 @@ def slot(refuse: bool = True):
         waited.append(place)
 
     try:
-        with SLOTS.hold(report, poll_s=1.0, refuse=refuse):
+        with SLOTS.hold(report, poll_s=1.0, refuse=refuse, owner=owner()):
             if waited:
                 _write("empty")
             yield

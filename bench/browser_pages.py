@@ -8,10 +8,11 @@ at a 1,000-token text and at the longest text a page accepts.
 For a page that reads a text, the time runs from submitting the text (pasted into its box, Ctrl+Enter) to ready;
 for the others (Models, Generate before generating, Heads, Extractors) from opening the page to ready. Ready: no
 running indicator or spinner for a moment, and every plotly figure on the page drawn; the time is taken at the
-last moment the page was still busy or drawing. Each page is opened fresh (a new browser session) after the
-models were loaded once (timed apart), so shared caches hold the models, not the page's results; the two texts
-differ, so the second reading computes anew. The Pruning page opens on the first --extra (a pruned model). Do not
-run it beside training or tests: on 2 cores anything else running changes the times.
+last moment the page was still busy or drawing, as the page itself records it (the harness reads that record four
+times a second rather than polling the page). Each page is opened fresh (a new browser session) after the models
+were loaded once (timed apart), so shared caches hold the models, not the page's results; the two texts differ, so
+the second reading computes anew. The Pruning page opens on the first --extra (a pruned model), and Compare puts
+the dense model beside it. Do not run it beside training or tests: on 2 cores anything else running changes the times.
 """
 from __future__ import annotations
 
@@ -32,8 +33,28 @@ BUSY = "[data-testid='stStatusWidgetRunningIcon'], [data-testid='stSpinner'], [d
 # page url -> does it read a text
 PAGES = {"": False, "Generate": False, "Attention": True, "Heads": False, "Extractors": False, "Attribution": True,
          "Compare": True, "Pruning": True}
-DRAWN = ("() => { const p = Array.from(document.querySelectorAll('.js-plotly-plot'));"
-         " return p.filter(e => !e.querySelector('.main-svg')).length; }")
+# Installed in every page before it loads: on each change to the page, notes whether it is busy (no title drawn
+# yet, running, a spinner or a progress bar) or has a plotly figure not yet drawn, and the last moment it was
+# (Date.now(): the host's clock, which the harness shares). The harness reads that four times a second: polling
+# the page itself every 50 ms took a fifth of a core of the two, which slowed the server it was timing.
+WATCH = """(() => {
+  const busySel = %s;
+  const state = {busy: false, last: 0};
+  window.__mixscopeIdle = state;
+  const check = () => {
+    const undrawn = Array.from(document.querySelectorAll('.js-plotly-plot')).some(e => !e.querySelector('.main-svg'));
+    // (before the app has drawn its title the page is still loading)
+    const busy = undrawn || document.querySelector(busySel) !== null || document.querySelector('h1') === null;
+    if (busy || state.busy) state.last = Date.now();   // (busy to idle: the moment it ended)
+    state.busy = busy;
+  };
+  const start = () => {
+    new MutationObserver(check).observe(document.documentElement,
+                                        {subtree: true, childList: true, attributes: true, characterData: true});
+    check();
+  };
+  if (document.readyState === 'loading') document.addEventListener('DOMContentLoaded', start); else start();
+})();""" % repr(BUSY)
 
 
 def free_port() -> int:
@@ -48,17 +69,32 @@ def peak_rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
-def ready_after(page, start: float, timeout_s: float = 600, quiet_s: float = 2.0) -> float:
-    """Seconds from `start` to the last moment the page was busy (running, a spinner or a progress bar) or had a
-    figure still undrawn, once it has been neither for quiet_s."""
-    last, deadline = time.perf_counter(), time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        if page.locator(BUSY).count() or page.evaluate(DRAWN):
-            last = time.perf_counter()
-        elif time.perf_counter() - last >= quiet_s:
-            return last - start
-        page.wait_for_timeout(50)
-    raise TimeoutError(f"the page was still busy after {timeout_s} s")
+def watched_page(browser, **kw):
+    """A new page that keeps its own busy record (WATCH)."""
+    page = browser.new_page(**kw)
+    page.add_init_script(WATCH)
+    return page
+
+
+def idle_times(pages: list, starts: list[float], timeout_s: float = 900, quiet_s: float = 2.0,
+               poll_s: float = 0.25) -> list[float]:
+    """For watched pages asked at `starts` (time.time()): seconds to the last moment each was busy or drawing, once
+    none has been for quiet_s. Every page is watched at once, each timed by its own record."""
+    deadline = time.time() + timeout_s
+    while True:
+        states = [page.evaluate("() => window.__mixscopeIdle") for page in pages]
+        now = time.time()
+        last = [max(st["last"] / 1000, s) for st, s in zip(states, starts)]
+        if not any(st["busy"] for st in states) and now - max(last) >= quiet_s:
+            return [t - s for t, s in zip(last, starts)]
+        if now > deadline:
+            raise TimeoutError(f"pages still busy after {timeout_s} s")
+        time.sleep(poll_s)
+
+
+def ready_after(page, start: float, timeout_s: float = 600) -> float:
+    """Seconds from `start` (time.time()) to a watched page's last busy or drawing moment, once it is idle."""
+    return idle_times([page], [start], timeout_s)[0]
 
 
 def start_server(zoo: Path, threads: int | None) -> tuple[subprocess.Popen, str]:
@@ -68,7 +104,7 @@ def start_server(zoo: Path, threads: int | None) -> tuple[subprocess.Popen, str]
     env.update(MIXSCOPE_MODELS=str(zoo), MIXSCOPE_NO_FETCH="1")
     if threads is not None:   # (None: the server's own default, split between its computation slots)
         env["MIXSCOPE_THREADS"] = str(threads)
-    proc = subprocess.Popen(cmd, cwd=cli.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=cli.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open("/tmp/server.err", "w"))
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
@@ -80,20 +116,19 @@ def start_server(zoo: Path, threads: int | None) -> tuple[subprocess.Popen, str]
     raise RuntimeError("streamlit did not start")
 
 
-def time_page(browser, url: str, name: str, model: str, text: str | None) -> dict:
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+def time_page(browser, url: str, name: str, model: str, text: str | None, model2: str | None = None) -> dict:
+    page = watched_page(browser, viewport={"width": 1400, "height": 1000})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)[:200]))
-    t0 = time.perf_counter()
-    page.goto(f"{url}/{name}?model={model}")
+    t0 = time.time()
+    page.goto(f"{url}/{name}?model={model}" + (f"&model2={model2}" if model2 else ""))
     page.wait_for_selector("h1", timeout=600_000)
     seconds = ready_after(page, t0)
     if text is not None:
         box = page.get_by_role("textbox", name="Paste text")
         box.fill(text)
-        t0 = time.perf_counter()
+        t0 = time.time()
         box.press("Control+Enter")
-        page.wait_for_timeout(300)   # the rerun's running indicator comes up after a moment
         seconds = ready_after(page, t0)
     figures = page.locator(".js-plotly-plot").count()
     problems = [t[:200] for t in page.locator("[data-testid='stException']").all_inner_texts()]
@@ -131,8 +166,8 @@ def main(argv=None) -> int:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             for m in [name, *[Path(d).name for d in args.extra]]:   # each model loaded once, timed apart
-                t0 = time.perf_counter()
-                page = browser.new_page()
+                page = watched_page(browser)
+                t0 = time.time()
                 page.goto(f"{url}/Generate?model={m}")
                 page.wait_for_selector("h1", timeout=600_000)
                 load[m] = ready_after(page, t0)
@@ -140,9 +175,12 @@ def main(argv=None) -> int:
             for label, text in texts.items():
                 n = len(tokenizer.encode(text).ids)
                 for page_name, reads_text in PAGES.items():
-                    model = Path(args.extra[0]).name if page_name == "Pruning" and args.extra else name
-                    row = time_page(browser, url, page_name, model, text if reads_text else None)
-                    row.update(text=label, tokens=n if reads_text else None, model=model)
+                    pruned = Path(args.extra[0]).name if args.extra else None
+                    model = pruned if page_name == "Pruning" and pruned else name
+                    model2 = pruned if page_name == "Compare" else None   # (the dense model against the pruned one)
+                    row = time_page(browser, url, page_name, model, text if reads_text else None, model2)
+                    row.update(text=label, tokens=n if reads_text else None, model=model,
+                               **({"model2": model2} if model2 else {}))
                     rows.append(row)
                     print(f"{label:<40} {row['page']:<12} {row['seconds']:6.2f} s  {row['figures']} figures  "
                           f"{'; '.join(row['errors'])[:120]}", file=sys.stderr)

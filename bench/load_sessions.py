@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import cpu_model, report
-from bench.browser_pages import CHROMIUM, peak_rss_mb, ready_after, start_server
+from bench.browser_pages import CHROMIUM, idle_times, peak_rss_mb, ready_after, start_server, watched_page
 
 TIMED = re.compile(r"tokens/s|ms|latency|time", re.I)
 
@@ -44,18 +44,18 @@ def sessions(dense: str, pruned: str) -> list[dict]:
 
 def open_session(browser, url: str, s: dict, texts: dict) -> dict:
     """Opens the page and submits its input; returns the live page and when its work was asked for."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = watched_page(browser, viewport={"width": 1400, "height": 1000})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)[:200]))
     page.goto(f"{url}/{s['page']}?{s['query']}")
     page.wait_for_selector("h1", timeout=600_000)
-    ready_after(page, time.perf_counter())
+    ready_after(page, time.time())
     if s.get("generate"):
         box = page.get_by_label("New tokens")
         box.fill("32")
         box.press("Enter")
         page.get_by_text("Greedy").click()
-        ready_after(page, time.perf_counter())
+        ready_after(page, time.time())
     elif s.get("text"):
         page.get_by_role("textbox", name="Paste text").fill(texts[s["text"]])
     return {"page": page, "errors": errors}
@@ -67,7 +67,7 @@ def go(live: dict, s: dict) -> float:
         page.get_by_role("button", name="Generate").click(timeout=60_000)
     else:
         page.get_by_role("textbox", name="Paste text").press("Control+Enter")
-    return time.perf_counter()
+    return time.time()
 
 
 def numbers(page) -> dict:
@@ -81,23 +81,6 @@ def numbers(page) -> dict:
     if found:
         out["attribution"] = found.group(0)
     return out
-
-
-def idle_all(pages: list, starts: list[float], timeout_s: float = 900, quiet_s: float = 2.0) -> list[float]:
-    """Seconds from each start to the last moment its page was busy or drawing, watching every page at once
-    (checked one after another, a page that finished early would be timed when its turn to be checked came)."""
-    from bench.browser_pages import BUSY, DRAWN
-    now = time.perf_counter()
-    last, deadline = [now] * len(pages), now + timeout_s
-    while True:
-        for i, page in enumerate(pages):
-            if page.locator(BUSY).count() or page.evaluate(DRAWN):
-                last[i] = time.perf_counter()
-        if time.perf_counter() - max(last) >= quiet_s:
-            return [t - s for t, s in zip(last, starts)]
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"pages still busy after {timeout_s} s")
-        time.sleep(0.05)
 
 
 def finish(live: dict, s: dict, seconds: float) -> dict:
@@ -120,13 +103,13 @@ def run(zoo: Path, plan: list[dict], texts: dict, together: bool) -> tuple[list[
                 lives = [open_session(browser, url, s, texts) for s in plan]   # every page open and filled in
                 t_all = time.perf_counter()
                 starts = [go(live, s) for live, s in zip(lives, plan)]      # then all asked at once
-                seconds = idle_all([live["page"] for live in lives], starts)
+                seconds = idle_times([live["page"] for live in lives], starts)
                 rows = [finish(live, s, t) for live, s, t in zip(lives, plan, seconds)]
             else:
                 for s in plan:
                     live = open_session(browser, url, s, texts)
                     t0 = go(live, s)
-                    rows.append(finish(live, s, idle_all([live["page"]], [t0])[0]))
+                    rows.append(finish(live, s, idle_times([live["page"]], [t0])[0]))
                     live["page"].close()
             wall = time.perf_counter() - t_all
             browser.close()

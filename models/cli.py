@@ -22,6 +22,7 @@ COMMANDS = {
     "evaluate": ("models.evaluate", [], "perplexity and sparsity of a model directory (python -m models.evaluate)"),
     "train": ("models.train", [], "train a model from a config (python -m models.train)"),
     "export": ("analysis.export", [], "every figure for a model and a text (python -m analysis.export)"),
+    "render": ("analysis.render", [], "redraw an exported figure from its JSON sidecar (python -m analysis.render)"),
     "import": ("models.import_hf", [], "import a Hugging Face checkpoint (python -m models.import_hf)"),
     "fetch": ("models.delta", ["fetch"],
               "fetch the registry bases of the shipped deltas (python -m models.delta fetch)"),

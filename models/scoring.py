@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 512  # positions per log-softmax: a float32 copy of [T, V] logits never exists whole (8k x 50k: 1.6 GB)
+# positions per log-softmax: a float32 copy of [T, V] logits never exists whole (8k x 50k: 1.6 GB), and a chunk
+# stays in cache (64 x 49,152 floats: 12 MB; 512 at a time took 0.1-0.2 s longer per 512-token text on SmolLM2)
+CHUNK = 64
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:

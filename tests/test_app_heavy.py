@@ -92,3 +92,42 @@ def test_a_full_queue_answers_busy_and_keeps_nothing(server):
     waiting.join()
     at.run()   # once the server is free the same text computes (the refusal was not cached)
     assert not at.exception and at.get("plotly_chart") and not at.warning
+
+
+def test_a_user_past_their_share_is_told_so(monkeypatch):
+    """One user's other tab holds the only place one user may have: this page says so and keeps nothing."""
+    slots, gate, held = Slots(1, queue=8, per_owner=1), threading.Event(), threading.Event()
+    monkeypatch.setattr(heavy, "SLOTS", slots)
+    monkeypatch.setattr(heavy, "owner", lambda: "ann")
+    at = attention("One person, two tabs, one place in the line.")
+
+    def other_tab():
+        with slots.hold(owner="ann"):
+            held.set()
+            gate.wait(60)
+
+    tab = threading.Thread(target=other_tab)
+    tab.start()
+    assert held.wait(10)
+    try:
+        at.run()
+        assert any("you already have 1 computation" in w.value for w in at.warning) and not at.get("plotly_chart")
+    finally:
+        gate.set()
+        tab.join()
+
+
+def test_the_user_is_the_proxys_header_else_a_remote_address(monkeypatch):
+    from types import SimpleNamespace
+    fake = SimpleNamespace(context=SimpleNamespace(headers={"X-Forwarded-User": "ann"}, ip_address="10.0.0.7"))
+    monkeypatch.setattr(heavy, "st", fake)
+    monkeypatch.delenv("MIXSCOPE_USER_HEADER", raising=False)
+    assert heavy.owner() == "10.0.0.7"
+    monkeypatch.setenv("MIXSCOPE_USER_HEADER", "X-Forwarded-User")
+    assert heavy.owner() == "ann"
+    fake.context.headers = {}
+    assert heavy.owner() is None                      # a proxy that did not say who: unknown, not limited
+    monkeypatch.delenv("MIXSCOPE_USER_HEADER")
+    for local in ("127.0.0.1", "::1", None):
+        fake.context.ip_address = local
+        assert heavy.owner() is None                  # this machine's own user, or a proxy on it

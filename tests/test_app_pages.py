@@ -198,3 +198,21 @@ def test_compare_two_models():
     at = page("6_Compare.py").run()
     assert {"per-token surprisal", f"A - B: layer {last_layer('mha')}, head 0"} <= set(titles(at))
     assert len(at.metric) == 4
+
+
+def test_compare_times_a_fresh_forward_on_each_run_and_keeps_the_maps():
+    """The latency is measured on every run, never read from a cache (a cached time showed the first visitor's);
+    the maps are kept for the layer and head pickers. (In a browser those rerun their fragment alone; AppTest reruns
+    the whole page.)"""
+    from app import common
+    at = page("6_Compare.py").run()
+    model_a = common.load(str(common.model_paths()[[p.name for p in common.model_paths()].index("mha")])).model
+    forwards = []
+    hook = model_a.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        at.run()
+        assert len(forwards) == 2 and not at.exception   # model A's two timed forwards; its maps from the cache
+        at.selectbox(key="cmp_layer").select(0).run()
+        assert len(forwards) == 4 and "A mha: layer 0" in titles(at)
+    finally:
+        hook.remove()

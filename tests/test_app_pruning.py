@@ -168,3 +168,20 @@ def test_pruning_page_opens_on_the_largest_model_that_drops_most(pruned_zoo):
     save_model_dir(pruned_zoo / "c-larger", DecoderLM(ModelConfig(**dict(cfg, n_layers=3))), tok)
     at = AppTest.from_file(PAGE, default_timeout=180).run()
     assert at.sidebar.selectbox(key="model").value == "c-larger"   # size first
+
+
+def test_a_large_model_on_a_cpu_runs_the_reference_forward_when_asked(pruned_zoo, monkeypatch):
+    """Past MIXSCOPE_LARGE_MODEL parameters on a CPU, the page shows the method's own numbers after one forward;
+    the perplexity with nothing evicted (and the dense base) wait for their toggles."""
+    monkeypatch.setenv("MIXSCOPE_LARGE_MODEL", "1000")
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    assert not at.exception, at.exception
+    labels = {m.label: m for m in at.metric}
+    assert "perplexity (nothing evicted)" not in labels and "perplexity (dense base)" not in labels
+    assert labels["perplexity (pruned)"].proto.delta == ""
+    at.toggle(key="prune_reference").set_value(True).run()
+    labels = {m.label: m for m in at.metric}
+    ppl, ppl0 = float(labels["perplexity (pruned)"].value), float(labels["perplexity (nothing evicted)"].value)
+    delta = labels["perplexity (pruned)"].proto.delta
+    assert delta.endswith("% vs nothing evicted")
+    assert abs(float(delta.split("%")[0]) - 100 * (ppl / ppl0 - 1)) < 0.05   # (from the metrics' rounded values)

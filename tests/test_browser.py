@@ -1,5 +1,6 @@
 """The app in a real browser: headless Debian chromium driven by Playwright, the server started by `make run`'s command.
 Screenshots go to test-output/screenshots/."""
+import json
 import os
 import socket
 import subprocess
@@ -9,6 +10,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from models.checkpoint import file_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "test-output" / "screenshots"
@@ -125,6 +128,11 @@ def test_upload_text_and_export_a_figure(server, browser, tmp_path):
     dl.value.save_as(path)
     assert dl.value.suggested_filename == "maps_overview.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
+    with page.expect_download(timeout=120_000) as dl:   # the sidecar, built on the click
+        page.get_by_role("button", name="JSON", exact=True).first.click()
+    meta = json.loads(Path(dl.value.path()).read_text())
+    assert meta["figure"] == "maps_overview" and meta["settings"]["window_start"] == 0
+    assert meta["checkpoint_sha256"] == file_sha256(REPO / "assets" / "models" / "mha" / "model.safetensors")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"caf\xe9")
     page.locator("input[type='file']").set_input_files(str(bad))

@@ -79,3 +79,59 @@ def test_uploads_are_refused_with_a_reason(name, data, message):
 
 def test_good_upload_keeps_text():
     assert decode_upload("n.md", "\ufeffĀ café — ok\n".encode("utf-8")) == "Ā café — ok\n"
+
+
+def test_the_weights_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    from models import checkpoint
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"first")
+    calls = []
+    real = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: calls.append(p) or real(p))
+    first = export.sidecar(tmp_path, None, {}, "x")["checkpoint_sha256"]
+    assert export.sidecar(tmp_path, None, {}, "x")["checkpoint_sha256"] == first and len(calls) == 1
+    f.write_bytes(b"second, longer")   # (a new size: a new key even where mtime does not move)
+    assert export.sidecar(tmp_path, None, {}, "x")["checkpoint_sha256"] == real(f) != first and len(calls) == 2
+
+
+def test_render_redraws_an_exported_figure_from_its_sidecar_alone(tmp_path, mha):
+    """The sidecar holds the figure's spec: `mixscope render` writes it again (another format, size, title)
+    without the model; it refuses to overwrite, and says why a sidecar without a spec cannot be redrawn."""
+    from analysis import render
+    toks = tokenize(mha.tokenizer, TEXT)
+    m, _ = maps.mixing_maps(mha.model, toks.ids)
+    fig = maps.map_figure(m[1, 2], toks.labels, "layer 1 head 2")
+    meta = export.sidecar(mha.path, TEXT, {"layer": 1, "head": 2}, "map", fig)
+    export.write_bundle(fig, maps.maps_table(m[1:2, 2:3], toks.labels), tmp_path, "map", meta)
+    side = tmp_path / "map.json"
+    again = render.load_figure(side)
+    assert json.loads(again.to_json())["data"] == json.loads(fig.to_json())["data"]   # (z as plotly's typed array)
+    out = tmp_path / "paper"
+    assert render.main([str(side), "--format", "svg", "--out", str(out), "--width", "500",
+                        "--title", "Figure 3: a head"]) == 0
+    svg = (out / "map.svg").read_text()
+    assert "Figure 3: a head" in svg and 'width="500"' in svg[:400]
+    before = (out / "map.svg").read_bytes()
+    assert render.main([str(side), "--format", "svg", "--out", str(out)]) == 2      # refused: nothing rewritten
+    assert (out / "map.svg").read_bytes() == before
+    assert render.main([str(side), "--format", "svg", "--out", str(out), "--force"]) == 0
+    assert "layer 1 head 2" in (out / "map.svg").read_text()
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({k: v for k, v in meta.items() if k != "plotly"}))
+    with pytest.raises(export.ExportError, match="holds no figure spec"):
+        render.load_figure(old)
+    (tmp_path / "junk.json").write_bytes(b"\xff\xfe not json")
+    with pytest.raises(export.ExportError, match="not a JSON sidecar"):
+        render.load_figure(tmp_path / "junk.json")
+
+
+def test_a_sidecar_names_a_deltas_base_and_the_codes_commit():
+    delta = models_root() / "smollm2-pruned-window"
+    pinned = json.loads((delta / "base.json").read_text())
+    meta = export.sidecar(delta, None, {}, "x")
+    assert meta["base"] == {"source": pinned["source"], "weights_sha256": pinned["weights_sha256"]}
+    assert export.sidecar(models_root() / "mha", None, {}, "x")["base"] is None
+    commit = meta["code"]["commit"]
+    if (REPO / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        assert commit == head

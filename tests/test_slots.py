@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from app import slots as slots_module
 from app.slots import Busy, Slots
 
 
@@ -163,3 +164,78 @@ def test_an_error_in_the_body_gives_the_slot_back():
     assert slots.state() == (0, 0)
     with slots.hold():
         pass
+
+
+def test_on_idle_runs_when_the_last_computation_ends_and_nobody_waits():
+    idle = []
+    slots, gate = Slots(2, queue=4, on_idle=lambda: idle.append(slots.state())), threading.Event()
+    other = holding(slots, gate)
+    with slots.hold():
+        with slots.hold():   # (a nested hold ends nothing)
+            pass
+    assert idle == []        # the other caller still runs
+    gate.set()
+    other.join()
+    assert idle == [(0, 0)]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(slots_module._TRIM is None, reason="glibc's malloc_trim is not here")
+def test_freed_heap_memory_goes_back_to_the_system():
+    import torch
+    blocks = [torch.ones(16_000) for _ in range(6_000)]   # 64 KB each (under glibc's mmap threshold): 384 MB of heap
+    keep = blocks[::50]                                    # a few stay alive, so the heap's top cannot just shrink
+    del blocks
+    held = rss_mb()
+    assert slots_module.give_back_memory()
+    assert held - rss_mb() > 200, "malloc_trim gave back less than 200 of about 380 free MB"
+    del keep
+
+
+def test_one_user_may_hold_per_owner_places_and_no_more():
+    """Several tabs of one user cannot fill the line: past per_owner running or waiting, that user is told so;
+    another user, an unknown one and work under way still get in line; a place left is given back."""
+    slots, gate = Slots(1, queue=8, per_owner=2), threading.Event()
+
+    def hold(owner, refuse=True):
+        with slots.hold(poll_s=0.01, owner=owner, refuse=refuse):
+            gate.wait()
+
+    threads = [threading.Thread(target=hold, args=("ann",))]
+    threads[0].start()
+    wait_until(lambda: slots.state() == (1, 0))
+    threads.append(threading.Thread(target=hold, args=("ann",)))
+    threads[1].start()
+    wait_until(lambda: slots.state() == (1, 1))
+    with pytest.raises(Busy, match="you already have 2"):
+        with slots.hold(owner="ann"):
+            pass
+    for who, refuse in (("bob", True), (None, True), ("ann", False)):
+        threads.append(threading.Thread(target=hold, args=(who, refuse)))
+        threads[-1].start()
+    wait_until(lambda: slots.state() == (1, 4))
+    gate.set()
+    for t in threads:
+        t.join()
+    assert slots.state() == (0, 0) and not slots._owners
+
+
+def test_a_user_who_leaves_the_line_gets_the_place_back():
+    slots, gate = Slots(1, queue=8, per_owner=1), threading.Event()
+    other = holding(slots, gate)
+
+    def stop(place):
+        raise KeyboardInterrupt   # (a rerun: the report raises)
+
+    with pytest.raises(KeyboardInterrupt):
+        with slots.hold(report=stop, owner="ann"):
+            pass
+    assert slots.state() == (1, 0) and not slots._owners
+    gate.set()
+    other.join()
+    with slots.hold(owner="ann"):
+        assert slots._owners == {"ann": 1}

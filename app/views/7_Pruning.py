@@ -1,6 +1,7 @@
 """Pruning: which tokens a method drops, per layer and part of speech, and what it costs. The method is a model's
 own learned context pruning (its rule) or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at
 a budget, on any softmax attention model; two methods can be put side by side on one text at matched sparsity."""
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -49,6 +50,8 @@ def first_pruned() -> str | None:
     return best[1] if best else None
 
 
+# parameters: past this, a second forward or a second model waits to be asked for (MIXSCOPE_LARGE_MODEL overrides)
+LARGE = int(os.environ.get("MIXSCOPE_LARGE_MODEL") or 50_000_000)
 MAX_VIEW = 1024  # tokens per analysed window: masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
 
 
@@ -85,16 +88,8 @@ def cached_interaction(path: str, ids: tuple[int, ...]):
         return scores.recorded(load(path).model, list(ids))
 
 
-@st.fragment
+@heavy.fragment
 def score_view(layer: int) -> None:
-    page_line = heavy.room()   # (a fragment's rerun cannot write to the page's line)
-    try:
-        scores_of_layer(layer)
-    finally:
-        heavy.restore(page_line)
-
-
-def scores_of_layer(layer: int) -> None:
     """x_{n,j} of one layer: the heatmap with the threshold, each token's closest call, one score's terms, the soft
     rule at a chosen alpha. A fragment: its controls redraw this part alone."""
     st.subheader(f"Why: layer {layer}'s interaction scores")
@@ -204,24 +199,35 @@ if method != LEARNED:
     if cfg.prune:
         st.caption("The policy runs on this model's own weights with its learned rule switched off.")
 table, sp, lp = run_method(path, ids, method, budget, prompt)
-nothing_lp = run_method(path, ids, NOTHING)[2]
 settings = {"window_start": start, "tokens": n, "method": method, "budget": budget, "prompt": prompt}
 
+
+def nothing_ppl() -> float:
+    """Perplexity of the same weights with every token kept (one forward, cached per window)."""
+    return tokens.perplexity(run_method(path, ids, NOTHING)[2])
+
+
 held_bytes, dense_bytes = cache_bytes(loaded.model, table, method == LEARNED)
-ppl, ppl0 = tokens.perplexity(lp), tokens.perplexity(nothing_lp)
+n_params = sum(p.numel() for p in loaded.model.parameters())
+# a large model on a CPU takes seconds a forward (SmolLM2 at 512 tokens: 1.5-3 s on 2 cores), so what needs one
+# more runs when asked for; a small model or a GPU runs it at once
+large_on_cpu = n_params > LARGE and loaded.model.wte.weight.device.type == "cpu"
+ppl = tokens.perplexity(lp)
 m = st.columns(5)
+ppl0 = None
+if not large_on_cpu or m[3].toggle("perplexity with nothing evicted (one more forward)", key="prune_reference"):
+    ppl0 = nothing_ppl()
+    m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a "
+                "pruned model's rule switched off).")
 m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
 m[1].metric("cache after the text", f"{held_bytes / 1024:.1f} KiB", f"{held_bytes / dense_bytes - 1:+.0%} vs dense",
             delta_color="inverse")
 m[2].metric(f"perplexity ({'pruned' if method == LEARNED else method})", f"{ppl:.2f}",
-            f"{ppl / ppl0 - 1:+.2%} vs nothing evicted", delta_color="inverse")
-m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a pruned "
-            "model's rule switched off).")
+            None if ppl0 is None else f"{ppl / ppl0 - 1:+.2%} vs nothing evicted", delta_color="inverse")
 base_dir = dense_base_path(loaded) if cfg.prune else None
-n_params = sum(p.numel() for p in loaded.model.parameters())
 # a large dense base is a second large model in memory: loaded only when asked for
-ask = base_dir and n_params > 50_000_000 and not m[4].toggle(f"compare with the dense base ({Path(base_dir).name})",
-                                                              key="prune_base")
+ask = base_dir and n_params > LARGE and not m[4].toggle(f"compare with the dense base ({Path(base_dir).name})",
+                                                         key="prune_base")
 if base_dir and not ask:
     try:
         base_lp = cached_logprobs(str(Path(base_dir)), ids)
@@ -276,6 +282,7 @@ if other != "-":
     budget_b = pruning.matched_budget(other, target, n, prompt_b)
     table_b, sp_layers_b, lp_b = run_method(path, ids, other, budget_b, prompt_b)
     sp_b = float(sp_layers_b["sparsity"].mean())
+    ppl0 = ppl0 or nothing_ppl()   # (the comparison's table is read against it)
     ppl_b = tokens.perplexity(lp_b)
     name_b = f"{METHODS.get(other, other)} at {budget_b} tokens"
     summary = pd.DataFrame([{"method": name, "sparsity": target, "perplexity": ppl,
@@ -307,6 +314,7 @@ if other != "-":
 if st.toggle("Every policy at this sparsity (one forward each, each in its default mode)", key="prune_all"):
     prompt_all = prompt or default_prompt(n)
     rows, tables = [{"method": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
+    ppl0 = ppl0 or nothing_ppl()
     bar = st.progress(0.0, text="running the policies…")
     defaults = [policies.method_id(p, c.default_mode) for p, c in policies.REGISTRY.items()]
     others = [p for p in defaults if p != method]

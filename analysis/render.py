@@ -1,0 +1,96 @@
+"""Redraw an exported figure from its JSON sidecar, without the model or the app: the sidecar holds the figure's
+whole plotly spec (analysis.export.sidecar), so a figure can be written again at a paper's size, in another
+format, or with a title of one's own.
+
+    python -m analysis.render SIDECAR.json [--format pdf ...] [--out DIR] [--width PX] [--height PX]
+        [--scale S] [--title TEXT] [--force]
+
+Writes NAME.{format} beside the sidecar (or in --out), NAME being the sidecar's file name; existing files are
+refused unless --force. A sidecar exported before the spec was kept in it cannot be redrawn this way: export the
+figure again.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import plotly.io as pio
+
+from analysis.export import FORMATS, ExportError, figure_bytes
+
+MAX_SIDECAR_BYTES = 64 * 2**20   # the largest spec the app writes (the maps overview) is about 1 MB
+
+
+def load_figure(sidecar: str | Path):
+    """The plotly figure a sidecar holds; ExportError with the reason when it holds none or cannot be read."""
+    path = Path(sidecar)
+    if not path.is_file():
+        raise ExportError(f"{path} is not a file")
+    if path.stat().st_size > MAX_SIDECAR_BYTES:
+        raise ExportError(f"{path} is over {MAX_SIDECAR_BYTES // 2**20} MB: not a sidecar this project writes")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{path} is not a JSON sidecar: {e}") from None
+    if not isinstance(meta, dict) or "plotly" not in meta:
+        raise ExportError(f"{path} holds no figure spec (\"plotly\"): it was exported before sidecars kept one, or "
+                          "is not a figure's sidecar; export the figure again")
+    try:
+        return pio.from_json(json.dumps(meta["plotly"]))
+    except ValueError as e:
+        raise ExportError(f"{path}: its figure spec is not a plotly figure: {e}") from None
+
+
+def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None = None, width: int | None = None,
+           height: int | None = None, scale: float = 2.0, title: str | None = None,
+           force: bool = False) -> list[Path]:
+    """Writes the sidecar's figure in each format; returns the files written (nothing when one would clash)."""
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise ExportError(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(FORMATS)}")
+    fig = load_figure(sidecar)
+    if width or height:
+        fig.update_layout(**({"width": width} if width else {}), **({"height": height} if height else {}))
+    if title is not None:
+        fig.update_layout(title_text=title)
+    out = Path(out_dir) if out_dir else Path(sidecar).parent
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a directory")
+    targets = [out / f"{Path(sidecar).stem}.{fmt}" for fmt in formats]
+    clash = [p for p in targets if p.exists()]
+    if clash and not force:
+        raise ExportError(f"{', '.join(p.name for p in clash)} would be overwritten in {out}: choose another --out, "
+                          "or pass --force")
+    images = [figure_bytes(fig, fmt, scale) for fmt in formats]   # (all drawn before any is written)
+    out.mkdir(parents=True, exist_ok=True)
+    for path, data in zip(targets, images):
+        path.write_bytes(data)
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.render", description=__doc__.split("\n")[0])
+    ap.add_argument("sidecar", help="a figure's .json, as the app's JSON button or analysis.export writes it")
+    ap.add_argument("--format", nargs="+", default=["pdf"], choices=list(FORMATS))
+    ap.add_argument("--out", default=None, help="directory to write to (default: beside the sidecar)")
+    ap.add_argument("--width", type=int, default=None, help="pixels")
+    ap.add_argument("--height", type=int, default=None, help="pixels")
+    ap.add_argument("--scale", type=float, default=2.0, help="PNG pixels per figure pixel")
+    ap.add_argument("--title", default=None, help="replace the figure's title ('' for none)")
+    ap.add_argument("--force", action="store_true", help="overwrite files already there")
+    args = ap.parse_args(argv)
+    try:
+        written = render(args.sidecar, args.format, args.out, args.width, args.height, args.scale, args.title,
+                         args.force)
+    except (ExportError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
