@@ -5,7 +5,9 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # A test that opens a shipped delta model must not download its 538 MB base: it fails with the reason instead.
 os.environ.setdefault("MIXSCOPE_NO_FETCH", "1")
-# ... and sees an empty base cache, so the shipped deltas look the same here as on a fresh machine (CI).
+# ... and sees an empty base cache, so the shipped deltas look the same here as on a fresh machine (CI); a slow test
+# that needs the fetched bases (tests/test_load_sessions.py) finds the machine's own cache under USER_CACHE.
+USER_CACHE = os.environ.get("MIXSCOPE_CACHE") or os.path.expanduser("~/.cache/mixscope")
 os.environ["MIXSCOPE_CACHE"] = tempfile.mkdtemp(prefix="mixscope-test-cache-")
 
 import pytest  # noqa: E402

@@ -12,7 +12,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 MODELS = Path(__file__).resolve().parent.parent / "assets" / "models"
 
 
-def test_eight_sessions_at_once_compute_what_each_computes_alone(tmp_path):
+def test_eight_sessions_at_once_compute_what_each_computes_alone(tmp_path, monkeypatch):
+    from tests.conftest import USER_CACHE
+    monkeypatch.setenv("MIXSCOPE_CACHE", USER_CACHE)   # (the fetched bases: the other tests see an empty cache)
     dense, pruned = MODELS / "smollm2-135m", MODELS / "smollm2-pruned-window"
     if not (dense / "model.safetensors").is_file() or unfetched_base(pruned):
         pytest.skip("SmolLM2 is not here: `make smollm2` and `make fetch` bring it")
