@@ -24,9 +24,10 @@ class TooLarge(ValueError):
 def bytes_per_sample(cfg, t: int) -> int:
     """Estimated activation bytes one backward pass keeps for a t-token sequence, in float32: per layer about
     12 d_model + 4 d_ff values a token (SDPA's CPU backward is flash-style: no [H,t,t] maps) and one [t,t]
-    mask or log I, times a margin of 1.15 (MARGIN). Measured on SmolLM2-135M (30 layers; bench/peak_memory.py):
-    at 256 tokens one gradient peaked 438 MB above the loaded model and five at once 2,031 MB, against 390 and
-    1,950 MB without the margin (449 and 2,243 MB with it); 1.38 GB a sample at t = 1000 (1.94 GB with it)."""
+    mask or log I, times a margin of 1.15 (MARGIN). Measured on SmolLM2-135M (30 layers;
+    bench/results/peak_memory_cpu.json): at 256 tokens one gradient peaked 430 MiB above the loaded model and four
+    at once 1,649 MiB, against 390 and 1,560 MiB without the margin (448 and 1,794 MiB with it); earlier, 1.38 GB a
+    sample at t = 1000 (1.94 GB with it)."""
     return int(MARGIN * cfg.n_layers * 4 * (t * (12 * cfg.d_model + 4 * cfg.d_ff) + t * t))
 
 

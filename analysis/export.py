@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import hashlib
 import json
 import logging
 import platform
+import subprocess
 import sys
 import threading
 import warnings
@@ -66,29 +68,27 @@ def versions() -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def code_version() -> dict:
-    """This checkout's package version and git commit (None outside a git checkout), read from .git's files."""
-    root = Path(__file__).resolve().parents[1]
+    """The package's version, and the git commit this process's code came from with whether the checkout had
+    changes then (None outside a git checkout): read once, as the code a running server uses is what it started
+    with."""
     try:
         version = metadata.version("mixscope")
     except metadata.PackageNotFoundError:
         version = None
-    commit = None
-    try:
-        head = (root / ".git" / "HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            ref = head[5:]
-            loose = root / ".git" / ref
-            if loose.is_file():
-                commit = loose.read_text().strip()
-            else:   # a packed ref: "<sha> <ref>" lines
-                packed = (root / ".git" / "packed-refs").read_text().splitlines()
-                commit = next((ln.split()[0] for ln in packed if ln.endswith(" " + ref)), None)
-        else:
-            commit = head   # a detached checkout
-    except OSError:
-        pass
-    return {"mixscope": version, "commit": commit}
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"mixscope": version, "commit": commit, "uncommitted_changes": None if changes is None else bool(changes)}
 
 
 def base_of(model_dir: Path) -> dict | None:
@@ -103,7 +103,8 @@ def base_of(model_dir: Path) -> dict | None:
         return None
 
 
-_HASHES: dict[tuple, str] = {}   # (path, size, mtime, inode) -> sha256
+_HASHES: dict[tuple, str] = {}   # (path, size, mtime, ctime, inode) -> sha256
+_hashes_lock = threading.Lock()    # (download buttons build sidecars in Streamlit's worker threads)
 
 
 def weights_sha256(path: Path) -> str:
@@ -111,12 +112,17 @@ def weights_sha256(path: Path) -> str:
     buttons ask on every rerun (SmolLM2's 538 MB took 0.5 s a time, three times on the Heads page)."""
     from models.checkpoint import file_sha256
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    if key not in _HASHES:
-        if len(_HASHES) >= 64:
-            _HASHES.pop(next(iter(_HASHES)))
-        _HASHES[key] = file_sha256(path)
-    return _HASHES[key]
+    # ctime too: a copy that keeps size and mtime (cp -p, rsync --inplace) still changes it
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    with _hashes_lock:
+        known = _HASHES.get(key)
+    if known is None:
+        known = file_sha256(path)
+        with _hashes_lock:
+            while len(_HASHES) >= 64:
+                _HASHES.pop(next(iter(_HASHES)))
+            _HASHES[key] = known
+    return known
 
 
 def sidecar(model_dir: str | Path | None, text: str | None, settings: dict, figure: str,

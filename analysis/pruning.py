@@ -184,12 +184,12 @@ def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> 
         scale += [[i / n, colour], [(i + 1) / n, colour]]
     names_by_code = np.array([{"a only": f"{names[0]} only", "b only": f"{names[1]} only"}.get(w, w)
                               for w in WHO_COLOURS])
-    names = position_names(labels)
-    fig = go.Figure(go.Heatmap(z=pivot.values, x=names, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
+    axis = position_names(labels)
+    fig = go.Figure(go.Heatmap(z=pivot.values, x=axis, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
                                customdata=names_by_code[pivot.values],
                                colorbar=dict(tickvals=list(range(n)), ticktext=list(names_by_code), title="dropped by"),
                                hovertemplate="%{x}, layer %{y}: %{customdata}<extra></extra>"))
-    fig.update_xaxes(**position_axis(labels, names), tickangle=-60)
+    fig.update_xaxes(**position_axis(labels, axis), tickangle=-60)
     fig.update_yaxes(title="layer", autorange="reversed")
     fig.update_layout(title=title, height=140 + 40 * len(pivot))
     return fig

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import plotly.io as pio
 from analysis.export import FORMATS, ExportError, figure_bytes
 
 MAX_SIDECAR_BYTES = 64 * 2**20   # the largest spec the app writes (the maps overview) is about 1 MB
+MAX_SIDE_PX = 8000                # --width / --height, and a spec's own
 
 
 def load_figure(sidecar: str | Path):
@@ -32,15 +34,23 @@ def load_figure(sidecar: str | Path):
         raise ExportError(f"{path} is over {MAX_SIDECAR_BYTES // 2**20} MB: not a sidecar this project writes")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ExportError(f"{path} is not a JSON sidecar: {e}") from None
-    if not isinstance(meta, dict) or "plotly" not in meta:
+    if not isinstance(meta, dict) or not isinstance(meta.get("plotly"), dict):
         raise ExportError(f"{path} holds no figure spec (\"plotly\"): it was exported before sidecars kept one, or "
                           "is not a figure's sidecar; export the figure again")
+    layout = meta["plotly"].get("layout") or {}
+    if not isinstance(layout, dict) or layout.get("images"):   # (this project's figures have none: nothing to fetch)
+        raise ExportError(f"{path}: its figure spec has layout images, which this project's figures never have")
     try:
-        return pio.from_json(json.dumps(meta["plotly"]))
-    except ValueError as e:
+        fig = pio.from_json(json.dumps(meta["plotly"]))
+    except (ValueError, TypeError, RecursionError) as e:
         raise ExportError(f"{path}: its figure spec is not a plotly figure: {e}") from None
+    for side in ("width", "height"):
+        value = fig.layout[side]
+        if value is not None and not 10 <= value <= MAX_SIDE_PX:
+            raise ExportError(f"{path}: its figure is {value} px in {side}; 10 to {MAX_SIDE_PX} are drawn")
+    return fig
 
 
 def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None = None, width: int | None = None,
@@ -50,6 +60,11 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise ExportError(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(FORMATS)}")
+    for value, what in ((width, "--width"), (height, "--height")):
+        if value is not None and not 10 <= value <= MAX_SIDE_PX:
+            raise ExportError(f"{what} {value}: give 10 to {MAX_SIDE_PX} pixels")
+    if not 0.1 <= scale <= 10:
+        raise ExportError(f"--scale {scale}: give 0.1 to 10")
     fig = load_figure(sidecar)
     if width or height:
         fig.update_layout(**({"width": width} if width else {}), **({"height": height} if height else {}))
@@ -65,8 +80,10 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
                           "or pass --force")
     images = [figure_bytes(fig, fmt, scale) for fmt in formats]   # (all drawn before any is written)
     out.mkdir(parents=True, exist_ok=True)
-    for path, data in zip(targets, images):
-        path.write_bytes(data)
+    for path, data in zip(targets, images):   # via a temporary name: a failed write leaves no half file behind
+        tmp = path.with_name(f".{path.name}.part")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
     return targets
 
 

@@ -192,13 +192,18 @@ def export_buttons(fig, table, name: str, model_dir=None, text: str | None = Non
     cols[3].download_button("CSV", data=lambda: export.csv_bytes(table() if callable(table) else table),
                             file_name=f"{name}.csv", mime="text/csv",
                             on_click="ignore", key=f"dl_{key}_csv")
-    # (built when clicked too: it hashes the weights, 0.4 s the first time for SmolLM2's 538 MB, and holds the
-    # figure's spec, which `mixscope render` redraws)
-    settings = dict(settings or {})
-    cols[4].download_button("JSON", data=lambda: access.public(json.dumps(export.sidecar(model_dir, text, settings,
-                                                                                         name, fig), indent=2)),
-                            file_name=f"{name}.json", mime="application/json", on_click="ignore",
-                            key=f"dl_{key}_json")
+    settings = dict(settings or {})   # (built when clicked: it hashes the weights, 0.4 s for SmolLM2's 538 MB)
+    cols[4].download_button("JSON", data=lambda: sidecar_json(fig, name, model_dir, text, settings),
+                            file_name=f"{name}.json", mime="application/json", on_click="ignore", key=f"dl_{key}_json")
+
+
+def sidecar_json(fig, name: str, model_dir=None, text: str | None = None, settings: dict | None = None) -> str:
+    """The JSON button's file. Server paths are hidden in what describes the figure, never inside its spec, whose
+    arrays are base64 text a replace could corrupt (and which names no server path)."""
+    meta = export.sidecar(model_dir, text, settings or {}, name)
+    meta = json.loads(access.public(json.dumps(meta, ensure_ascii=False)))
+    meta["plotly"] = json.loads(fig.to_json())   # (what `mixscope render` redraws)
+    return json.dumps(meta, indent=2)
 
 
 def dense_base_path(loaded) -> str | None:

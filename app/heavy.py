@@ -73,7 +73,10 @@ def owner() -> str | None:
         if header:
             return st.context.headers.get(header) or None
         address = st.context.ip_address
-        return None if not address or ipaddress.ip_address(address).is_loopback else address
+        if not address:
+            return None
+        ip = ipaddress.ip_address(address)
+        return None if (getattr(ip, "ipv4_mapped", None) or ip).is_loopback else address
     except Exception:   # noqa: BLE001 - outside a session (a test, a thread), or an address it cannot read
         return None
 

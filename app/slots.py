@@ -7,9 +7,9 @@ answers "busy" at once instead of piling up work. Waiting is polled, so the wait
 Streamlit rerun or a closed tab (which raise inside the report) leave the queue cleanly. A thread that
 already holds a slot passes through a nested request (a cached computation that calls another).
 
-When the last running computation ends and nobody waits, `on_idle` runs (from_env: freed heap memory goes back
-to the system in a background thread, since glibc keeps it for reuse: after integrated gradients on SmolLM2 the
-server held 1.9 GB more until trimmed, 6 MB after).
+When the last running computation ends and nobody waits, `on_idle(slots)` runs (from_env: IdleTrim, which hands
+freed heap memory back to the system once nothing has started for 2 s, since glibc keeps it for reuse: after
+integrated gradients on SmolLM2 the server held 1.5 GB more until trimmed, 6 MB after).
 
 No Streamlit here: app/heavy.py shows the place on a page; tests drive this module with plain threads.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections import Counter, deque
 from contextlib import contextmanager
 
@@ -32,10 +33,16 @@ class Slots:
             raise ValueError("at least one slot, a queue of zero or more and at least one per owner")
         self.size, self.queue, self.on_idle, self.per_owner = size, queue, on_idle, per_owner
         self._owners: Counter = Counter()   # owner -> computations running or waiting
+        self._starts = 0                      # computations started so far (IdleTrim reads it)
         self._cond = threading.Condition()
         self._running = 0
         self._waiting: deque[object] = deque()
         self._held = threading.local()   # per thread: how many nested holds
+
+    def starts(self) -> int:
+        """How many computations have started so far (not counting nested holds)."""
+        with self._cond:
+            return self._starts
 
     def state(self) -> tuple[int, int]:
         """(computations running, computations waiting)."""
@@ -69,7 +76,7 @@ class Slots:
                 idle = self._running == 0 and not self._waiting
                 self._cond.notify_all()
             if idle and self.on_idle is not None:
-                self.on_idle()
+                self.on_idle(self)
 
     def _count(self, owner, n: int) -> None:
         if owner is not None:
@@ -85,6 +92,7 @@ class Slots:
                            "user may have at once")
             if self._running < self.size and not self._waiting:
                 self._running += 1
+                self._starts += 1
                 self._count(owner, 1)
                 return
             if refuse and len(self._waiting) >= self.queue:
@@ -97,6 +105,7 @@ class Slots:
                     if self._waiting[0] is ticket and self._running < self.size:
                         self._waiting.popleft()
                         self._running += 1
+                        self._starts += 1
                         self._cond.notify_all()   # the next in line moves up a place
                         return
                     place = self._waiting.index(ticket) + 1
@@ -116,32 +125,56 @@ class Slots:
 
 def _malloc_trim():
     try:   # glibc's; another C library or system has none, and keeps its own ways
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 _TRIM = _malloc_trim()
-_trimming = threading.Lock()
 
 
 def give_back_memory() -> bool:
-    """Return the heap's free pages to the system (about 30 ms on a SmolLM2 server); False where it cannot."""
+    """Return the heap's free pages to the system (4-139 ms on a SmolLM2 server); False where it cannot."""
     if _TRIM is None:
         return False
     _TRIM(0)
     return True
 
 
-def give_back_memory_soon() -> None:
-    """give_back_memory in a background thread (one at a time), so the page that just finished does not wait."""
-    if _TRIM is not None and _trimming.acquire(blocking=False):
-        def run():
-            try:
-                give_back_memory()
-            finally:
-                _trimming.release()
-        threading.Thread(target=run, name="give-back-memory", daemon=True).start()
+class IdleTrim:
+    """Slots' on_idle: gives freed memory back once no computation has started for delay_s, from one background
+    thread at most (so the steps of a generation, or the next forward of a page, never wait on a trim)."""
+
+    def __init__(self, delay_s: float = 2.0, trim=give_back_memory):
+        self.delay_s, self.trim = delay_s, trim
+        self._lock, self._waiting = threading.Lock(), False
+
+    def __call__(self, slots: Slots) -> None:
+        with self._lock:
+            if self._waiting:
+                return   # (the waiting thread sees the newer quiet spell itself)
+            self._waiting = True
+        try:
+            threading.Thread(target=self._wait, args=(slots,), name="give-back-memory", daemon=True).start()
+        except RuntimeError:   # no thread to be had: no trim this time, and the next idle moment tries again
+            with self._lock:
+                self._waiting = False
+
+    def _wait(self, slots: Slots) -> None:
+        try:
+            seen = slots.starts()
+            while True:
+                time.sleep(self.delay_s)
+                now = slots.starts()
+                if now == seen and slots.state() == (0, 0):
+                    self.trim()
+                    return
+                seen = now
+        finally:
+            with self._lock:
+                self._waiting = False
 
 
 def cores() -> int:
@@ -155,7 +188,7 @@ def from_env() -> Slots:
     size = int(os.environ.get("MIXSCOPE_HEAVY_SLOTS") or max(1, cores() // 4))
     queue = max(0, int(os.environ.get("MIXSCOPE_HEAVY_QUEUE") or 16))
     per_owner = max(1, int(os.environ.get("MIXSCOPE_HEAVY_PER_USER") or max(2, queue // 4)))
-    return Slots(max(1, size), queue, on_idle=give_back_memory_soon, per_owner=per_owner)
+    return Slots(max(1, size), queue, on_idle=IdleTrim() if _TRIM is not None else None, per_owner=per_owner)
 
 
 def threads_per_slot(slots: Slots) -> int:

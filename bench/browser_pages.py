@@ -39,13 +39,14 @@ PAGES = {"": False, "Generate": False, "Attention": True, "Heads": False, "Extra
 # the page itself every 50 ms took a fifth of a core of the two, which slowed the server it was timing.
 WATCH = """(() => {
   const busySel = %s;
-  const state = {busy: false, last: 0};
+  const state = {busy: false, last: 0, spells: 0};
   window.__mixscopeIdle = state;
   const check = () => {
     const undrawn = Array.from(document.querySelectorAll('.js-plotly-plot')).some(e => !e.querySelector('.main-svg'));
     // (before the app has drawn its title the page is still loading)
     const busy = undrawn || document.querySelector(busySel) !== null || document.querySelector('h1') === null;
     if (busy || state.busy) state.last = Date.now();   // (busy to idle: the moment it ended)
+    if (busy && !state.busy) state.spells += 1;        // (so a harness can tell its request was taken up)
     state.busy = busy;
   };
   const start = () => {
@@ -76,25 +77,34 @@ def watched_page(browser, **kw):
     return page
 
 
-def idle_times(pages: list, starts: list[float], timeout_s: float = 900, quiet_s: float = 2.0,
-               poll_s: float = 0.25) -> list[float]:
+def spells(page) -> int:
+    """How many times a watched page has turned busy so far (read before asking it for something)."""
+    return page.evaluate("() => window.__mixscopeIdle.spells")
+
+
+def idle_times(pages: list, starts: list[float], before: list[int] | None = None, timeout_s: float = 900,
+               quiet_s: float = 2.0, poll_s: float = 0.25) -> list[float]:
     """For watched pages asked at `starts` (time.time()): seconds to the last moment each was busy or drawing, once
-    none has been for quiet_s. Every page is watched at once, each timed by its own record."""
+    none has been for quiet_s and each has been busy since (more spells than `before`, read before asking: a
+    request the page never took up is not timed as instant). Every page is watched at once, each by its record."""
+    before = before or [0] * len(pages)
     deadline = time.time() + timeout_s
     while True:
         states = [page.evaluate("() => window.__mixscopeIdle") for page in pages]
         now = time.time()
         last = [max(st["last"] / 1000, s) for st, s in zip(states, starts)]
-        if not any(st["busy"] for st in states) and now - max(last) >= quiet_s:
+        taken = all(st["spells"] > b for st, b in zip(states, before))
+        if taken and not any(st["busy"] for st in states) and now - max(last) >= quiet_s:
             return [t - s for t, s in zip(last, starts)]
         if now > deadline:
             raise TimeoutError(f"pages still busy after {timeout_s} s")
         time.sleep(poll_s)
 
 
-def ready_after(page, start: float, timeout_s: float = 600) -> float:
-    """Seconds from `start` (time.time()) to a watched page's last busy or drawing moment, once it is idle."""
-    return idle_times([page], [start], timeout_s)[0]
+def ready_after(page, start: float, before: int = 0, timeout_s: float = 600) -> float:
+    """Seconds from `start` (time.time()) to a watched page's last busy or drawing moment, once it is idle (and has
+    been busy more than `before` times)."""
+    return idle_times([page], [start], [before], timeout_s)[0]
 
 
 def start_server(zoo: Path, threads: int | None) -> tuple[subprocess.Popen, str]:
@@ -104,7 +114,7 @@ def start_server(zoo: Path, threads: int | None) -> tuple[subprocess.Popen, str]
     env.update(MIXSCOPE_MODELS=str(zoo), MIXSCOPE_NO_FETCH="1")
     if threads is not None:   # (None: the server's own default, split between its computation slots)
         env["MIXSCOPE_THREADS"] = str(threads)
-    proc = subprocess.Popen(cmd, cwd=cli.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open("/tmp/server.err", "w"))
+    proc = subprocess.Popen(cmd, cwd=cli.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
@@ -127,9 +137,10 @@ def time_page(browser, url: str, name: str, model: str, text: str | None, model2
     if text is not None:
         box = page.get_by_role("textbox", name="Paste text")
         box.fill(text)
+        before = spells(page)
         t0 = time.time()
         box.press("Control+Enter")
-        seconds = ready_after(page, t0)
+        seconds = ready_after(page, t0, before)
     figures = page.locator(".js-plotly-plot").count()
     problems = [t[:200] for t in page.locator("[data-testid='stException']").all_inner_texts()]
     page.close()

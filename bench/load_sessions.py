@@ -23,7 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import cpu_model, report
-from bench.browser_pages import CHROMIUM, idle_times, peak_rss_mb, ready_after, start_server, watched_page
+from bench.browser_pages import (CHROMIUM, idle_times, peak_rss_mb, ready_after, spells, start_server,
+                                  watched_page)
 
 TIMED = re.compile(r"tokens/s|ms|latency|time", re.I)
 
@@ -61,13 +62,15 @@ def open_session(browser, url: str, s: dict, texts: dict) -> dict:
     return {"page": page, "errors": errors}
 
 
-def go(live: dict, s: dict) -> float:
+def go(live: dict, s: dict) -> tuple[float, int]:
+    """Asks the page for its work; returns when (taken before asking) and its busy spells until then."""
     page = live["page"]
+    before, t0 = spells(page), time.time()
     if s.get("generate"):
         page.get_by_role("button", name="Generate").click(timeout=60_000)
     else:
         page.get_by_role("textbox", name="Paste text").press("Control+Enter")
-    return time.time()
+    return t0, before
 
 
 def numbers(page) -> dict:
@@ -102,14 +105,14 @@ def run(zoo: Path, plan: list[dict], texts: dict, together: bool) -> tuple[list[
             if together:
                 lives = [open_session(browser, url, s, texts) for s in plan]   # every page open and filled in
                 t_all = time.perf_counter()
-                starts = [go(live, s) for live, s in zip(lives, plan)]      # then all asked at once
-                seconds = idle_times([live["page"] for live in lives], starts)
+                asked = [go(live, s) for live, s in zip(lives, plan)]       # then all asked at once
+                seconds = idle_times([live["page"] for live in lives], [t for t, _ in asked], [n for _, n in asked])
                 rows = [finish(live, s, t) for live, s, t in zip(lives, plan, seconds)]
             else:
                 for s in plan:
                     live = open_session(browser, url, s, texts)
-                    t0 = go(live, s)
-                    rows.append(finish(live, s, idle_times([live["page"]], [t0])[0]))
+                    t0, before = go(live, s)
+                    rows.append(finish(live, s, idle_times([live["page"]], [t0], [before])[0]))
                     live["page"].close()
             wall = time.perf_counter() - t_all
             browser.close()

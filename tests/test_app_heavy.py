@@ -128,6 +128,6 @@ def test_the_user_is_the_proxys_header_else_a_remote_address(monkeypatch):
     fake.context.headers = {}
     assert heavy.owner() is None                      # a proxy that did not say who: unknown, not limited
     monkeypatch.delenv("MIXSCOPE_USER_HEADER")
-    for local in ("127.0.0.1", "::1", None):
+    for local in ("127.0.0.1", "::1", "::ffff:127.0.0.1", None):
         fake.context.ip_address = local
         assert heavy.owner() is None                  # this machine's own user, or a proxy on it

@@ -185,3 +185,21 @@ def test_a_large_model_on_a_cpu_runs_the_reference_forward_when_asked(pruned_zoo
     delta = labels["perplexity (pruned)"].proto.delta
     assert delta.endswith("% vs nothing evicted")
     assert abs(float(delta.split("%")[0]) - 100 * (ppl / ppl0 - 1)) < 0.05   # (from the metrics' rounded values)
+
+
+@pytest.mark.parametrize("view", ["prune_compare", "prune_all"])
+def test_a_large_models_comparisons_compute_the_reference_they_are_read_against(pruned_zoo, monkeypatch, view):
+    """With the reference switch off, turning on the side-by-side or every-policy view computes the perplexity with
+    nothing evicted for them, and the metrics row shows it too."""
+    monkeypatch.setenv("MIXSCOPE_LARGE_MODEL", "1000")
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    assert "perplexity (nothing evicted)" not in {m.label for m in at.metric}
+    if view == "prune_compare":
+        at.selectbox(key="prune_compare").select("h2o").run()
+        column = at.dataframe[1].value["vs nothing evicted"]
+    else:
+        at.toggle(key="prune_all").set_value(True).run()
+        column = at.dataframe[-1].value["vs_nothing_evicted"]
+    assert not at.exception, at.exception
+    assert column.notna().all() and not at.toggle(key="prune_reference").value
+    assert "perplexity (nothing evicted)" in {m.label for m in at.metric}

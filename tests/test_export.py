@@ -123,6 +123,15 @@ def test_render_redraws_an_exported_figure_from_its_sidecar_alone(tmp_path, mha)
     (tmp_path / "junk.json").write_bytes(b"\xff\xfe not json")
     with pytest.raises(export.ExportError, match="not a JSON sidecar"):
         render.load_figure(tmp_path / "junk.json")
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"plotly": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert render.main([str(deep)]) == 2                                            # a message, not a traceback
+    for bad in ({"plotly": None}, {"plotly": {"data": [], "layout": {"images": [{"source": "http://x/y.png"}]}}},
+                {"plotly": {"data": [], "layout": {"width": 10 ** 7}}}):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(export.ExportError):
+            render.load_figure(tmp_path / "bad.json")
+    assert render.main([str(side), "--out", str(out), "--width", "5"]) == 2
 
 
 def test_a_sidecar_names_a_deltas_base_and_the_codes_commit():
@@ -131,7 +140,6 @@ def test_a_sidecar_names_a_deltas_base_and_the_codes_commit():
     meta = export.sidecar(delta, None, {}, "x")
     assert meta["base"] == {"source": pinned["source"], "weights_sha256": pinned["weights_sha256"]}
     assert export.sidecar(models_root() / "mha", None, {}, "x")["base"] is None
-    commit = meta["code"]["commit"]
-    if (REPO / ".git").exists():
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        assert commit == head
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert meta["code"]["commit"] == (head.stdout.strip() if head.returncode == 0 else None)   # (None: no checkout)
+    assert meta["code"]["uncommitted_changes"] in ((True, False) if head.returncode == 0 else (None,))

@@ -12,6 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 MODELS = Path(__file__).resolve().parent.parent / "assets" / "models"
 
 
+@pytest.mark.timeout(1800)
 def test_eight_sessions_at_once_compute_what_each_computes_alone(tmp_path, monkeypatch):
     from tests.conftest import USER_CACHE
     monkeypatch.setenv("MIXSCOPE_CACHE", USER_CACHE)   # (the fetched bases: the other tests see an empty cache)

@@ -114,3 +114,20 @@ def test_serve_mode_caps_text_and_new_tokens(serve, monkeypatch):
         access.max_chars()
     monkeypatch.delenv("MIXSCOPE_SERVE")
     assert access.max_chars() == MAX_CHARS and access.max_new_tokens(2048) == 2048
+
+
+def test_an_exported_sidecar_hides_server_paths_and_keeps_the_figure_spec_whole(serve):
+    """The JSON button's file in serve mode: the model's directory by label, and the plotly spec exactly as the
+    figure gives it (its arrays are base64 text, which hiding paths by a replace could corrupt)."""
+    import json
+
+    import numpy as np
+
+    from analysis import maps
+    from app.common import sidecar_json
+    fig = maps.map_figure(np.random.default_rng(0).random((6, 6)), list("abcdef"), "six tokens")
+    root = str(models_root().resolve())
+    meta = json.loads(sidecar_json(fig, "map", models_root().resolve() / "mha", "abcdef", {"layer": 0}))
+    assert meta["model_dir"] == "<models>/mha" and root not in json.dumps({k: v for k, v in meta.items()
+                                                                          if k != "plotly"})
+    assert meta["plotly"] == json.loads(fig.to_json()) and meta["checkpoint_sha256"]

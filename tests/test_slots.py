@@ -168,7 +168,7 @@ def test_an_error_in_the_body_gives_the_slot_back():
 
 def test_on_idle_runs_when_the_last_computation_ends_and_nobody_waits():
     idle = []
-    slots, gate = Slots(2, queue=4, on_idle=lambda: idle.append(slots.state())), threading.Event()
+    slots, gate = Slots(2, queue=4, on_idle=lambda s: idle.append(s.state())), threading.Event()
     other = holding(slots, gate)
     with slots.hold():
         with slots.hold():   # (a nested hold ends nothing)
@@ -177,6 +177,24 @@ def test_on_idle_runs_when_the_last_computation_ends_and_nobody_waits():
     gate.set()
     other.join()
     assert idle == [(0, 0)]
+
+
+def test_memory_is_given_back_after_a_quiet_spell_not_between_steps():
+    """A generation takes a slot per token: each step ends idle for a moment. The trim waits until nothing has
+    started for delay_s, from one thread, and runs once."""
+    trims = []
+    slots = Slots(1, queue=4, on_idle=slots_module.IdleTrim(delay_s=0.2, trim=lambda: trims.append(time.monotonic())))
+    end = time.monotonic() + 0.8
+    while time.monotonic() < end:   # steps 50 ms apart: never 0.2 s quiet
+        with slots.hold():
+            pass
+        last = time.monotonic()
+        time.sleep(0.05)
+    assert trims == []
+    wait_until(lambda: trims, timeout=5)
+    time.sleep(0.5)
+    assert len(trims) == 1 and trims[0] - last >= 0.19   # (no step started in the 0.2 s before it)
+    assert len([t for t in threading.enumerate() if t.name == "give-back-memory"]) == 0
 
 
 def rss_mb() -> float:

