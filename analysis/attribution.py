@@ -26,8 +26,7 @@ def bytes_per_sample(cfg, t: int) -> int:
     12 d_model + 4 d_ff values a token (SDPA's CPU backward is flash-style: no [H,t,t] maps) and one [t,t]
     mask or log I, times a margin of 1.15 (MARGIN). Measured on SmolLM2-135M (30 layers;
     bench/results/peak_memory_cpu.json): at 256 tokens one gradient peaked 430 MiB above the loaded model and four
-    at once 1,649 MiB, against 390 and 1,560 MiB without the margin (448 and 1,794 MiB with it); earlier, 1.38 GB a
-    sample at t = 1000 (1.94 GB with it)."""
+    at once 1,649 MiB, against 390 and 1,560 MiB without the margin (448 and 1,794 MiB with it)."""
     return int(MARGIN * cfg.n_layers * 4 * (t * (12 * cfg.d_model + 4 * cfg.d_ff) + t * t))
 
 

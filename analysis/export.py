@@ -78,10 +78,13 @@ def code_version() -> dict:
     except metadata.PackageNotFoundError:
         version = None
     root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():   # (installed elsewhere: an enclosing repository's commit is not ours)
+        return {"mixscope": version, "commit": None, "uncommitted_changes": None}
 
     def git(*args: str) -> str | None:
         try:
-            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+            out = subprocess.run(["git", "--no-optional-locks", *args], cwd=root, capture_output=True, text=True,
+                                 timeout=10)
         except (OSError, subprocess.SubprocessError):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
@@ -118,10 +121,12 @@ def weights_sha256(path: Path) -> str:
         known = _HASHES.get(key)
     if known is None:
         known = file_sha256(path)
-        with _hashes_lock:
-            while len(_HASHES) >= 64:
-                _HASHES.pop(next(iter(_HASHES)))
-            _HASHES[key] = known
+        after = path.stat()   # (changed while it was read: the hash is of neither version, so not remembered)
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns, after.st_ino) == key[1:]:
+            with _hashes_lock:
+                while len(_HASHES) >= 64:
+                    _HASHES.pop(next(iter(_HASHES)))
+                _HASHES[key] = known
     return known
 
 
@@ -136,7 +141,7 @@ def sidecar(model_dir: str | Path | None, text: str | None, settings: dict, figu
         "model_dir": str(model_dir) if model_dir else None,
         "checkpoint_sha256": weights_sha256(weights) if weights and weights.is_file() else None,
         "base": base_of(Path(model_dir)) if model_dir else None,   # a delta's: its base's pinned weights
-        "code": code_version(),
+        "code": dict(code_version()),
         "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text is not None else None,
         "settings": settings,
         "versions": versions(),

@@ -23,6 +23,10 @@ from analysis.export import FORMATS, ExportError, figure_bytes
 
 MAX_SIDECAR_BYTES = 64 * 2**20   # the largest spec the app writes (the maps overview) is about 1 MB
 MAX_SIDE_PX = 8000                # --width / --height, and a spec's own
+MAX_PIXELS = 100e6                # width x height x scale^2 of a PNG (kaleido's chromium draws it whole)
+# what this project's figures are made of; anything else (images, maps, geo) could make the renderer fetch a URL
+TRACES = {"heatmap", "scatter", "scattergl", "bar", "scatter3d", "box", "histogram", "violin"}
+LAYOUT_REFUSED = ("images", "mapbox", "map", "geo")
 
 
 def load_figure(sidecar: str | Path):
@@ -40,8 +44,17 @@ def load_figure(sidecar: str | Path):
         raise ExportError(f"{path} holds no figure spec (\"plotly\"): it was exported before sidecars kept one, or "
                           "is not a figure's sidecar; export the figure again")
     layout = meta["plotly"].get("layout") or {}
-    if not isinstance(layout, dict) or layout.get("images"):   # (this project's figures have none: nothing to fetch)
-        raise ExportError(f"{path}: its figure spec has layout images, which this project's figures never have")
+    data = meta["plotly"].get("data") or []
+    template = layout.get("template") if isinstance(layout, dict) else None
+    layouts = [layout, (template or {}).get("layout") or {}] if isinstance(template or {}, dict) else [layout]
+    kinds = {t.get("type", "scatter") if isinstance(t, dict) else None for t in data} if isinstance(data, list) \
+        else {None}
+    if not all(isinstance(x, dict) for x in layouts) or any(x.get(k) for x in layouts for k in LAYOUT_REFUSED):
+        raise ExportError(f"{path}: its figure spec has layout images, maps or geography, which this project's "
+                          "figures never have")
+    if not kinds <= TRACES:
+        raise ExportError(f"{path}: its figure spec has traces of type {sorted(map(str, kinds - TRACES))}; this "
+                          f"project's figures are made of {', '.join(sorted(TRACES))}")
     try:
         fig = pio.from_json(json.dumps(meta["plotly"]))
     except (ValueError, TypeError, RecursionError) as e:
@@ -68,6 +81,10 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
     fig = load_figure(sidecar)
     if width or height:
         fig.update_layout(**({"width": width} if width else {}), **({"height": height} if height else {}))
+    drawn = (fig.layout.width or 700) * (fig.layout.height or 500) * (scale ** 2 if "png" in formats else 1)
+    if drawn > MAX_PIXELS:
+        raise ExportError(f"{drawn / 1e6:.0f} million pixels to draw: at most {MAX_PIXELS / 1e6:.0f} (a smaller "
+                          "--width, --height or --scale)")
     if title is not None:
         fig.update_layout(title_text=title)
     out = Path(out_dir) if out_dir else Path(sidecar).parent
@@ -82,8 +99,11 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
     out.mkdir(parents=True, exist_ok=True)
     for path, data in zip(targets, images):   # via a temporary name: a failed write leaves no half file behind
         tmp = path.with_name(f".{path.name}.part")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return targets
 
 

@@ -42,6 +42,7 @@ def setup(title: str) -> None:
     heavy.room()   # where this page says its place in the server's queue, if it has to wait
 
 
+export.code_version()   # (read now: the code this server runs is the checkout as it started, not as it is later)
 MODELS = model_cache.from_env()  # shared by every session of this server; bounded by bytes and idle time
 
 

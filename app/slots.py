@@ -8,8 +8,8 @@ Streamlit rerun or a closed tab (which raise inside the report) leave the queue 
 already holds a slot passes through a nested request (a cached computation that calls another).
 
 When the last running computation ends and nobody waits, `on_idle(slots)` runs (from_env: IdleTrim, which hands
-freed heap memory back to the system once nothing has started for 2 s, since glibc keeps it for reuse: after
-integrated gradients on SmolLM2 the server held 1.5 GB more until trimmed, 6 MB after).
+freed heap memory back to the system once no computation has started for 2 s and none runs, since glibc keeps it
+for reuse: after integrated gradients on SmolLM2 the server held 1.5 GB more until trimmed, 6 MB after).
 
 No Streamlit here: app/heavy.py shows the place on a page; tests drive this module with plain threads.
 """
@@ -43,6 +43,11 @@ class Slots:
         """How many computations have started so far (not counting nested holds)."""
         with self._cond:
             return self._starts
+
+    def quiet(self) -> tuple[int, bool]:
+        """(starts so far, whether nothing runs or waits), read together."""
+        with self._cond:
+            return self._starts, self._running == 0 and not self._waiting
 
     def state(self) -> tuple[int, int]:
         """(computations running, computations waiting)."""
@@ -167,14 +172,18 @@ class IdleTrim:
             seen = slots.starts()
             while True:
                 time.sleep(self.delay_s)
-                now = slots.starts()
-                if now == seen and slots.state() == (0, 0):
+                now, quiet = slots.quiet()
+                if now == seen and quiet:
                     self.trim()
-                    return
+                    with self._lock:   # (a computation that ran during the trim finds _waiting set: go on for it)
+                        if slots.starts() == now:
+                            self._waiting = False
+                            return
                 seen = now
-        finally:
+        except BaseException:
             with self._lock:
                 self._waiting = False
+            raise
 
 
 def cores() -> int:

@@ -29,7 +29,10 @@ from pathlib import Path
 from bench import cpu_model, report
 
 CHROMIUM = "/usr/bin/chromium"
-BUSY = "[data-testid='stStatusWidgetRunningIcon'], [data-testid='stSpinner'], [data-testid='stProgress']"
+# running (Streamlit shows its icon and spinners only after 0.5 s), or elements marked stale, which happens as soon as
+# a rerun is asked for: a rerun shorter than 0.5 s is still seen
+BUSY = ("[data-testid='stStatusWidgetRunningIcon'], [data-testid='stSpinner'], [data-testid='stProgress'], "
+        "[data-testid='stElementContainer'][data-stale='true']")
 # page url -> does it read a text
 PAGES = {"": False, "Generate": False, "Attention": True, "Heads": False, "Extractors": False, "Attribution": True,
          "Compare": True, "Pruning": True}
@@ -77,6 +80,9 @@ def watched_page(browser, **kw):
     return page
 
 
+NEVER_TAKEN_S = 60
+
+
 def spells(page) -> int:
     """How many times a watched page has turned busy so far (read before asking it for something)."""
     return page.evaluate("() => window.__mixscopeIdle.spells")
@@ -96,6 +102,9 @@ def idle_times(pages: list, starts: list[float], before: list[int] | None = None
         taken = all(st["spells"] > b for st, b in zip(states, before))
         if taken and not any(st["busy"] for st in states) and now - max(last) >= quiet_s:
             return [t - s for t, s in zip(last, starts)]
+        if not taken and now - max(starts) > NEVER_TAKEN_S:
+            raise TimeoutError(f"a page never turned busy within {NEVER_TAKEN_S} s of being asked: was the request "
+                               "lost?")
         if now > deadline:
             raise TimeoutError(f"pages still busy after {timeout_s} s")
         time.sleep(poll_s)

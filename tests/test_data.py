@@ -1,11 +1,11 @@
 """Corpus preparation on local fixtures (no network): splits by document, bad files, failures, R reader."""
 import gzip
 import re
-from pathlib import Path
 import json
 import struct
 import subprocess
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest

@@ -127,11 +127,16 @@ def test_render_redraws_an_exported_figure_from_its_sidecar_alone(tmp_path, mha)
     deep.write_text('{"plotly": ' + "[" * 100_000 + "]" * 100_000 + "}")
     assert render.main([str(deep)]) == 2                                            # a message, not a traceback
     for bad in ({"plotly": None}, {"plotly": {"data": [], "layout": {"images": [{"source": "http://x/y.png"}]}}},
+                {"plotly": {"data": [], "layout": {"template": {"layout": {"images": [{"source": "http://x"}]}}}}},
+                {"plotly": {"data": [{"type": "image", "source": "http://x/y.png"}], "layout": {}}},
+                {"plotly": {"data": [{"type": "choropleth"}], "layout": {}}},
                 {"plotly": {"data": [], "layout": {"width": 10 ** 7}}}):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(export.ExportError):
             render.load_figure(tmp_path / "bad.json")
     assert render.main([str(side), "--out", str(out), "--width", "5"]) == 2
+    assert render.main([str(side), "--out", str(out), "--format", "png", "--width", "8000", "--height", "8000",
+                        "--scale", "10"]) == 2 and not (out / "map.png").exists()
 
 
 def test_a_sidecar_names_a_deltas_base_and_the_codes_commit():

@@ -125,9 +125,11 @@ def test_an_exported_sidecar_hides_server_paths_and_keeps_the_figure_spec_whole(
 
     from analysis import maps
     from app.common import sidecar_json
-    fig = maps.map_figure(np.random.default_rng(0).random((6, 6)), list("abcdef"), "six tokens")
     root = str(models_root().resolve())
+    # a server path inside the spec (a title here) stays as it is: proof the spec never went through the replace
+    fig = maps.map_figure(np.random.default_rng(0).random((6, 6)), list("abcdef"), f"six tokens from {root}")
     meta = json.loads(sidecar_json(fig, "map", models_root().resolve() / "mha", "abcdef", {"layer": 0}))
     assert meta["model_dir"] == "<models>/mha" and root not in json.dumps({k: v for k, v in meta.items()
                                                                           if k != "plotly"})
     assert meta["plotly"] == json.loads(fig.to_json()) and meta["checkpoint_sha256"]
+    assert root in meta["plotly"]["layout"]["title"]["text"]

@@ -216,7 +216,9 @@ ppl = tokens.perplexity(lp)
 m = st.columns(5)
 ppl0 = None
 asked = large_on_cpu and m[3].toggle("perplexity with nothing evicted (one more forward)", key="prune_reference")
-needed = st.session_state.get("prune_compare", "-") != "-" or st.session_state.get("prune_all", False)  # (below)
+# (the views below: a "compare with" choice that is the method itself now is reset by its box, not a need)
+needed = (st.session_state.get("prune_compare", "-") in [p for p in POLICIES if p != method]
+          or st.session_state.get("prune_all", False))
 if not large_on_cpu or asked or needed:
     ppl0 = nothing_ppl()
     m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a "
