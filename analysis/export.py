@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import platform
-import subprocess
 import sys
 import threading
 import warnings
@@ -71,39 +70,31 @@ def versions() -> dict[str, str]:
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict:
     """The package's version, and the git commit this process's code came from with whether the checkout had
-    changes then (None outside a git checkout): read once, as the code a running server uses is what it started
-    with."""
+    changes then (None outside this checkout; models.checkpoint.code_version, which cards record, read once: the
+    code a running server uses is what it started with)."""
+    from models.checkpoint import code_version as commit_of_checkout
     try:
         version = metadata.version("mixscope")
     except metadata.PackageNotFoundError:
         version = None
-    root = Path(__file__).resolve().parents[1]
-    if not (root / ".git").exists():   # (installed elsewhere: an enclosing repository's commit is not ours)
-        return {"mixscope": version, "commit": None, "uncommitted_changes": None}
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "--no-optional-locks", *args], cwd=root, capture_output=True, text=True,
-                                 timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"mixscope": version, "commit": commit, "uncommitted_changes": None if changes is None else bool(changes)}
+    found = commit_of_checkout()   # "<sha>", "<sha>-dirty" or "unknown"
+    commit = None if found == "unknown" else found.removesuffix("-dirty")
+    return {"mixscope": version, "commit": commit,
+            "uncommitted_changes": None if commit is None else found.endswith("-dirty")}
 
 
 def base_of(model_dir: Path) -> dict | None:
-    """A delta's base as its base.json pins it (the weights' sha256 is checked whenever the base is opened)."""
-    spec = Path(model_dir) / "base.json"
-    if not spec.is_file():
+    """A delta's base as its base.json pins it (models.delta.read_base_spec, which opening the model checks too;
+    the weights' sha256 is checked whenever the base is opened); None for a model that is not a delta."""
+    from models.checkpoint import CheckpointError
+    from models.delta import BASE, read_base_spec
+    if not (Path(model_dir) / BASE).is_file():
         return None
     try:
-        data = json.loads(spec.read_text(encoding="utf-8"))
-        return {"source": data.get("source"), "weights_sha256": data.get("weights_sha256")}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        spec = read_base_spec(Path(model_dir))
+    except (CheckpointError, OSError):
         return None
+    return {"source": spec["source"], "weights_sha256": spec["weights_sha256"]}
 
 
 _HASHES: dict[tuple, str] = {}   # (path, size, mtime, ctime, inode) -> sha256

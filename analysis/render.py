@@ -29,6 +29,25 @@ TRACES = {"heatmap", "scatter", "scattergl", "bar", "scatter3d", "box", "histogr
 LAYOUT_REFUSED = ("images", "mapbox", "map", "geo")
 
 
+def refused(spec: dict) -> str | None:
+    """What in a spec this project's figures never have (and a renderer might fetch a URL for), or None."""
+    layout = spec.get("layout") or {}
+    layouts = [layout]
+    if isinstance(layout, dict):
+        template = layout.get("template") or {}
+        if isinstance(template, dict):   # (a template named by a string is plotly's own)
+            layouts.append(template.get("layout") or {})
+    if not all(isinstance(x, dict) for x in layouts) or any(x.get(k) for x in layouts for k in LAYOUT_REFUSED):
+        return "layout images, maps or geography, which this project's figures never have"
+    data = spec.get("data") or []
+    traces = data if isinstance(data, list) else [None]
+    kinds = {t.get("type", "scatter") if isinstance(t, dict) else None for t in traces}
+    if not kinds <= TRACES:
+        return (f"traces of type {sorted(map(str, kinds - TRACES))}; this project's figures are made of "
+                f"{', '.join(sorted(TRACES))}")
+    return None
+
+
 def load_figure(sidecar: str | Path):
     """The plotly figure a sidecar holds; ExportError with the reason when it holds none or cannot be read."""
     path = Path(sidecar)
@@ -43,18 +62,9 @@ def load_figure(sidecar: str | Path):
     if not isinstance(meta, dict) or not isinstance(meta.get("plotly"), dict):
         raise ExportError(f"{path} holds no figure spec (\"plotly\"): it was exported before sidecars kept one, or "
                           "is not a figure's sidecar; export the figure again")
-    layout = meta["plotly"].get("layout") or {}
-    data = meta["plotly"].get("data") or []
-    template = layout.get("template") if isinstance(layout, dict) else None
-    layouts = [layout, (template or {}).get("layout") or {}] if isinstance(template or {}, dict) else [layout]
-    kinds = {t.get("type", "scatter") if isinstance(t, dict) else None for t in data} if isinstance(data, list) \
-        else {None}
-    if not all(isinstance(x, dict) for x in layouts) or any(x.get(k) for x in layouts for k in LAYOUT_REFUSED):
-        raise ExportError(f"{path}: its figure spec has layout images, maps or geography, which this project's "
-                          "figures never have")
-    if not kinds <= TRACES:
-        raise ExportError(f"{path}: its figure spec has traces of type {sorted(map(str, kinds - TRACES))}; this "
-                          f"project's figures are made of {', '.join(sorted(TRACES))}")
+    refusal = refused(meta["plotly"])
+    if refusal:
+        raise ExportError(f"{path}: its figure spec has {refusal}")
     try:
         fig = pio.from_json(json.dumps(meta["plotly"]))
     except (ValueError, TypeError, RecursionError) as e:

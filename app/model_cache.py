@@ -30,17 +30,15 @@ class ModelCache:
     def get(self, key: str, load):
         with self._lock:
             self._drop_idle()
-            if key in self._items:
-                item = self._items[key]
-                item[2] = self.clock()
-                self._items.move_to_end(key)
-                return item[0]
+            hit = self._hit(key)
+            if hit is not None:
+                return hit
             gate = self._loading.setdefault(key, threading.Lock())
         with gate:  # a second session asking for the same model waits for the first load, then shares it
             with self._lock:
-                if key in self._items:
-                    self._items[key][2] = self.clock()
-                    return self._items[key][0]
+                hit = self._hit(key)
+                if hit is not None:
+                    return hit
             value = load()  # raises: nothing cached
             with self._lock:
                 self._items[key] = [value, self.size(value), self.clock()]
@@ -52,12 +50,16 @@ class ModelCache:
         """The value if loaded (marked used), else None; never loads."""
         with self._lock:
             self._drop_idle()
-            item = self._items.get(key)
-            if item is None:
-                return None
-            item[2] = self.clock()
-            self._items.move_to_end(key)
-            return item[0]
+            return self._hit(key)
+
+    def _hit(self, key: str):
+        """(Under the lock.) The loaded value, marked just used, or None."""
+        item = self._items.get(key)
+        if item is None:
+            return None
+        item[2] = self.clock()
+        self._items.move_to_end(key)
+        return item[0]
 
     def _drop_idle(self) -> None:
         now = self.clock()

@@ -13,6 +13,12 @@ def cpu_model() -> str:
     return f"{name}, {os.cpu_count()} cores"
 
 
+def proc_status_kb(field: str, pid: int | str = "self") -> int:
+    """One field of a Linux process's /proc status, in KiB (VmRSS: resident now; VmHWM: its peak so far)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def report(result: dict, path: str | None) -> int:
     """Print a benchmark's JSON result and, when a path is given, write it there too; 0 for the exit status."""
     import json

@@ -26,7 +26,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import cpu_model, report
+from bench import cpu_model, proc_status_kb, report
 
 CHROMIUM = "/usr/bin/chromium"
 # running (Streamlit shows its icon and spinners only after 0.5 s), or elements marked stale, which happens as soon as
@@ -69,8 +69,7 @@ def free_port() -> int:
 
 def peak_rss_mb(pid: int) -> float:
     """The server process's peak resident memory so far (Linux VmHWM)."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    return proc_status_kb("VmHWM", pid) / 1024
 
 
 def watched_page(browser, **kw):

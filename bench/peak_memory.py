@@ -6,9 +6,9 @@ estimate the code budgets with (where it has one), and what it gives back afterw
 
 Each case runs in a process of its own: the model loaded and one small forward run (so that the allocator's
 start-up is not counted), the peak resident set reset (/proc/self/clear_refs), the computation, then the peak
-(VmHWM) and the resident set after it, then again after glibc's malloc_trim (what the app does when its last
-running computation ends: app/slots.py). Megabytes are resident memory above what the process
-held just before the computation. The model load is measured from a bare process, against the model cache's
+(VmHWM) and the resident set after it, then again after glibc's malloc_trim (what the app does once no
+computation has started for 2 s and none runs: app/slots.py). The numbers are MiB of resident memory above what
+the process held just before the computation. The model load is measured from a bare process, against the model cache's
 estimate of a loaded model (app/model_cache.nbytes). Linux only.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import cpu_model, report
+from bench import cpu_model, proc_status_kb, report
 
 # case -> (which model, what it does); the sizes are each page's largest (app/views/*.py)
 CASES = {
@@ -35,11 +35,6 @@ CASES = {
     "H2O per group, step by step, 1,024 tokens": ("dense", "Pruning: a policy replayed token by token"),
     "generate 256 tokens after 4,000": ("dense", "Generate: serve mode's most new tokens after a long prompt"),
 }
-
-
-def status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def settle() -> None:
@@ -70,12 +65,12 @@ def run_case(case: str, model_dir: str, ids: list[int]) -> dict:
     if case == "load":
         from app.model_cache import nbytes
         open("/proc/self/clear_refs", "w").write("5")
-        before = status_kb("VmRSS")
+        before = proc_status_kb("VmRSS")
         t0 = time.perf_counter()
         loaded = load_model_dir(model_dir)
         seconds = time.perf_counter() - t0
-        return {"estimate_mb": nbytes(loaded) / 2**20, "peak_mb": (status_kb("VmHWM") - before) / 1024,
-                "after_mb": (status_kb("VmRSS") - before) / 1024, "seconds": seconds}
+        return {"estimate_mb": nbytes(loaded) / 2**20, "peak_mb": (proc_status_kb("VmHWM") - before) / 1024,
+                "after_mb": (proc_status_kb("VmRSS") - before) / 1024, "seconds": seconds}
     from analysis import attribution, maps, pruning, scores
     from app.slots import give_back_memory
     from models.generate import generate
@@ -96,19 +91,19 @@ def run_case(case: str, model_dir: str, ids: list[int]) -> dict:
     }[case]
     settle()
     open("/proc/self/clear_refs", "w").write("5")
-    before = status_kb("VmRSS")
+    before = proc_status_kb("VmRSS")
     t0 = time.perf_counter()
     result = work()
     seconds = time.perf_counter() - t0
-    peak = status_kb("VmHWM")
+    peak = proc_status_kb("VmHWM")
     del result
-    after = status_kb("VmRSS")
+    after = proc_status_kb("VmRSS")
     t1 = time.perf_counter()
     give_back_memory()   # what the server does once its last computation ends (app/slots.py)
     trim_s = time.perf_counter() - t1
     est = estimate_bytes(case, model)
     return {"estimate_mb": None if est is None else est / 2**20, "peak_mb": (peak - before) / 1024,
-            "after_mb": (after - before) / 1024, "after_trim_mb": (status_kb("VmRSS") - before) / 1024,
+            "after_mb": (after - before) / 1024, "after_trim_mb": (proc_status_kb("VmRSS") - before) / 1024,
             "trim_s": trim_s, "seconds": seconds}
 
 

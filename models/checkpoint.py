@@ -42,15 +42,19 @@ class LoadedModel:
 
 def code_version() -> str:
     """The git commit of this code, with "-dirty" when tracked files differ from it (a card then names code
-    that no commit holds), or 'unknown' outside a checkout."""
+    that no commit holds), or 'unknown' outside this checkout (installed elsewhere, an enclosing repository's
+    commit would not be ours). Git takes no optional locks: a server asking must not block a user's git."""
+    here = Path(__file__).resolve().parent
+    if not (here.parent / ".git").exists():
+        return "unknown"
     try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here)
+        out = subprocess.run(["git", "--no-optional-locks", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=here)
         head = out.stdout.strip()
         if not head:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, cwd=here).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

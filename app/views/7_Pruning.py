@@ -216,9 +216,9 @@ ppl = tokens.perplexity(lp)
 m = st.columns(5)
 ppl0 = None
 asked = large_on_cpu and m[3].toggle("perplexity with nothing evicted (one more forward)", key="prune_reference")
+compare_with = [p for p in POLICIES if p != method]   # the side-by-side box's choices, below
 # (the views below: a "compare with" choice that is the method itself now is reset by its box, not a need)
-needed = (st.session_state.get("prune_compare", "-") in [p for p in POLICIES if p != method]
-          or st.session_state.get("prune_all", False))
+needed = st.session_state.get("prune_compare", "-") in compare_with or st.session_state.get("prune_all", False)
 if not large_on_cpu or asked or needed:
     ppl0 = nothing_ppl()
     m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a "
@@ -274,10 +274,9 @@ if method == LEARNED:
 # ---- two methods side by side at matched sparsity -------------------------------------------------------------------
 st.subheader("Side by side at matched sparsity")
 target = float(sp["sparsity"].mean())
-others = [p for p in POLICIES if p != method]
 c1, c2 = st.columns([2, 3])
-other = c1.selectbox("Compare with", ["-"] + others, format_func=lambda r: METHODS.get(r, "nothing (pick a policy)"),
-                     key="prune_compare")
+other = c1.selectbox("Compare with", ["-"] + compare_with,
+                     format_func=lambda r: METHODS.get(r, "nothing (pick a policy)"), key="prune_compare")
 if other != "-":
     prompt_b = prompt
     if policies.once(other) and prompt_b is None:
