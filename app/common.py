@@ -13,7 +13,7 @@ from analysis import export
 from app import access, heavy, model_cache, slots
 from analysis.text import TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
-from models.checkpoint import CheckpointError, load_for_app
+from models.checkpoint import CheckpointError, app_precision, load_for_app
 from models.pruning import policies
 
 # Threads for the models, set once for the server: the cores (MIXSCOPE_THREADS to share the machine) split between
@@ -51,7 +51,7 @@ def load(path: str):
         problem = access.model_dir_problem(path)  # serve mode: the roots, checked again when the model is opened
         if problem:
             raise CheckpointError(access.public(f"{path}: {problem}"))
-        return load_for_app(path, access.max_weight_bytes())  # on the GPU (bf16) when there is one
+        return load_for_app(path, access.max_weight_bytes())  # on the GPU when there is one, in float32 by default
     ready = MODELS.peek(path)
     if ready is not None:
         return ready
@@ -203,6 +203,7 @@ def sidecar_json(fig, name: str, model_dir=None, text: str | None = None, settin
     arrays are base64 text a replace could corrupt (and which names no server path)."""
     meta = export.sidecar(model_dir, text, settings or {}, name)
     meta = json.loads(access.public(json.dumps(meta, ensure_ascii=False)))
+    meta["precision"] = app_precision()          # where and in what dtype the models ran
     meta["plotly"] = json.loads(fig.to_json())   # (what `mixscope render` redraws)
     return json.dumps(meta, indent=2)
 

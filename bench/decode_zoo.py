@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from models.checkpoint import load_for_app
     rows = []
     for d in args.models:
-        loaded = load_for_app(d)
+        loaded = load_for_app(d, dtype="auto")
         model, ids = loaded.model, loaded.tokenizer.encode(PROMPT).ids
         can = graphs_module.refusal(model, "static") is None and model.wte.weight.is_cuda
         rate(model, ids, 8, False)

@@ -114,7 +114,7 @@ def generate_one(model_dir: str, tokens: int = 64) -> dict:
     import kernels
     from models.checkpoint import load_for_app
     from models.generate import generate
-    loaded = load_for_app(model_dir)  # what the app runs: CUDA, bf16
+    loaded = load_for_app(model_dir, dtype="auto")  # the loader on CUDA in bf16 (the fast path)
     prompt = loaded.tokenizer.encode(PROMPT).ids
     t0 = time.perf_counter()
     generate(loaded.model, prompt, tokens, greedy=True)  # the first call compiles the kernels' specialisations

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from models.backends import static
+from models.pruning.interaction import state_dtype
 
 
 class LayerCache:
@@ -17,8 +18,8 @@ class LayerCache:
                  dtype: torch.dtype, device: torch.device | str, track_alive: bool = False):
         self.capacity = capacity
         self.length = 0
-        self.buffers = {name: torch.zeros(batch, *shape[:-1], capacity, shape[-1], dtype=dtype, device=device)
-                        for name, shape in spec.items()}
+        self.buffers = {name: torch.zeros(batch, *shape[:-1], capacity, shape[-1], dtype=state_dtype(name, dtype),
+                                          device=device) for name, shape in spec.items()}
         # context pruning: which cached positions are still kept (a dropped one stays dropped)
         self.alive = torch.ones(batch, capacity, dtype=torch.bool, device=device) if track_alive else None
         self.cursor: torch.Tensor | None = None  # static shapes: the length on the device (DecodeCache.fix_shapes)

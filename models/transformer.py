@@ -92,11 +92,12 @@ def evaluating(model: nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                 # [B,T,vocab]
+    logits: torch.Tensor | None          # [B,T,vocab] (None with hidden_only)
     loss: torch.Tensor | None = None     # mean next-token cross-entropy, when targets were given
     cache: DecodeCache | None = None
     diagnostics: list[LayerRecord] | None = None  # per layer, only when asked for
     prune_mass: torch.Tensor | None = None  # training with pruning: sum over layers of sum_{j<k} I_{k,j}
+    hidden: torch.Tensor | None = None   # [B,T,d_model] after the final norm, with hidden_only
 
 
 class DecoderLM(nn.Module):
@@ -157,13 +158,13 @@ class DecoderLM(nn.Module):
             if g > 1:
                 spec = {name: (1, *shape[1:]) for name, shape in spec.items()}
             layers.append(CompactCache(spec, batch * g, capacity, p.dtype, p.device, policy,
-                                       b.mixer.pruning.decode_constants(p.dtype) if learned else None, groups=g))
+                                       b.mixer.pruning.decode_constants() if learned else None, groups=g))
         return CompactDecodeCache(layers)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
                 diagnostics: bool = False, positions: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-                last_only: bool = False, attention_maps: bool = True) -> ModelOutput:
+                last_only: bool = False, attention_maps: bool = True, hidden_only: bool = False) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
         there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
         and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and
@@ -171,7 +172,8 @@ class DecoderLM(nn.Module):
         anything; None: all real).
         last_only: logits [B,1,V] for the last position alone (generation, attributions). diagnostics: each layer's
         LayerRecord comes back in ModelOutput.diagnostics (attention_maps=False: without the attention
-        probabilities)."""
+        probabilities). hidden_only: the final-norm states in ModelOutput.hidden and no logits (the caller applies
+        output_weight a chunk of positions at a time: models.scoring.head_logprobs)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
             if positions is None:
@@ -203,11 +205,13 @@ class DecoderLM(nn.Module):
                 cache.cursor.add_(1)  # the host's count is the caller's (a replayed graph runs no Python)
             else:
                 cache.fix_shapes()    # a call of several tokens counted on the host: the cursor follows
-        if last_only and targets is not None:
-            raise ValueError("last_only gives the last position's logits; a loss needs them all")
+        if (last_only or hidden_only) and targets is not None:
+            raise ValueError("last_only and hidden_only give no logits for every position; a loss needs them all")
         if last_only:  # one position's logits: T x vocab floats (50 k vocabulary, 8 k tokens: 1.6 GB) never exist
             x = x[:, -1:]
-        logits = self.ln_f(x) @ (self.wte.weight if self.lm_head is None else self.lm_head).t()
+        if hidden_only:  # [B,T,vocab] logits never exist whole (16 windows of 8 k tokens: 26 GB in float32)
+            return ModelOutput(logits=None, cache=cache, diagnostics=records, hidden=self.ln_f(x))
+        logits = self.ln_f(x) @ self.output_weight().t()
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
@@ -215,6 +219,10 @@ class DecoderLM(nn.Module):
         if self.training and cache is None and self.config.prune:
             mass = sum(b.mixer.prune_mass for b in self.blocks)
         return ModelOutput(logits=logits, loss=loss, cache=cache, diagnostics=records, prune_mass=mass)
+
+    def output_weight(self) -> torch.Tensor:
+        """The LM head [vocab, d_model]: the token embedding when they are tied."""
+        return self.wte.weight if self.lm_head is None else self.lm_head
 
     def set_alpha(self, alpha: float) -> None:
         """The alpha of every layer's alpha-sigmoid (training; inference always uses the step)."""

@@ -9,16 +9,17 @@ import torch
 import kernels
 from models.backends import additive, group_rows
 from models.pruning import pattern_allows
+from models.pruning.interaction import widen
 from models.pruning.compact_cache import ALIGN
 from models.pruning.replay import CHUNK  # the replay sums the prompt's attention in the same blocks
 
 
-def rule_constants(mixer, cache, dtype) -> dict:
+def rule_constants(mixer, cache) -> dict:
     """What the decode kernels read of the learned rule (beta, lambda, sinks, [W^Qint | W^Kint]): the cache's,
     read when DecoderLM.new_compact_cache built it (computed here for a cache built by hand); nothing is written
     to the (shared) model during inference."""
     if cache.rule_constants is None:
-        cache.rule_constants = mixer.pruning.decode_constants(dtype)
+        cache.rule_constants = mixer.pruning.decode_constants()
     return cache.rule_constants
 
 
@@ -86,8 +87,8 @@ def attend_rows(mixer, cache, x, q, k, v, record):
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
     if rule is not None and q.shape[2] == 1 and record is None:  # a decode step with padding rows
-        c = rule_constants(mixer, cache, x.dtype)
-        prune = {"q_int": x[:, 0] @ rule.W_Qint, "k_int": past["k_int"], "beta": c["beta"], "live": live,
+        c = rule_constants(mixer, cache)
+        prune = {"q_int": rule.q_int(x[:, 0]), "k_int": past["k_int"], "beta": c["beta"], "live": live,
                  "pos": slot_pos, "q_pos": q_pos[:, 0], "valid": valid[:, 0], "lam": c["lam"], "sinks": c["sinks"]}
         o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, **mixer.head_maps())
         cache.update_live(keep, q_pos[:, :1].expand_as(keep))
@@ -121,8 +122,8 @@ def decode(mixer, cache, x, q, k, v):
     q_pos = cache.q_pos
     rule = mixer.pruning if cache.policy is None else None
     if rule is not None:
-        c = rule_constants(mixer, cache, x.dtype)
-        qk = x @ c["qk"]
+        c = rule_constants(mixer, cache)
+        qk = widen(x) @ c["qk"]  # the rule scores in float32 at least (models.pruning.interaction.HALF)
         q_int, k_int = qk[..., :rule.r], qk[..., rule.r:]
     else:
         q_int, k_int = None, False

@@ -2,7 +2,6 @@
 pruning's log I (the alpha-sigmoid while training, the step at inference) or a fixed local / strided pattern."""
 from __future__ import annotations
 
-import torch
 
 from models.backends import additive
 from models.pruning import pattern_mask
@@ -22,10 +21,8 @@ class FullSequence:
     def attend(self, mixer, x, q, k, v, record):
         if mixer.pruning is not None:
             log_i, keep = mixer.pruning.log_keep(x)                      # [B,T,T] each
-            if record is not None:  # r-wide each, in log_keep's precision: what the Pruning page's score view reads
-                rule, xf = mixer.pruning, x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-                with torch.autocast(x.device.type, enabled=False):
-                    record.q_int, record.k_int = xf @ rule.W_Qint.to(xf.dtype), rule.keys(xf)
+            if record is not None:  # r-wide each, in the rule's precision: what the Pruning page's score view reads
+                record.q_int, record.k_int = mixer.pruning.q_int(x), mixer.pruning.keys(x)
             if mixer.training:  # the sparsity loss's term, read by DecoderLM.forward after the blocks
                 mixer.prune_mass = mixer.pruning.mass(keep)
             return mixer.attend(q, k, v, log_i[:, None], record, keep)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from models.pruning.interaction import state_dtype
+
 COMPACT_BELOW = 0.9
 ALIGN = 16  # capacities are multiples of this
 
@@ -35,8 +37,8 @@ class CompactCache:
         # holding its own slots of one group's K/V (models.backends.compacted.by_group)
         self.batch, self.device, self.groups = batch, device, groups
         self.capacity = _round_up(capacity)
-        self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=dtype, device=device)
-                        for n, s in spec.items()}
+        self.buffers = {n: torch.zeros(batch, *s[:-1], self.capacity, s[-1], dtype=state_dtype(n, dtype),
+                                       device=device) for n, s in spec.items()}
         self.live = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)
         self.pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)  # -1: empty slot
         self.trig = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)  # dropper's position

@@ -26,6 +26,11 @@ from torch import nn
 
 from models.pruning.alpha_sigmoid import alpha_sigmoid
 
+# The rule's precision, whatever the model's: its parameters, Q_int / K_int (and the K_int a cache keeps) and the
+# scores x_{n,j} are float32 at least (float64 in a float64 model), never bf16 / fp16, so a bf16 model's full
+# forward and its decode paths compare the same numbers (a drop is permanent: one near-zero score rounded two ways
+# cascades). 2dr+2 parameters and r-wide products a layer: cheap next to attention.
+HALF = (torch.bfloat16, torch.float16)
 LOG_FLOOR = 1e-40  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
 # lambda of a window init: large enough that a content spread of 1 changes a key's life by a factor of e^(1/4)
 # (0.78-1.28x), not by e, so the start is close to the window; small enough that training can move it
@@ -40,6 +45,20 @@ def survives(x: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, valid:
     restates it, tested equal)."""
     keep = (x > 0) | (key_pos >= q_pos) | (key_pos < sinks)
     return keep if valid is None else keep | ~valid
+
+
+def rule_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The rule's precision in a model of `dtype`: float32 for a half-precision model, else the model's."""
+    return torch.float32 if dtype in HALF else dtype
+
+
+def state_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a decode cache keeps a named state in: the rule's K_int in rule_dtype, the rest in the model's."""
+    return rule_dtype(dtype) if name == "k_int" else dtype
+
+
+def widen(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in HALF else x
 
 
 def distance_term(lam: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
@@ -73,14 +92,31 @@ class ContextPruning(nn.Module):
         self.sinks = sinks
         self.alpha = math.inf  # set by the trainer while training; inf (the step) at inference
 
+    def _apply(self, fn, recurse=True):
+        """model.to(bf16) and friends move these parameters but never round them to half precision: a parameter
+        the conversion made bf16 / fp16 is taken again from its value before, in float32, on its new device."""
+        held = {name: p.data for name, p in self._parameters.items() if p is not None}
+        super()._apply(fn, recurse)
+        for name, data in held.items():
+            p = self._parameters[name]
+            if p.dtype in HALF:
+                p.data = data.to(device=p.device, dtype=rule_dtype(data.dtype))
+        return self
+
     @torch.no_grad()
-    def decode_constants(self, dtype) -> dict:
+    def decode_constants(self) -> dict:
         """What the decode kernels read of the rule: beta and lambda as Python floats (0.0 without the distance
-        term), the sink count, and [W^Qint | W^Kint] in the model's dtype (Q_int and K_int of a new token in one
-        product). The decode cache computes this once and keeps it (models.backends.compacted): the model itself
-        is never written to during inference."""
+        term), the sink count, and [W^Qint | W^Kint] in the rule's precision (Q_int and K_int of a new token in
+        one product of the widened hidden state). The decode cache computes this once and keeps it
+        (models.backends.compacted): the model itself is never written to during inference."""
         return {"beta": float(self.beta), "lam": 0.0 if self.lam is None else float(self.lam), "sinks": self.sinks,
-                "qk": torch.cat([self.W_Qint, self.W_Kint], 1).to(dtype)}
+                "qk": torch.cat([self.W_Qint, self.W_Kint], 1)}
+
+    def q_int(self, x: torch.Tensor) -> torch.Tensor:
+        """Q_int = x W^Qint in the rule's precision (outside autocast, which would round it to bf16)."""
+        with torch.autocast(x.device.type, enabled=False):
+            x = widen(x)
+            return x @ self.W_Qint.to(x.dtype)
 
     def adapter_params(self) -> dict[str, nn.Parameter]:
         """What trains in a parameter-efficient fine-tune with pruning (models.adapters.get_adapter_params)."""
@@ -119,18 +155,23 @@ class ContextPruning(nn.Module):
                q_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x_{n,j} for the query rows x_q [B,Tq,d] against interaction keys k_int [B,S,r] -> [B,Tq,S]; with
         the distance term, key_pos [S] or [B,S] and q_pos [Tq] or [B,Tq] say where each sits."""
-        return self.scores_of(x_q @ self.W_Qint.to(x_q.dtype), k_int, key_pos, q_pos)
+        return self.scores_of(self.q_int(x_q), k_int, key_pos, q_pos)
 
     def scores_of(self, q_int: torch.Tensor, k_int: torch.Tensor, key_pos: torch.Tensor | None = None,
                   q_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """x_{n,j} from interaction queries q_int [B,Tq,r] (x_q W^Qint) and keys k_int [B,S,r] -> [B,Tq,S]."""
-        x = q_int @ k_int.to(q_int.dtype).transpose(1, 2) / math.sqrt(self.r) + self.beta
+        """x_{n,j} from interaction queries q_int [B,Tq,r] (x_q W^Qint) and keys k_int [B,S,r] -> [B,Tq,S], in
+        the rule's precision."""
+        q_int = widen(q_int)
+        x = q_int @ k_int.to(q_int.dtype).transpose(1, 2) / math.sqrt(self.r) + self.beta.to(q_int.dtype)
         if self.lam is not None:
             x = x + distance_term(self.lam.to(x.dtype), key_pos[..., None, :], q_pos[..., :, None])
         return x
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.W_Kint.to(x.dtype)  # log_keep runs in float32 even when the model is in bf16
+        """K_int = x W^Kint in the rule's precision, whatever x's dtype (outside autocast)."""
+        with torch.autocast(x.device.type, enabled=False):
+            x = widen(x)
+            return x @ self.W_Kint.to(x.dtype)
 
     def log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole sequence x [B,T,d] -> (log I [B,T,T], I [B,T,T]); -inf / 0 above the diagonal.
@@ -138,11 +179,11 @@ class ContextPruning(nn.Module):
         log I accumulates log sigma (floored at 1e-40) in log space, so it is finite and never NaN; I itself
         is the plain cumulative product, exactly 0 once a token is dropped.
 
-        Computed in float32 at least, outside autocast: under CUDA autocast the cumulative sums and products
-        run in float32 on bf16 inputs, and the mixed-dtype backward failed (a masked_scatter_ dtype error on
-        an H100); the r-wide products are cheap next to attention."""
+        Computed in the rule's precision, outside autocast (as every path scores): under CUDA autocast the
+        cumulative sums and products ran in float32 on bf16 inputs, and the mixed-dtype backward failed (a
+        masked_scatter_ dtype error on an H100)."""
         with torch.autocast(x.device.type, enabled=False):
-            return self._log_keep(x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
+            return self._log_keep(widen(x))
 
     def _log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[1]
