@@ -91,12 +91,18 @@ def latency_curve_figure(traces: dict[str, dict], title: str) -> go.Figure:
 
 def faded_text_html(labels: list[str], n_prompt: int, held: np.ndarray) -> str:
     """Tokens seen so far, each as opaque as the share of layers (or the one layer) still holding it; the
-    generated part is underlined."""
+    generated part is underlined. Labels beyond `held` (the token sampled at this step, which enters the cache
+    at the next) are drawn whole with a dashed underline."""
     out = []
-    for i, (tok, h) in enumerate(zip(labels, held)):
+    for i, tok in enumerate(labels):
         text = html.escape(tok.replace("⏎", "\n"))
-        style = f"opacity:{0.18 + 0.82 * float(h):.2f}" + (";border-bottom:2px solid #2e86c1" if i >= n_prompt else "")
-        out.append(f'<span title="pos {i}: held by {float(h):.0%}" style="{style}">{text}</span>')
+        if i >= len(held):
+            out.append(f'<span title="pos {i}: sampled at this step, not yet in the cache" '
+                       f'style="border-bottom:2px dashed #2e86c1">{text}</span>')
+            continue
+        h = float(held[i])
+        style = f"opacity:{0.18 + 0.82 * h:.2f}" + (";border-bottom:2px solid #2e86c1" if i >= n_prompt else "")
+        out.append(f'<span title="pos {i}: held by {h:.0%}" style="{style}">{text}</span>')
     return '<div style="white-space:pre-wrap;line-height:1.7">' + "".join(out) + "</div>"
 
 
@@ -106,15 +112,23 @@ def decode_ms(trace: dict) -> float:
     return statistics.median(ms) if ms else float("nan")
 
 
+def saved(own: float, twin: float) -> float:
+    """The one definition of "saved": the share of the twin's bytes this model does without (negative when it
+    uses more)."""
+    return 1 - own / twin if twin else float("nan")
+
+
 def twin_summary(pruned: dict, dense: dict) -> dict:
-    """The pruned model against its dense twin on the same prompt and seed."""
+    """The pruned model against its twin on the same prompt and seed, after the last step: cache held and
+    allocated, each saved against the twin's; the median decode-step latency ratio; each model's perplexity of
+    its own sampled output (a sampling statistic: analysis.twin prices pruning on the same text)."""
     p, d = pruned["steps"][-1], dense["steps"][-1]
     return {
-        "memory_saved": 1 - p["held_bytes"] / d["held_bytes"] if d["held_bytes"] else float("nan"),
-        "allocated_ratio": p["alloc_bytes"] / d["alloc_bytes"] if d["alloc_bytes"] else float("nan"),
+        "held_saved": saved(p["held_bytes"], d["held_bytes"]),
+        "allocated_saved": saved(p["alloc_bytes"], d["alloc_bytes"]),
+        "held_bytes": (p["held_bytes"], d["held_bytes"]), "allocated_bytes": (p["alloc_bytes"], d["alloc_bytes"]),
         "latency_ratio": decode_ms(pruned) / decode_ms(dense),
-        "perplexity_pruned": pruned["perplexity"], "perplexity_dense": dense["perplexity"],
-        "perplexity_change": pruned["perplexity"] / dense["perplexity"] - 1,
+        "own_perplexity": (pruned["perplexity"], dense["perplexity"]),
         "same_prefix": next((i for i, (a, b) in enumerate(zip(pruned["new_ids"], dense["new_ids"])) if a != b),
                             min(len(pruned["new_ids"]), len(dense["new_ids"]))),  # tokens before the texts part
         "tokens": min(len(pruned["new_ids"]), len(dense["new_ids"])),

@@ -3,6 +3,7 @@ models keep the plain view (streamlit AppTest, no browser)."""
 import json
 from pathlib import Path
 
+import pytest
 from streamlit.testing.v1 import AppTest
 
 PAGE = str(Path(__file__).resolve().parent.parent / "app" / "views" / "1_Generate.py")
@@ -43,8 +44,13 @@ def test_pruned_model_streams_drops_beside_its_dense_twin_and_replays():
     assert any(t.startswith("mha-1024-pruned: what each layer holds after step 23") for t in got)
     assert "cache held per step" in got and "model latency per token" in got
     labels = {m.label: m.value for m in at.metric}
-    assert {"cache memory saved", "latency pruned / dense", "tokens before the texts part"} <= set(labels)
-    assert float(labels["latency pruned / dense"].rstrip("x")) > 0
+    assert {"cache held: saved", "cache allocated: saved", "latency pruned / dense twin",
+            "tokens before the texts part", "perplexity of own output"} <= set(labels)
+    assert float(labels["latency pruned / dense twin"].rstrip("x")) > 0
+    # the price on the same text: each output scored by both models, teacher-forced
+    price = next(d.value for d in at.dataframe if "scored by" in d.value.columns)
+    assert len(price) == 4 and set(price["scored by"]) == {"pruned", "dense twin"} and (price["perplexity"] > 1).all()
+    assert any("Price on the same text" in m.value for m in at.markdown)
     assert any("compacted cache" in c.value for c in at.caption)
     import numpy as np
     strip = heat(at)
@@ -121,7 +127,11 @@ def test_a_dense_model_under_a_policy_streams_its_evictions_beside_itself_with_n
     assert res.cache_kind == "compacted" and twin.cache_kind == "static"
     assert max(res.events[-1].live) == 12 and any(e.drops for e in res.events)   # held to the budget, drops recorded
     labels = {m.label for m in at.metric}
-    assert {"cache memory saved", "latency h2o-layer / nothing evicted"} <= labels
+    assert {"cache held: saved", "latency h2o-layer / nothing evicted"} <= labels
+    # the price: the policy's own output, scored through its replay, is scored as generation scored it (greedy)
+    price = next(d.value for d in at.dataframe if "scored by" in d.value.columns)
+    own = price[(price["text"] == "h2o-layer's output") & (price["scored by"] == "h2o-layer")]["perplexity"]
+    assert float(own.iloc[0]) == pytest.approx(res.perplexity, rel=1e-4)
     import numpy as np
     strip = heat(at)
     assert (np.nan_to_num(strip, nan=1) == 0).any()                             # the strip shows evicted tokens

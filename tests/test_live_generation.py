@@ -139,10 +139,49 @@ def test_twin_summary_compares_the_last_step_and_the_decode_latency():
     a = trace.build(generate(pruned, [3, 1, 4], 20, greedy=True), Tok())
     b = trace.build(generate(dense, [3, 1, 4], 20, greedy=True), Tok())
     s = live.twin_summary(a, b)
-    assert s["memory_saved"] == pytest.approx(1 - a["steps"][-1]["held_bytes"] / b["steps"][-1]["held_bytes"])
+    (pa, pb), (aa, ab) = s["held_bytes"], s["allocated_bytes"]
+    assert (pa, pb, aa, ab) == (a["steps"][-1]["held_bytes"], b["steps"][-1]["held_bytes"],
+                                a["steps"][-1]["alloc_bytes"], b["steps"][-1]["alloc_bytes"])
+    assert s["held_saved"] == pytest.approx(1 - pa / pb) and s["allocated_saved"] == pytest.approx(1 - aa / ab)
     import statistics
     ms = lambda tr: statistics.median(x["model_ms"] for x in tr["steps"][1:])  # noqa: E731  (the first has the prefill)
     assert s["latency_ratio"] == pytest.approx(ms(a) / ms(b))
     first_diff = next((i for i, (x, y) in enumerate(zip(a["new_ids"], b["new_ids"])) if x != y), 20)
     assert s["same_prefix"] == first_diff and s["tokens"] == 20
-    assert s["perplexity_change"] == pytest.approx(a["perplexity"] / b["perplexity"] - 1)
+    assert s["own_perplexity"] == (a["perplexity"], b["perplexity"])
+
+
+@pytest.mark.parametrize("policy", [None, "tova", "h2o:prompt"])
+def test_the_twins_price_is_teacher_forced_as_each_model_generates(policy):
+    """analysis.twin scores a continuation in one forward (or the policy's replay) with the log-probabilities
+    generation itself gave those tokens (greedy, so each model scores its own output exactly as it sampled it),
+    and scores the other model's output too; the price compares the two models on each text."""
+    import math
+
+    from analysis import twin
+    from models.pruning import policies
+    pruned = model_for("mha", context=64, seed=6).float()
+    other = model_for("mha", prune=False, context=64, seed=7).float()
+    pol = policies.make(policy, 8) if policy else None
+    model = other if pol else pruned  # a policy runs on the dense model here (its twin: nothing evicted)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    res = generate(model, prompt, 16, greedy=True, policy=pol)
+    got = twin.continuation_logprobs(model, prompt, res.new_ids, pol)
+    want = torch.tensor([e.logprob for e in res.events], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    twin_res = generate(pruned if pol else other, prompt, 16, greedy=True)
+    scorers = [("a", model, pol), ("b", pruned if pol else other, None)]
+    rows = twin.price(scorers, prompt, [("a's", res.new_ids), ("b's", twin_res.new_ids)])
+    assert [(r["text"], r["scored by"]) for r in rows] == [("a's", "a"), ("a's", "b"), ("b's", "a"), ("b's", "b")]
+    assert rows[0]["perplexity"] == pytest.approx(math.exp(-float(want.mean())), rel=1e-4)
+    assert rows[3]["perplexity"] == pytest.approx(twin_res.perplexity, rel=1e-4)
+    change = twin.price_change(rows, "a", "b")
+    assert change["a's"] == pytest.approx(rows[0]["perplexity"] / rows[1]["perplexity"] - 1)
+    with pytest.raises(ValueError, match="at most"):
+        twin.continuation_logprobs(model, [1] * twin.MAX_TOKENS, [2])
+
+
+def test_the_replay_text_shows_the_token_sampled_at_the_step():
+    from analysis import live
+    page = live.faded_text_html(["a", "b", "c", "d"], 2, [1.0, 0.0, 1.0])
+    assert page.count("<span") == 4 and "not yet in the cache" in page and page.index("not yet") > page.index(">c<")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from analysis import live
+from analysis import live, twin as twins
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure
 from app import access, heavy
 from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, setup
@@ -124,9 +124,38 @@ def finish(pending: dict, stop_reason: str | None = None) -> None:
                                                       prompt=pending["prompt"], settings=pending["settings"])))
         pending["result"] = out and {"runs": out, "prompt": pending["prompt"], "draw_s": pending["draw_s"],
                                      "labels": [r["label"] for r in runs], "model": pending["model"],
-                                     "wall_s": pending["wall_s"]}
+                                     "wall_s": pending["wall_s"], "policy": pending["policy"]}
     if pending["result"]:
         st.session_state["gen_result"] = pending["result"]
+
+
+def price_view(loaded, saved, labels, res, twin_res) -> None:
+    """Pruning's price on the same text: both models score both continuations, teacher-forced (analysis.twin)."""
+    ids, new = res.prompt_ids, [res.new_ids, twin_res.new_ids]
+    if len(ids) + max(map(len, new)) > twins.MAX_TOKENS:
+        st.caption(f"Pruning's price on the same text is scored up to {twins.MAX_TOKENS:,} tokens; this is longer.")
+        return
+    pol = policies.make(*saved["policy"]) if saved.get("policy") else None
+    if pol is None:
+        other, why = twin_for(loaded)
+        if other is None:
+            st.caption(f"Pruning's price on the same text needs the twin: {why}.")
+            return
+        scorers = [(labels[0], loaded.model, None), (labels[1], other.model, None)]
+    else:  # the same model: under the policy, and with its own rule or nothing evicted
+        scorers = [(labels[0], loaded.model, pol), (labels[1], loaded.model, None)]
+    if "price" not in saved:
+        with heavy.slot(), st.spinner("Scoring both continuations with both models…"):
+            saved["price"] = twins.price(scorers, ids, [(f"{labels[0]}'s output", new[0]),
+                                                        (f"{labels[1]}'s output", new[1])])
+    rows = saved["price"]
+    change = twins.price_change(rows, labels[0], labels[1])
+    st.markdown(f"**Price on the same text** (teacher-forced perplexity of each continuation, given the prompt, "
+                f"under each model as it generates): {labels[0]} against {labels[1]}, "
+                + "; ".join(f"{c:+.1%} on {t}" for t, c in change.items()) + ".")
+    st.dataframe(rows, hide_index=True)
+    st.caption("Each model's perplexity of its own output (beside each text below) is a sampling statistic; this "
+               "table is the price.")
 
 
 # A click on any widget (Stop included) ends a running script; what it had generated is kept, marked "stopped"
@@ -164,7 +193,7 @@ if st.button("Generate", type="primary", key="gen_go"):
     runs = [{"events": [], "texts": [], "info": {}, "label": label, "path": m.path, "tokenizer": m.tokenizer,
              "n_layers": m.config.n_layers} for label, m in models]
     pending = {"runs": runs, "ids": ids, "prompt": prompt, "settings": settings, "draw_s": 0.0, "wall_s": 0.0,
-               "model": str(loaded.path)}
+               "model": str(loaded.path), "policy": None if policy is None else (policy.method, policy.budget)}
     st.session_state["gen_pending"] = pending  # read by the next run if this one is stopped
     st.button("Stop generating", key="gen_stop", help="Keeps the tokens generated so far")
     gens = [stream(m.model, ids, int(max_new), info=run["info"], policy=policy if i == 0 else None, **settings)
@@ -224,15 +253,18 @@ if saved and saved["model"] == str(loaded.path):
         st.info(note)
     table = generation_table(res.events, loaded.tokenizer)
     m = st.columns(5)
-    m[0].metric("tokens/s (decode)", f"{res.decode_tokens_per_s:.1f}")
-    m[1].metric("first token (ms)", f"{res.events[0].latency_s * 1000:.1f}")
+    timed = "measured in this generation: the model's forward and sampling, page drawing excluded"
+    m[0].metric("tokens/s (decode)", f"{res.decode_tokens_per_s:.1f}", help=f"Steps after the first; {timed}")
+    m[1].metric("first token (ms)", f"{res.events[0].latency_s * 1000:.1f}", help=f"The prompt's prefill; {timed}")
     m[2].metric("median ms/token",
-                f"{table['latency_ms'].iloc[1:].median() if len(table) > 1 else table['latency_ms'].iloc[0]:.2f}")
-    m[3].metric("perplexity of output", f"{res.perplexity:.2f}")
+                f"{table['latency_ms'].iloc[1:].median() if len(table) > 1 else table['latency_ms'].iloc[0]:.2f}",
+                help=f"Steps after the first; {timed}")
+    m[3].metric("perplexity of own output", f"{res.perplexity:.2f}",
+                help="How likely the model found the tokens it sampled itself: a sampling statistic, not a "
+                     "quality measure (the twin comparison below scores both models on the same text)")
     last = res.events[-1]
-    m[4].metric("cache memory", f"{last.held_bytes / 1024:.1f} KiB",
-                f"{last.held_bytes / last.dense_bytes - 1:+.0%} vs dense" if res.cache_kind == "compacted" else None,
-                delta_color="inverse")
+    m[4].metric("cache held", f"{last.held_bytes / 1024:.1f} KiB",
+                help="Decode state of the tokens still held after the last step (allocated: in the line below)")
     paths = res.kernel_paths
     st.caption(f"Device: {device_name(loaded.model.wte.weight.device)} ({str(loaded.model.wte.weight.dtype)[6:]}) · "
                f"{res.cache_kind} cache ({last.alloc_bytes / 1024:.1f} KiB allocated) · kernel path: "
@@ -244,16 +276,20 @@ if saved and saved["model"] == str(loaded.path):
         labels = saved.get("labels", ["pruned", "dense twin"])
         st.subheader(f"{labels[0]} vs {labels[1]}")
         t = st.columns(4)
-        t[0].metric("cache memory saved", f"{s['memory_saved']:.0%}")
-        t[1].metric("latency pruned / dense" if labels[0] == "pruned" else f"latency {labels[0]} / {labels[1]}",
-                    f"{s['latency_ratio']:.2f}x")
-        t[2].metric("perplexity of own output", f"{s['perplexity_pruned']:.2f}",
-                    f"{s['perplexity_change']:+.1%} vs {labels[1]} ({s['perplexity_dense']:.2f})",
-                    delta_color="inverse")
+        kib = lambda pair: f"{pair[0] / 1024:,.1f} KiB vs {pair[1] / 1024:,.1f} KiB"  # noqa: E731
+        t[0].metric("cache held: saved", f"{s['held_saved']:.0%}", kib(s["held_bytes"]), delta_color="off",
+                    help=f"1 - held / the twin's held, after the last step ({labels[0]} vs {labels[1]})")
+        t[1].metric("cache allocated: saved", f"{s['allocated_saved']:.0%}", kib(s["allocated_bytes"]),
+                    delta_color="off", help="1 - allocated / the twin's allocated (buffers at their capacity)")
+        t[2].metric(f"latency {labels[0]} / {labels[1]}", f"{s['latency_ratio']:.2f}x",
+                    help="Median model time per decode step (the first, which holds the prefill, left out), the "
+                         "two models taking turns in this generation")
         t[3].metric("tokens before the texts part", f"{s['same_prefix']}/{s['tokens']}")
+        price_view(loaded, saved, labels, res, twin_res)
         cols = st.columns(2)
         for col, (p, r, _), label in zip(cols, saved["runs"], labels):
-            col.markdown(f"**{label} · {p.name}**")
+            col.markdown(f"**{label} · {p.name}** · perplexity of its own output {r.perplexity:.2f} (a sampling "
+                         "statistic)")
             col.markdown(colored_tokens_html([loaded.tokenizer.decode([e.token_id]) for e in r.events],
                                              [math.exp(e.logprob) for e in r.events]), unsafe_allow_html=True)
     if res.cache_kind == "compacted":
@@ -265,9 +301,10 @@ if saved and saved["model"] == str(loaded.path):
         which = r2.selectbox("Fade for", ["all layers", *range(cfg.n_layers)], key="gen_fade_layer")
         held = traces.held_at(tr, step)
         shade = live.held_fraction(tr, step) if which == "all layers" else held[int(which)]
-        st.markdown(live.faded_text_html(labels[:len(shade)], len(res.prompt_ids), shade), unsafe_allow_html=True)
+        st.markdown(live.faded_text_html(labels[:len(shade) + 1], len(res.prompt_ids), shade), unsafe_allow_html=True)
         st.caption(("The more layers have dropped a token by this step, the fainter it is" if which == "all layers"
-                    else f"Faded: dropped by layer {which} by this step") + "; generated tokens are underlined.")
+                    else f"Faded: dropped by layer {which} by this step") + "; generated tokens are underlined, the "
+                   "one sampled at this step dashed (it enters the cache at the next).")
         strip = live.strip_figure(tr, step, labels, f"{path.name}: what each layer holds after step {step}")
         st.plotly_chart(strip, width="stretch")
         settings = {"step": step, **tr["settings"]}
