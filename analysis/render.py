@@ -3,7 +3,11 @@ whole plotly spec (analysis.export.sidecar), so a figure can be written again at
 format, or with a title of one's own.
 
     python -m analysis.render SIDECAR.json [--format pdf ...] [--out DIR] [--width PX] [--height PX]
-        [--scale S] [--title TEXT] [--force]
+        [--scale S] [--title TEXT] [--paper one|two] [--force]
+
+--paper draws it in the publication style (analysis.style): a one- or two-column width, colour-blind-safe
+colours, an embedded font, TeX-style sub- and superscripts in titles. Without it the figure is redrawn exactly as
+exported: the same data arrays and, with the same plotly, kaleido and chromium, the same PNG and SVG bytes.
 
 Writes NAME.{format} beside the sidecar (or in --out), NAME being the sidecar's file name; existing files are
 refused unless --force. A sidecar exported before the spec was kept in it cannot be redrawn this way: export the
@@ -12,13 +16,16 @@ figure again.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 import plotly.io as pio
 
+from analysis import style
 from analysis.export import FORMATS, ExportError, figure_bytes
 
 MAX_SIDECAR_BYTES = 64 * 2**20   # the largest spec the app writes (the maps overview) is about 1 MB
@@ -46,6 +53,16 @@ def refused(spec: dict) -> str | None:
         return (f"traces of type {sorted(map(str, kinds - TRACES))}; this project's figures are made of "
                 f"{', '.join(sorted(TRACES))}")
     return None
+
+
+def stable_svg(svg: bytes) -> bytes:
+    """plotly.js names an SVG's clip paths and defs after a random 6-hex id per drawing; naming them after the
+    document's own hash instead makes one figure's SVG the same bytes every time it is drawn."""
+    found = re.search(rb'<defs id="defs-([0-9a-f]{6})"', svg)
+    if not found:
+        return svg
+    stable = hashlib.sha256(svg.replace(found.group(1), b"")).hexdigest()[:6].encode()
+    return svg.replace(found.group(1), stable)
 
 
 def load_figure(sidecar: str | Path):
@@ -78,8 +95,9 @@ def load_figure(sidecar: str | Path):
 
 def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None = None, width: int | None = None,
            height: int | None = None, scale: float = 2.0, title: str | None = None,
-           force: bool = False) -> list[Path]:
-    """Writes the sidecar's figure in each format; returns the files written (nothing when one would clash)."""
+           force: bool = False, paper: str | None = None) -> list[Path]:
+    """Writes the sidecar's figure in each format (paper: in the publication style at that column width);
+    returns the files written (nothing when one would clash)."""
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise ExportError(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(FORMATS)}")
@@ -89,6 +107,11 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
     if not 0.1 <= scale <= 10:
         raise ExportError(f"--scale {scale}: give 0.1 to 10")
     fig = load_figure(sidecar)
+    if paper is not None:
+        try:
+            fig = style.paper(fig, paper)
+        except style.StyleError as e:
+            raise ExportError(str(e)) from None
     if width or height:
         fig.update_layout(**({"width": width} if width else {}), **({"height": height} if height else {}))
     drawn = (fig.layout.width or 700) * (fig.layout.height or 500) * (scale ** 2 if "png" in formats else 1)
@@ -105,7 +128,17 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
     if clash and not force:
         raise ExportError(f"{', '.join(p.name for p in clash)} would be overwritten in {out}: choose another --out, "
                           "or pass --force")
+    for i, trace in enumerate(fig.data):   # plotly.js would name a trace without a uid at random (SVG ids)
+        if trace.uid is None:
+            trace.uid = f"trace{i}"
     images = [figure_bytes(fig, fmt, scale) for fmt in formats]   # (all drawn before any is written)
+    if "svg" in formats:
+        images[formats.index("svg")] = stable_svg(images[formats.index("svg")])
+    if paper is not None and "svg" in formats:
+        try:
+            images[formats.index("svg")] = style.embed_font(images[formats.index("svg")])
+        except style.StyleError as e:
+            raise ExportError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
     for path, data in zip(targets, images):   # via a temporary name: a failed write leaves no half file behind
         tmp = path.with_name(f".{path.name}.part")
@@ -126,11 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--height", type=int, default=None, help="pixels")
     ap.add_argument("--scale", type=float, default=2.0, help="PNG pixels per figure pixel")
     ap.add_argument("--title", default=None, help="replace the figure's title ('' for none)")
+    ap.add_argument("--paper", choices=list(style.COLUMNS), default=None,
+                    help="publication style at a one- or two-column width (3.5 or 7 in)")
     ap.add_argument("--force", action="store_true", help="overwrite files already there")
     args = ap.parse_args(argv)
     try:
         written = render(args.sidecar, args.format, args.out, args.width, args.height, args.scale, args.title,
-                         args.force)
+                         args.force, args.paper)
     except (ExportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

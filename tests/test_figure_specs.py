@@ -1,0 +1,114 @@
+"""Every figure the app exports has a spec that redraws it: each page's exported figures (caught at
+app.common.export_buttons while the page runs) go through the JSON button's sidecar and
+`python -m analysis.render`'s loader with their data arrays equal exactly; a redraw is byte for byte the same
+image; the publication style keeps the data and embeds its font."""
+import json
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from analysis import render, style
+from analysis.export import figure_bytes
+
+VIEWS = Path(__file__).resolve().parent.parent / "app" / "views"
+# (page, model): together every figure kind the pages export, in their default views
+PAGES = [("1_Generate.py", "mha-1024-pruned"), ("2_Attention.py", "mha"), ("2_Attention.py", "she"),
+         ("3_Heads.py", "mha"), ("3_Heads.py", "mhe-mul"), ("4_Extractors.py", "we"), ("5_Attribution.py", "mha"),
+         ("6_Compare.py", "mha"), ("7_Pruning.py", "mha-1024-pruned")]
+
+
+def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict]]:
+    import app.common
+    caught = []
+    real = app.common.export_buttons
+
+    def catch(fig, table, name, model_dir=None, text=None, settings=None, key=None):
+        caught.append((name, fig, {"model_dir": model_dir, "text": text, "settings": settings}))
+        return real(fig, table, name, model_dir, text, settings, key)
+
+    monkeypatch.setattr(app.common, "export_buttons", catch)
+    at = AppTest.from_file(str(VIEWS / page), default_timeout=300)
+    at.session_state["model"] = model
+    at.run()
+    if page == "1_Generate.py":   # its figures come after a generation
+        at.number_input(key="gen_n").set_value(12)
+        at.checkbox(key="gen_greedy").set_value(True)
+        at.button(key="gen_go").click().run()
+    assert not at.exception, at.exception
+    return caught
+
+
+@pytest.mark.parametrize("page, model", PAGES)
+def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch, tmp_path, page, model):
+    from app.common import sidecar_json
+    figures = exported(monkeypatch, page, model)
+    assert figures, f"{page} on {model} exported no figure"
+    for name, fig, how in figures:
+        path = tmp_path / f"{name}.json"
+        path.write_text(sidecar_json(fig, name, how["model_dir"], how["text"], how["settings"]))
+        meta = json.loads(path.read_text())
+        for key in ("checkpoint_sha256", "code", "text_sha256", "settings", "precision", "versions"):
+            assert key in meta, (name, key)
+        again = render.load_figure(path)
+        assert json.loads(again.to_json()) == json.loads(fig.to_json()), name
+
+
+def sidecar_of(tmp_path, fig) -> Path:
+    from app.common import sidecar_json
+    path = tmp_path / "fig.json"
+    path.write_text(sidecar_json(fig, "fig", None, None, {}))
+    return path
+
+
+def small_figures():
+    import numpy as np
+
+    from analysis import maps
+    rng = np.random.default_rng(0)
+    heat = maps.map_figure(rng.random((5, 5)), list("abcde"), "attention")
+    diff = maps.difference_figure(rng.random((5, 5)), rng.random((5, 5)), list("abcde"), "a - b")
+    import plotly.graph_objects as go
+    lines = go.Figure([go.Scatter(y=[1, 3, 2], line={"color": "red"}, name="x"), go.Bar(y=[2, 1, 3])])
+    lines.update_layout(title="x_{n,j} under \\sigma_\\alpha", xaxis_title="I^{k}")
+    return heat, diff, lines
+
+
+def test_a_redraw_is_the_same_image_byte_for_byte(tmp_path):
+    heat, _, _ = small_figures()
+    path = sidecar_of(tmp_path, heat)
+    first = render.render(path, ["png", "svg"], tmp_path / "a")
+    second = render.render(path, ["png", "svg"], tmp_path / "b")
+    for a, b in zip(first, second):
+        assert a.read_bytes() == b.read_bytes() and a.stat().st_size > 1000, a.name
+    assert first[0].read_bytes() == figure_bytes(heat, "png")   # and the same as the app's own export
+
+
+def test_the_paper_style_keeps_the_data_and_embeds_its_font(tmp_path):
+    heat, diff, lines = small_figures()
+    for fig in (heat, diff, lines):
+        styled = style.paper(fig, "two")
+        assert styled.layout.width == 672 and styled.layout.font.family == style.FONT_FAMILY
+        for a, b in zip(fig.data, styled.data):    # the numbers drawn are the figure's own
+            for key in ("x", "y", "z"):
+                assert json.dumps(a.to_plotly_json().get(key), default=str) == json.dumps(
+                    b.to_plotly_json().get(key), default=str)
+    assert style.paper(heat, "one").layout.width == 336
+    cmap = lambda f: [c for _, c in f.data[0].colorscale]  # noqa: E731
+    assert cmap(style.paper(heat)) == cmap(heat.update_traces(colorscale=style.SEQUENTIAL))
+    assert style.paper(diff).data[0].colorscale == diff.update_traces(colorscale=style.DIVERGING).data[0].colorscale
+    styled = style.paper(lines)
+    assert styled.data[0].line.color == style.OKABE_ITO[0] and styled.layout.colorway == tuple(style.OKABE_ITO)
+    assert styled.layout.title.text == "x<sub>n,j</sub> under σ<sub>α</sub>"
+    assert styled.layout.xaxis.title.text == "I<sup>k</sup>"
+    path = sidecar_of(tmp_path, lines)
+    svg, pdf = render.render(path, ["svg", "pdf"], tmp_path / "paper", paper="one")
+    assert b"@font-face" in svg.read_bytes() and b"base64," in svg.read_bytes()
+    assert b"/FontFile2" in pdf.read_bytes() and b"LiberationSans" in pdf.read_bytes()   # embedded TrueType
+    with pytest.raises(render.ExportError, match="one or two"):
+        render.render(path, ["png"], tmp_path / "bad", paper="three")
+
+
+def test_tex_subset():
+    assert style.tex("x_{n,j} + \\beta^2") == "x<sub>n,j</sub> + β<sup>2</sup>"
+    assert style.tex("plain text, \\unknown, held_bytes") == "plain text, \\unknown, held_bytes"
