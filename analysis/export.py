@@ -1,5 +1,7 @@
 """Figure export: PNG, SVG and PDF (kaleido, driving Debian chromium), the data as CSV, and a JSON sidecar
-saying exactly what was drawn. The app's buttons and the command line write the same files.
+saying exactly what was drawn. The app's buttons and the command line write the same files, and the command line
+draws the windows the pages open on (analysis.budgets), so a text of up to 20,000 characters costs what the
+app's first views cost.
 
     python -m analysis.export MODEL_DIR --text FILE --out DIR
 """
@@ -159,32 +161,64 @@ def write_bundle(fig: go.Figure, table: pd.DataFrame, out_dir: str | Path, name:
     return paths + [out / f"{name}.csv", out / f"{name}.json"]
 
 
+def app_windows(tokens, context: int) -> dict:
+    """The window of each page that analysis.export draws: the first one, as the page shows it before its slider moves
+    (app.common.window_picker at 0), of the page's size in analysis.budgets."""
+    from analysis import budgets
+    return {"attention": budgets.first_window(tokens, budgets.ATTENTION_VIEW, context),
+            "compare": budgets.first_window(tokens, budgets.COMPARE_VIEW, context),
+            "attribution": budgets.first_window(tokens, budgets.ATTRIBUTION_VIEW, context)}
+
+
+def check_memory(cfg, weights: int) -> None:
+    """Refuse (ExportError), before the model runs, a model whose figures at the app's windows would not fit the
+    memory budget. The windows do not grow with the text (at most analysis.budgets.MAX_CHARS characters), so only
+    the model's size can pass it."""
+    from analysis import budgets
+    need, budget = budgets.export_bytes(cfg, weights), budgets.memory_budget()
+    if need > budget:
+        raise ExportError(f"this model's figures at the app's windows ({budgets.ATTENTION_VIEW}-token maps, "
+                          f"{budgets.ATTRIBUTION_VIEW}-token attribution) need about {budgets.gb(need)} with its "
+                          f"{budgets.gb(weights)} of weights, over the {budgets.gb(budget)} memory budget: raise "
+                          "MIXSCOPE_MEMORY_MB if this machine has the memory")
+
+
 def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame, dict]]:
-    """Every figure the app draws for one model and one text, with the app's default settings."""
-    from analysis import attribution, heads, lags, maps, tokens
-    from analysis.text import tokenize, window
+    """Every figure the app draws for one model and one text, with the app's default settings: each page's first
+    window (app_windows: the Attention and Compare pages' 128 tokens, the Attribution page's 256), so a text of any
+    accepted length costs what the app's first view costs."""
+    from analysis import attribution, budgets, heads, lags, maps, tokens
+    from analysis.text import tokenize
 
     model, cfg = loaded.model, loaded.config
-    toks = window(tokenize(loaded.tokenizer, text), 0, cfg.context)
-    if len(toks.ids) < 2:
+    toks = tokenize(loaded.tokenizer, text)
+    views = app_windows(toks, cfg.context)
+    if len(views["attention"].ids) < 2:
         raise ExportError("the text must have at least 2 tokens")
+    check_memory(cfg, budgets.weights_bytes(model))
     out = []
-    m, kind = maps.mixing_maps(model, toks.ids)
-    out.append(("maps_overview", maps.overview_figure(m, kind), maps.maps_table(m, toks.labels),
-                {"tokens": len(toks.ids)}))
+    view = views["attention"]
+    m, kind = maps.mixing_maps(model, view.ids)
+    out.append(("maps_overview", maps.overview_figure(m, kind), maps.maps_table(m, view.labels),
+                {"window_start": 0, "tokens": len(view.ids)}))
     last = cfg.n_layers - 1
     out.append((f"map_layer{last}_head0",
-                maps.map_figure(m[last, 0], toks.labels, f"{cfg.mixer}: layer {last}, head 0"),
-                maps.maps_table(m[last:last + 1, :1], toks.labels), {"layer": last, "head": 0}))
-    lp = tokens.token_logprobs(model, toks.ids)
-    df = tokens.surprisal_table(toks.labels, lp, cfg.mixer)
-    out.append(("surprisal", tokens.surprisal_figure(df, f"{cfg.mixer}: per-token surprisal"), df, {}))
-    scores, target, _ = attribution.attribute(model, toks.ids, len(toks.ids) - 1, method="integrated gradients",
-                                              steps=16)
-    df = attribution.attribution_table(scores, toks.labels)
-    title = f"integrated gradients for the next token {loaded.tokenizer.decode([target])!r}"
+                maps.map_figure(m[last, 0], view.labels, f"{cfg.mixer}: layer {last}, head 0"),
+                maps.maps_table(m[last:last + 1, :1], view.labels), {"layer": last, "head": 0, "window_start": 0}))
+    del m   # (the tables hold what is written; the maps themselves are not needed again)
+    view = views["compare"]
+    lp = tokens.token_logprobs(model, view.ids)
+    df = tokens.surprisal_table(view.labels, lp, cfg.mixer)
+    out.append(("surprisal", tokens.surprisal_figure(df, f"{cfg.mixer}: per-token surprisal"), df,
+                {"window_start": 0, "tokens": len(view.ids)}))
+    view = views["attribution"]
+    method, steps = budgets.attribution_default(sum(p.numel() for p in model.parameters()))
+    position = len(view.ids) - 1
+    scores, target, _ = attribution.attribute(model, view.ids, position, method=method, steps=steps)
+    df = attribution.attribution_table(scores, view.labels)
+    title = f"{method} for the next token {loaded.tokenizer.decode([target])!r}"
     out.append(("attribution_last", attribution.attribution_figure(df, title), df,
-                {"method": "integrated gradients", "steps": 16, "position": len(toks.ids) - 1, "target": target}))
+                {"method": method, "steps": steps, "position": position, "target": target, "window_start": 0}))
     for k, vec in heads.head_vectors(model).items():
         geo, var = heads.geometry_table(vec)
         out.append((f"heads_pca_{k}", heads.pca_figure(geo, var, f"{cfg.mixer}: {k} per head, PCA"), geo, {"kind": k}))
@@ -202,8 +236,9 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
                  device: str = "cpu", dtype: str = "float32") -> list[Path]:
     """Every figure of model_figures as a bundle in out_dir. Existing files are refused (nothing is written)
     unless force."""
+    from analysis.budgets import config_of, planned_weights
     from analysis.text import decode_upload
-    from models.checkpoint import load_model_dir
+    from models.checkpoint import CheckpointError, load_model_dir
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -211,7 +246,13 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
     path = Path(text_file)
     if not path.is_file():
         raise ExportError(f"--text {path} is not a file")
-    text = decode_upload(path.name, path.read_bytes())
+    text = decode_upload(path.name, path.read_bytes())   # at most analysis.budgets.MAX_CHARS characters
+    try:
+        cfg = config_of(model_dir)
+    except CheckpointError:
+        cfg = None   # (load_model_dir says what is wrong with the directory)
+    if cfg is not None:
+        check_memory(cfg, planned_weights(cfg))   # before the weights are read
     loaded = load_model_dir(model_dir, device=device, dtype=dtype)
     figures = model_figures(loaded, text)
     clash = [p for name, *_ in figures for p in bundle_paths(out, name) if p.exists()]

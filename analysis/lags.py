@@ -1,4 +1,10 @@
-"""Extractor lag weights: how much each lag (distance to the past token) contributes, per layer."""
+"""Extractor lag weights: how much each lag (distance to the past token) contributes, per layer.
+
+Summaries of a lag's weights over channels: 'mean' (signed), 'rms', and 'fro', the Frobenius norm of the lag's
+weights, which is the norm of the Jacobian d x_ext_i / d x_j at lag i - j (SHE: that Jacobian is W^ext transposed;
+WE/HE: diag(w^ext), for HE with respect to X'; ME: |w|, its Jacobian w I having norm |w| sqrt(d)).
+SHE's mean over a d x d matrix sums signed entries that cancel, so it says little about how much a lag mixes in:
+its norm does. WE/HE show mean and RMS side by side (the mean tells the common sign, the RMS the size)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,15 +19,33 @@ def extractor_layers(model) -> list[Extractor]:
     return [b.mixer for b in model.blocks if isinstance(b.mixer, Extractor)]
 
 
+SUMMARIES = {"mean": "signed mean over channels", "rms": "RMS over channels", "fro": "Frobenius norm"}
+
+
 def lag_table(model) -> pd.DataFrame:
-    """One row per (layer, lag): RMS and signed mean of the lag's weights over channels
+    """One row per (layer, lag): RMS, signed mean and Frobenius norm ('fro') of the lag's weights over channels
     (ME: the scalar itself; SHE: over the d x d matrix)."""
     rows = []
     for layer, m in enumerate(extractor_layers(model)):
         prof = m.lag_profile()
-        for lag, (rms, mean) in enumerate(zip(prof["rms"].tolist(), prof["mean"].tolist())):
-            rows.append({"layer": layer, "lag": lag, "rms": rms, "mean": mean})
+        w = m.w_ext.detach().float()
+        fro = w.reshape(len(w), -1).norm(dim=1)
+        for lag, (rms, mean, f) in enumerate(zip(prof["rms"].tolist(), prof["mean"].tolist(), fro.tolist())):
+            rows.append({"layer": layer, "lag": lag, "rms": rms, "mean": mean, "fro": f})
     return pd.DataFrame(rows)
+
+
+def lag_maps(table: pd.DataFrame, t: int, value: str = "fro") -> np.ndarray:
+    """[layers, 1, t, t]: one summary of the lag weights laid out as a causal Toeplitz matrix, entry (i, j) the
+    lag i - j's value (0 above the diagonal). With 'mean' it is the mixing matrix the forward records; with 'fro'
+    entry (i, j) is the norm of d x_ext_i / d x_j."""
+    lag = np.arange(t)[:, None] - np.arange(t)[None, :]
+    layers = sorted(table["layer"].unique())
+    out = np.zeros((len(layers), 1, t, t))
+    for layer in layers:
+        prof = table[table["layer"] == layer].sort_values("lag")[value].to_numpy()
+        out[layer, 0] = np.where(lag >= 0, prof[np.clip(lag, 0, len(prof) - 1)], 0.0)
+    return out
 
 
 def lag_channel(model, layer: int) -> np.ndarray:
@@ -45,9 +69,24 @@ def mass_in_first(table: pd.DataFrame, k: int) -> pd.DataFrame:
 def profile_figure(table: pd.DataFrame, value: str, title: str, log_x: bool = True) -> go.Figure:
     df = table.assign(lag1=table["lag"] + 1, layer=table["layer"].astype(str))
     fig = px.line(df, x="lag1", y=value, color="layer", log_x=log_x, title=title,
-                  labels={"lag1": "lag + 1 (the paper's index k of w_k)", value: value})
+                  labels={"lag1": "lag + 1 (the paper's index k of w_k)", value: SUMMARIES.get(value, value)})
     if value == "mean":
         fig.add_hline(y=0, line_dash="dot", line_color="grey")
+    fig.update_layout(height=420)
+    return fig
+
+
+def mean_rms_figure(table: pd.DataFrame, title: str, log_x: bool = True) -> go.Figure:
+    """The signed mean and the RMS over channels side by side, per layer: a mean near zero can hide large
+    weights of both signs."""
+    df = table.melt(id_vars=["layer", "lag"], value_vars=["mean", "rms"], var_name="summary", value_name="weight")
+    df = df.assign(lag1=df["lag"] + 1, layer=df["layer"].astype(str),
+                   summary=df["summary"].map({"mean": "signed mean", "rms": "RMS"}))
+    fig = px.line(df, x="lag1", y="weight", color="layer", facet_col="summary", facet_col_spacing=0.07, log_x=log_x,
+                  title=title, labels={"lag1": "lag + 1 (the paper's index k of w_k)", "weight": "over channels"})
+    fig.update_yaxes(matches=None, showticklabels=True)   # the two summaries have their own scales
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
+    fig.add_hline(y=0, line_dash="dot", line_color="grey", col=1)
     fig.update_layout(height=420)
     return fig
 

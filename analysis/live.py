@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from models.trace import held_at
 
-MAX_STRIP = 1024  # tokens drawn in a strip (the last ones): 30 layers x 1,024 cells stay light in a browser
+from analysis.budgets import LIVE_STRIP as MAX_STRIP  # noqa: E402  (tokens drawn in a strip: the last ones)
 HELD, DROPPED, UNSEEN = 1.0, 0.0, np.nan
 
 

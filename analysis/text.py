@@ -5,7 +5,8 @@ import itertools
 from dataclasses import dataclass
 from pathlib import PurePath
 
-MAX_CHARS = 20_000          # what the pages analyse at once; longer text is refused with this number
+from analysis.budgets import MAX_CHARS  # the pages' and export's limit (analysis.text.MAX_CHARS as before)
+
 ALLOWED_SUFFIXES = (".txt", ".md")
 
 

@@ -13,11 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from analysis.text import MAX_CHARS
+from analysis.budgets import MAX_CHARS, SERVE_MAX_CHARS, SERVE_MAX_NEW_TOKENS  # (serve mode's defaults)
 from analysis.zoo import REPO, models_root
-
-SERVE_MAX_CHARS = 8_000       # serve mode: characters of text one page reads at once
-SERVE_MAX_NEW_TOKENS = 256    # serve mode: tokens one generation adds
 
 
 def serving() -> bool:

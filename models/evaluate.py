@@ -1,11 +1,18 @@
 """Sliding-window perplexity on held-out documents, and the MHE paper's PRR / PEoP.
 
-    python -m models.evaluate MODEL_DIR [--split test] [--stride 256] [--window N] [--data DIR] [--json]
+    python -m models.evaluate MODEL_DIR [--split test] [--stride 256] [--window N] [--data DIR] [--max-windows N]
+        [--json]
     python -m models.evaluate --check-card MODEL_DIR [MODEL_DIR ...]   # re-measure each card's test perplexity
 
 Each document is scored on its own (windows never cross documents), starting from <|endoftext|>;
 windows hold at most `context` tokens and advance by `stride`; every token is scored exactly once,
 with all the history the window has (at least context - stride tokens once the document is long).
+
+Memory is bounded whatever the window (SmolLM2's whole 8,192-token context fits 4 GB): a forward takes about
+BATCH_TOKENS tokens of windows (at least one window, fewer where the memory budget says so), and the head turns
+the final hidden states into log-probabilities a chunk of positions at a time, only where a window scores: the
+[windows, window, vocab] logits never exist. A window that would not fit even alone is refused before anything
+runs, naming the longest that fits.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from tqdm import tqdm
 
 from models.decode import Decoder
 from models.pruning import sparsity
-from models.scoring import target_logprobs
+from models.scoring import RUNTIME_BYTES, forward_bytes, head_logprobs, memory_budget, target_logprobs, weights_bytes
 from models.tokenizer import EOS
 from models.transformer import evaluating
 
@@ -46,26 +53,70 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
+BATCH_TOKENS = 4096  # tokens one forward takes: 16 windows of the zoo's 256, one of SmolLM2's 8,192 (at least one)
+
+
+def batch_rows(model, length: int, batch_tokens: int = BATCH_TOKENS, budget: int | None = None,
+               extra=lambda t: 0) -> int:
+    """How many windows of `length` tokens one forward takes: batch_tokens' worth (at least one), fewer where the
+    weights, the runtime and forward_bytes (plus extra(length) per window) would pass the memory budget; 0 when not
+    even one fits."""
+    room = (memory_budget() if budget is None else budget) - weights_bytes(model) - RUNTIME_BYTES
+    rows = max(1, batch_tokens // length)
+    while rows and forward_bytes(model.config, rows, length) + rows * extra(length) > room:
+        rows -= 1 if rows < 4 else rows // 4   # (coarse steps first: a few checks, however many rows were asked)
+    return rows
+
+
+def check_window(model, window: int, budget: int | None = None, extra=lambda t: 0, what: str = "--window") -> None:
+    """A ValueError, before anything runs, when one window of `window` tokens would not fit the memory budget,
+    naming the longest window that does (extra(t): bytes a window of t tokens holds besides one forward's)."""
+    if batch_rows(model, window, 1, budget, extra):
+        return
+    lo, hi = 0, window
+    while lo < hi:  # the longest window that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if batch_rows(model, mid, 1, budget, extra) else (lo, mid - 1)
+    budget = memory_budget() if budget is None else budget
+    need = forward_bytes(model.config, 1, window) + extra(window)
+    raise ValueError(f"a {window:,}-token window of this model needs about {need / 2**30:.1f} GB beside its "
+                     f"{weights_bytes(model) / 2**30:.1f} GB of weights, over the {budget / 2**30:.1f} GB memory "
+                     f"budget (MIXSCOPE_MEMORY_MB): "
+                     + (f"the longest window that fits is {lo:,} tokens ({what} {lo})" if lo > 1 else
+                        "not even a short window fits beside these weights"))
+
+
 @torch.inference_mode()
-def score_documents(model, docs: list[list[int]], stride: int, batch_size: int = 16, progress: bool = False,
-                    window: int | None = None) -> dict:
+def score_documents(model, docs: list[list[int]], stride: int, batch_tokens: int = BATCH_TOKENS,
+                    progress: bool = False, window: int | None = None, max_windows: int | None = None,
+                    budget: int | None = None) -> dict:
     """Summed negative log-likelihood and count over all targets of the documents (token id lists). window: the
-    longest window fed (default and at most the model's context; an 8k-context model is costly on a CPU)."""
+    longest window fed (default and at most the model's context; an 8k-context model is costly on a CPU).
+    max_windows: only the first windows, in document order (a quick check; not the split's perplexity). budget:
+    bytes for the whole process (default memory_budget()); a window that would not fit is refused before any
+    forward."""
     context = model.config.context if window is None else min(window, model.config.context)
-    jobs = [(doc[b:e], doc[b + 1:e + 1], k) for doc in docs for b, e, k in windows(len(doc), context, stride)]
-    jobs.sort(key=lambda j: len(j[0]))  # equal lengths batch together
+    check_window(model, context, budget)
+    # (document, begin, end, scored): slices taken per batch, not up front (8 k-token windows at stride 256 would
+    # copy each token 32 times)
+    jobs = [(d, b, e, k) for d, doc in enumerate(docs) for b, e, k in windows(len(doc), context, stride)]
+    jobs = jobs[:max_windows] if max_windows else jobs
+    jobs.sort(key=lambda j: j[2] - j[1])  # equal lengths batch together
     device = model.wte.weight.device
     nll, count = 0.0, 0
     bar = tqdm(total=len(jobs), desc="evaluating", disable=not progress, file=sys.stderr)
     i = 0
     with evaluating(model):
         while i < len(jobs):
-            length = len(jobs[i][0])
-            group = [j for j in jobs[i:i + batch_size] if len(j[0]) == length]
-            x = torch.tensor([j[0] for j in group], device=device)
-            y = torch.tensor([j[1] for j in group], device=device)
-            logp = target_logprobs(model(x).logits, y)  # [b, length]
-            for row, (_, _, k) in zip(logp, group):
+            length = jobs[i][2] - jobs[i][1]
+            rows = max(1, batch_rows(model, length, batch_tokens, budget))
+            group = [j for j in jobs[i:i + rows] if j[2] - j[1] == length]
+            x = torch.tensor([docs[d][b:e] for d, b, e, _ in group], device=device)
+            y = torch.tensor([docs[d][b + 1:e + 1] for d, b, e, _ in group], device=device)
+            first = length - max(k for *_, k in group)  # positions before this are history only: no head there
+            hidden = model(x, hidden_only=True).hidden[:, first:]
+            logp = head_logprobs(model, hidden, y[:, first:])  # [b, length - first]
+            for row, (*_, k) in zip(logp, group):
                 nll -= float(row[-k:].double().sum())
                 count += k
             i += len(group)
@@ -90,7 +141,9 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
                 progress: bool = False) -> list[dict]:
     """Perplexity and sparsity by context size over consecutive windows of a token stream: a predicted token's
     bucket is its position k in the window; sparsity is the share of its k earlier tokens that its attention
-    cannot see (the step mask), averaged over layers (0 for a dense model). Used by analysis.reports.pruning."""
+    cannot see (the step mask), averaged over layers (0 for a dense model). Used by analysis.reports.pruning.
+    A window whose forward and kept masks would not fit the memory budget is refused before anything runs."""
+    check_window(model, window, extra=lambda t: record_bytes(model.config, t))
     dev = model.wte.weight.device
     n = (len(stream) - 1) // window
     if max_windows:
@@ -99,8 +152,9 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
     with evaluating(model):
         for w in tqdm(range(n), desc="windows", disable=not progress, file=sys.stderr):
             seq = torch.tensor(stream[w * window: w * window + window + 1], device=dev)
-            out = model(seq[None, :-1], diagnostics=True, attention_maps=False)  # masks only: no attention maps
-            logp = target_logprobs(out.logits[0], seq[1:]).double().cpu()
+            # masks only (no attention maps), and the head a chunk of positions at a time
+            out = model(seq[None, :-1], diagnostics=True, attention_maps=False, hidden_only=True)
+            logp = head_logprobs(model, out.hidden[0], seq[1:]).double().cpu()
             keeps = [d.keep for d in out.diagnostics]
             k = torch.arange(window)
             if keeps[0] is None:
@@ -114,6 +168,12 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
                 acc[(lo, hi)][2] += float(sp[sel].sum())
     return [{"bucket": f"{lo}-{hi}", "tokens": t, "perplexity": math.exp(nll / t) if t else float("nan"),
              "sparsity": s / t if t else float("nan")} for (lo, hi), (nll, t, s) in acc.items()]
+
+
+def record_bytes(cfg, t: int) -> int:
+    """What a forward with diagnostics keeps of a t-token window until it returns, without attention maps: every
+    layer's [t, t] keep mask in float32 when the model masks (context pruning, a fixed pattern); nothing when dense."""
+    return cfg.n_layers * 4 * t * t if cfg.prune or cfg.pattern != "dense" else 0
 
 
 @torch.inference_mode()
@@ -179,7 +239,7 @@ def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
 
 def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, data_dir: str | Path | None = None,
                  progress: bool = False, window: int | None = None, device: str = "cpu",
-                 dtype: str = "float32") -> dict:
+                 dtype: str = "float32", max_windows: int | None = None) -> dict:
     from models.checkpoint import file_sha256, load_model_dir
     from models.data import load_documents
     from models.params import count_parameters
@@ -187,13 +247,14 @@ def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, 
     loaded = load_model_dir(model_dir, device=device, dtype=dtype)
     data_dir = Path(data_dir or loaded.card.get("data", {}).get("dir", "data"))
     docs = encode_documents(loaded.tokenizer, load_documents(data_dir, split))
-    res = score_documents(loaded.model, docs, stride, progress=progress, window=window)
+    res = score_documents(loaded.model, docs, stride, progress=progress, window=window, max_windows=max_windows)
     counts = count_parameters(loaded.model)
     card_sha = loaded.card.get("data", {}).get(f"{split}_sha256")
     now_sha = file_sha256(data_dir / f"{split}.txt")
     return {"model_dir": str(loaded.path), "mixer": loaded.config.mixer, "split": split, "stride": stride,
             "window": min(window or loaded.config.context, loaded.config.context),
             "data_dir": str(data_dir), "data_matches_card": card_sha == now_sha if card_sha else None,
+            **({"max_windows": max_windows} if max_windows else {}),
             "tokens": res["tokens"], "loss": res["loss"], "perplexity": res["perplexity"],
             "parameters": counts, "attention_parameters": counts["mixer"]}
 
@@ -241,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--window", type=int, default=None, help="longest window fed (default: the model's context)")
     ap.add_argument("--data", default=None, help="prepared data directory (default: the one on the model card)")
+    ap.add_argument("--max-windows", type=int, default=None,
+                    help="score only the first N windows, in document order (a quick check or a memory measurement: "
+                         "not the split's perplexity)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object on stdout (--check-card: one per directory), logs to stderr")
     add_device_arguments(ap, dtype="float32")
@@ -248,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     dev = dict(device=args.device, dtype=args.dtype)
     if args.check_card:
-        fixed = [f"--{k}" for k in ("split", "stride", "window", "data") if getattr(args, k) != ap.get_default(k)]
+        fixed = [f"--{k.replace('_', '-')}" for k in ("split", "stride", "window", "data", "max_windows")
+                 if getattr(args, k) != ap.get_default(k)]
         if fixed:  # a card is checked against what it was measured on
             ap.error(f"--check-card takes each card's own split, stride, window and data; drop {', '.join(fixed)}")
         if args.device == "auto":  # the cards were written on the CPU in float32: a GPU's sums differ beyond 1e-6
@@ -264,14 +329,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("one MODEL_DIR, unless --check-card")
     args.model_dir = args.model_dir[0]
     try:
+        if args.max_windows is not None and args.max_windows < 1:
+            ap.error("--max-windows must be at least 1")
         result = evaluate_dir(args.model_dir, args.split, args.stride, args.data, progress=True, window=args.window,
-                              **dev)
+                              max_windows=args.max_windows, **dev)
         parent = Path(args.model_dir).resolve().parent
         ref = {}
         for name in REFERENCES:  # the zoo's baselines, evaluated the same way (zoo_references reads their cards)
             if (parent / name).is_dir():
                 r = result if Path(result["model_dir"]).resolve() == parent / name else \
-                    evaluate_dir(parent / name, args.split, args.stride, args.data, **dev)
+                    evaluate_dir(parent / name, args.split, args.stride, args.data, max_windows=args.max_windows,
+                                 **dev)
                 ref[name] = (r["perplexity"], r["attention_parameters"])
         result |= paper_metrics(result["perplexity"], result["attention_parameters"], ref.get("mha"), ref.get("sha"))
     except (CheckpointError, DataError, ValueError) as e:

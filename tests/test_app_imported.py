@@ -38,10 +38,10 @@ def test_heads_page_on_grouped_kv_heads(imported_zoo):
     at = AppTest.from_file(str(PAGES / "3_Heads.py"), default_timeout=180).run()
     at.sidebar.selectbox(key="model").select("llama-gqa").run()
     assert not at.exception, at.exception
-    assert any((t or "").startswith("gqa: W_Q") for t in titles(at))
-    at.selectbox(key="a_kind").set_value("W_K").run()            # two K/V groups shared by four query heads
+    assert any((t or "").startswith("gqa: QK circuits") for t in titles(at))
+    at.selectbox(key="a_kind").set_value("OV").run()             # two K/V groups shared by four query heads
     assert not at.exception, at.exception
-    assert any((t or "").startswith("gqa: W_K") for t in titles(at))
+    assert any((t or "").startswith("gqa: OV circuits") for t in titles(at))
 
 
 def test_attention_page_on_grouped_kv_heads(imported_zoo):

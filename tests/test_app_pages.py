@@ -121,7 +121,7 @@ def test_generate_streams_and_reports_speed():
     at.button(key="gen_go").click().run()
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
-    assert float(metrics["tokens/s (decode)"]) > 0 and "cache memory" in metrics
+    assert float(metrics["tokens/s (decode)"]) > 0 and "cache held" in metrics
     assert any("kernel path: attention=reference" in c.value for c in at.caption)
     assert len(at.dataframe[0].value) == 8
 
@@ -159,6 +159,11 @@ def test_attention_page_on_extractor_and_mhe_add():
     at = page("2_Attention.py").run()
     at.sidebar.selectbox(key="model").select("we").run()
     assert "Extractor mixing weights" in titles(at)[0]
+    at.radio(key="attn_summary").set_value("rms").run()        # WE: the RMS beside the signed mean
+    assert titles(at)[0] == "we: RMS over channels of the lag weights, per layer" and not at.exception
+    at.sidebar.selectbox(key="model").select("she").run()      # SHE: per-lag norms, never the signed mean
+    assert titles(at)[0].startswith("she: norm of d x_ext_i / d x_j") and not at.exception
+    assert any(t.startswith("she: Frobenius norm of W^ext per lag") for t in titles(at))
     at.sidebar.selectbox(key="model").select("mhe-add").run()
     assert any("e^K" in i.value for i in at.info)
 
@@ -169,9 +174,12 @@ def test_heads_page_mhe_and_side_by_side():
     at.selectbox(key="a_kind").select("g").run()
     assert titles(at)[0].startswith("mhe-mul: g")
     at.sidebar.checkbox(key="heads_side").check().run()
-    assert not at.exception and any(t.startswith("mha: W_Q") for t in titles(at))
+    assert not at.exception and any(t.startswith("mha: QK circuits") for t in titles(at))
+    assert "mha: cosine similarity of QK circuits, all layers" in titles(at)
+    at.selectbox(key="b_layer").set_value(1).run()
+    assert "mha: cosine similarity of QK circuits, layer 1" in titles(at) and not at.exception
     at.sidebar.selectbox(key="model").select("me").run()
-    assert any("no per-head parameters" in i.value for i in at.info)
+    assert any("no attention heads" in i.value for i in at.info)
 
 
 def test_extractors_page():
@@ -179,6 +187,9 @@ def test_extractors_page():
     assert titles(at)[0].startswith("me: the lag weight")
     at.sidebar.selectbox(key="model").select("we").run()
     assert any("lag x channel" in t for t in titles(at))
+    assert titles(at)[0].startswith("we: the lag's weights over channels, signed mean and RMS")
+    at.sidebar.selectbox(key="model").select("she").run()
+    assert titles(at)[0].startswith("she: Frobenius norm of the lag's d x d matrix") and not at.exception
     at.sidebar.selectbox(key="model").select("mha").run()
     assert any("not an Extractor model" in i.value for i in at.info)
 

@@ -14,6 +14,9 @@ the pruned model through its own full forward (what its decode makes, tests/test
 2. Prompt, then generation: the first --prompt-share of each window is a prompt and only the queries after it
    are scored, so SnapKV (which compresses a prompt once) can take part; every policy's budget is matched to the
    pruned model's sparsity over those queries.
+
+A window past either model's context, past what a replay reads, or whose runs would not fit the memory budget
+beside both models (analysis.budgets) is refused before they load, naming the largest that fits.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import plotly.graph_objects as go
 from tqdm import tqdm
 
 from analysis import pruning
+from analysis.budgets import OverBudget, check_dirs, report_window_bytes
 from analysis.text import from_ids
 from models.checkpoint import load_model_dir
 from models.data.corpus import load_tokens
@@ -46,10 +50,12 @@ class Pool:
     def add(self, visible, logprobs, first: int = 0):
         """visible [L,R,T,T] (uint8 or bool; R: KV groups or 1), logprobs [T-1] (query i predicts token i+1)."""
         import torch
-        v = torch.as_tensor(visible).float()
+        v = torch.as_tensor(visible)
         queries = v.shape[-1] - 1 - first
-        # the queries first..T-2 (query 0 counted as 0 when first is 0, as perplexity pools it), mean over layers
-        self.hidden += float(mean_sparsity(v, count_first=True, start=first, stop=-1).mean()) * queries
+        # the queries first..T-2 (query 0 counted as 0 when first is 0, as perplexity pools it), mean over layers;
+        # one layer's masks in float at a time (all of them would be 4 bytes a cell)
+        per_layer = torch.stack([mean_sparsity(layer.float(), count_first=True, start=first, stop=-1) for layer in v])
+        self.hidden += float(per_layer.mean()) * queries
         self.queries += queries
         lp = logprobs[first:]
         self.nll -= float(lp.sum())
@@ -148,6 +154,10 @@ def main(argv=None) -> int:
     for what, path in (("--out", args.out), ("--figure", args.figure), ("--pos-figure", args.pos_figure)):
         if path and Path(path).exists() and not Path(path).is_file():
             ap.error(f"{what} {path} is not a file")
+    try:   # both models are held at once, each window's runs beside them
+        check_dirs([args.dense, args.pruned], args.window, report_window_bytes)
+    except OverBudget as e:
+        ap.error(str(e))
     text = load_tokens(args.data, "test")
     windows = [[int(t) for t in text[i * args.window:(i + 1) * args.window]] for i in range(args.windows)]
     windows = [w for w in windows if len(w) == args.window]

@@ -21,7 +21,9 @@ part beside the step policies, each matched to the `--match` model's sparsity ov
 unless a name says `-layer`; the oracle (hindsight) is a reference, not a rule (nor always a bound). Perplexity is
 pooled over tokens; sparsity (share of its earlier tokens a query cannot see) is averaged over queries and layers.
 Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where two methods are compared (the same
-resampled windows for both).
+resampled windows for both). A window past a model's context, past what a replay reads, or whose runs would not fit
+the memory budget beside every model loaded (analysis.budgets) is refused before they load, naming the largest
+that fits.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from analysis import pruning
+from analysis.budgets import OverBudget, check_dirs, report_window_bytes
 from models.checkpoint import code_version, file_sha256, load_model_dir
 from models.data.corpus import load_tokens
 from models.device import add_arguments as add_device_arguments
@@ -76,8 +79,11 @@ class Windows:
         logprobs [T-1] (query i predicts token i+1)."""
         # query i's sparsity, mean over layers and rows: summed per window here, so the window's mean is
         # models.pruning.mean_sparsity(count_first=True) over the same queries (query 0 counted as 0)
-        v = torch.as_tensor(visible).float()
-        s = sparsity(v.reshape(-1, *v.shape[-2:]))[:, :-1].mean(0).numpy()[self.first:]
+        v = torch.as_tensor(visible)
+        # one [T, T] mask in float at a time: the whole [L, R, T, T] in float32 would be 4 bytes a cell (1 GB at 1,700
+        # tokens on SmolLM2, per group)
+        s = torch.cat([sparsity(m[None].float()) for m in v.reshape(-1, *v.shape[-2:])])[:, :-1].mean(0)
+        s = s.numpy()[self.first:]
         lp = np.asarray(logprobs, dtype=np.float64)[self.first:]
         late = max(0, LATE - self.first)
         self.nll.append(-lp.sum())
@@ -297,6 +303,15 @@ def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: lis
     return results
 
 
+def check_window(ap: argparse.ArgumentParser, dirs: list[str], window: int) -> None:
+    """ap.error, before any model loads, when `window` does not fit: the models in dirs are held at once (the base and
+    every run), one window's runs beside them (analysis.budgets.report_window_bytes)."""
+    try:
+        check_dirs(dirs, window, report_window_bytes)
+    except OverBudget as e:
+        ap.error(str(e))
+
+
 def add_arguments(ap: argparse.ArgumentParser, default_source: str | None = None, required: bool = True) -> None:
     ap.add_argument("--source", action="append", default=None, required=required and default_source is None,
                     help="NAME=DIR:SPLIT or NAME=DIR:all (repeat)"
@@ -456,6 +471,7 @@ def main(argv=None) -> int:
         ap.error("give the pruned model directories, --base and at least one --source (or --merge)")
     policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     sources, names, prompt = parse(ap, args, args.window)
+    check_window(ap, [args.base, *args.pruned], args.window)
     ran = provenance(args, args.pruned) if args.json else {}
     base = load_model_dir(args.base, device=args.device)
     pruned = [load_model_dir(p, device=args.device) for p in args.pruned]

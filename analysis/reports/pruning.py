@@ -5,21 +5,25 @@
 The test split's documents are joined (each after <|endoftext|>) and cut into non-overlapping windows of
 `window` tokens. Every predicted token is put in a bucket by its position k in the window (the size of its
 context: 100-256, 256-512, 512-1024); per bucket: perplexity, and sparsity = the share of the k earlier
-tokens its attention cannot see (averaged over layers; 0 for a dense model).
+tokens its attention cannot see (averaged over layers; 0 for a dense model). A window past a model's context, or
+whose forward and masks would not fit the memory budget (analysis.budgets), is refused before any model loads,
+naming the largest that fits.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
 import plotly.express as px
 
-from models.checkpoint import load_model_dir
+from analysis import budgets
+from models.checkpoint import CheckpointError, load_model_dir
 from models.data import load_documents
 from models.device import add_arguments as add_device_arguments
-from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of
+from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of, record_bytes
 
 
 def model_buckets(loaded, window: int, data: str | None = None, max_windows: int | None = None) -> list[dict]:
@@ -33,8 +37,16 @@ def model_buckets(loaded, window: int, data: str | None = None, max_windows: int
             for r in bucket_eval(loaded.model, stream, window, buckets, max_windows, progress=True)]
 
 
+def check_window(dirs: list[str], window: int) -> None:
+    """budgets.OverBudget before anything loads when a window does not fit: the models load one at a time, each
+    holding one window's forward and its masks (models.evaluate.bucket_eval)."""
+    budgets.check_dirs(dirs, window, lambda c, t: budgets.forward_bytes(c, 1, t) + record_bytes(c, t),
+                       one_at_a_time=True)
+
+
 def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_windows: int | None = None,
                     device: str = "cpu") -> pd.DataFrame:
+    check_window(dirs, window)
     return pd.DataFrame([r for d in dirs
                          for r in model_buckets(load_model_dir(d, device=device), window, data, max_windows)])
 
@@ -70,7 +82,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     add_device_arguments(ap, dtype=None)  # perplexity in float32 on any device
     args = ap.parse_args(argv)
-    table = evaluate_models(args.model_dirs, args.window, args.data, args.max_windows, args.device)
+    try:
+        table = evaluate_models(args.model_dirs, args.window, args.data, args.max_windows, args.device)
+    except (budgets.OverBudget, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     command = "python -m analysis.reports.pruning " + " ".join(args.model_dirs) + f" --window {args.window}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render(table, args.window, command), encoding="utf-8")

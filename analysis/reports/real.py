@@ -15,7 +15,9 @@ policies at the --match model's sparsity. Perplexity and sparsity by context siz
 protocol (analysis.reports.pruning: the test documents joined into windows of `window` tokens; a token's bucket is
 its position in the window, so positions below 100 are not in it). Sparsity per
 layer and the part-of-speech view (papers.md section 3: which tags are dropped, which trigger drops, per layer)
-come from the first `pos-docs` test documents, each cut to one window, tagged with spaCy.
+come from the first `pos-docs` test documents, each cut to one window, tagged with spaCy. Every model stays loaded;
+a window past a model's context, past what a replay reads, or whose runs would not fit the memory budget beside
+them (analysis.budgets) is refused before they load, naming the largest that fits.
 """
 from __future__ import annotations
 
@@ -182,6 +184,7 @@ def main(argv=None) -> int:
             ap.error(f"--matched: {why}")
     args.source = args.source or [f"test={args.data}:test"]
     sources, names, prompt = matched.parse(ap, args, args.window) if not saved else ({}, [], None)
+    matched.check_window(ap, [args.base, *args.runs], args.window)
     docs_text = load_documents(args.data, "test")
     buckets, cards, layer_rows, rates, triggers, figures, runs = [], {}, {}, [], [], {}, []
     for d in [args.base, *args.runs]:

@@ -1,11 +1,11 @@
 """Attention: per layer and head maps for a text (an Extractor's effective mixing matrix instead)."""
 import streamlit as st
 
-from analysis import maps
+from analysis import lags, maps
 from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 
-MAX_VIEW = 128  # tokens per view: beyond this a window selector keeps the page responsive
+from analysis.budgets import ATTENTION_VIEW as MAX_VIEW  # tokens per view; a window selector for the rest
 
 
 @st.cache_data(max_entries=32, show_spinner="Running the model…")
@@ -14,11 +14,29 @@ def cached_maps(path: str, ids: tuple[int, ...]):
         return maps.mixing_maps(load(path).model, list(ids))
 
 
+@st.cache_data(max_entries=8, show_spinner=False)
+def cached_lags(path: str):
+    return lags.lag_table(load(path).model)
+
+
 setup("Attention")
 loaded, text, toks = model_text_tokens(default="mha")
 cfg = loaded.config
 view, start = window_picker(toks, cfg.context, "attn_window", MAX_VIEW)
-m, kind = cached_maps(str(loaded.path), tuple(view.ids))
+# Extractors: the lag weights summarised over channels. The signed mean of SHE's d x d lag matrices cancels, so
+# SHE shows their Frobenius norm (the norm of d x_ext_i / d x_j); WE/HE offer the RMS beside the signed mean.
+summary = None
+if maps.is_extractor(loaded.model):
+    summary = "fro" if cfg.mixer == "she" else "mean"
+    if cfg.mixer in ("we", "he"):
+        summary = st.radio("Lag weights over channels", ["mean", "rms"], horizontal=True, key="attn_summary",
+                           format_func=lags.SUMMARIES.get)
+if summary in (None, "mean"):
+    m, kind = cached_maps(str(loaded.path), tuple(view.ids))
+else:
+    m, kind = lags.lag_maps(cached_lags(str(loaded.path)), len(view.ids), summary), "extractor"
+signed = summary == "mean"          # lag maps of both signs: a diverging colour scale about 0
+sized = summary in ("rms", "fro")   # lag maps of magnitudes: a one-sided scale, as attention's
 
 if cfg.mixer == "mhe-add":
     st.info("MHE-ADD: the key head embedding e^K shifts every score in a softmax row by the same amount, so it "
@@ -27,15 +45,32 @@ if cfg.mixer == "mhe-mul":
     st.info("MHE-MUL: every head shares one K and V; head i scales the query by g_i = (1+e_i^Q)(1+e_i^K) "
             "and the output by 1+e_i^V.")
 if kind == "extractor":
-    st.info("Extractors have no attention: shown is the effective mixing weight of past token j on token i, "
-            "the lag weights laid out as a causal Toeplitz matrix (mean over channels). It does not depend on "
-            "the text except through its length; the adjustment term (X W^adj) scales it per token and channel.")
+    what = {"mean": "the effective mixing weight of past token j on token i (mean over channels)",
+            "rms": "the RMS over channels of the lag weight that mixes past token j into token i",
+            "fro": "how strongly past token j is mixed into token i: the norm of d x_ext_i / d x_j, the "
+                   "Frobenius norm of the lag's d x d matrix W^ext (the mean of its entries, of both signs, cancels)",
+            }[summary]
+    st.info(f"Extractors have no attention: shown is {what}, the lags laid out as a causal Toeplitz matrix. It does "
+            "not depend on the text except through its length; the adjustment term (X W^adj) scales it per token "
+            "and channel.")
 
 st.subheader("Overview")
-fig = maps.overview_figure(m, kind)
+# (overview_figure draws any kind but "extractor" on the one-sided scale)
+overview_title = {"fro": "norm of d x_ext_i / d x_j (the Frobenius norm of W^ext at lag i - j), per layer",
+                  "rms": "RMS over channels of the lag weights, per layer"}.get(summary)
+fig = maps.overview_figure(m, "lag-size" if sized else kind, f"{cfg.mixer}: {overview_title}" if sized else "")
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, lambda: maps.maps_table(m, view.labels), "maps_overview", loaded.path, text,
-               {"window_start": start, "tokens": len(view.ids)})
+               {"window_start": start, "tokens": len(view.ids), **({"summary": summary} if summary else {})})
+
+if cfg.mixer == "she":
+    st.subheader("Norm per lag")
+    table = cached_lags(str(loaded.path))
+    norms = lags.profile_figure(table, "fro", "she: Frobenius norm of W^ext per lag (= norm of d x_ext_i / d x_j), "
+                                "per layer")
+    st.plotly_chart(norms, width="stretch")
+    export_buttons(norms, table[["layer", "lag", "fro"]], "she_lag_norms", loaded.path, None, {}, key="lag_norms")
+
 
 @st.fragment
 def zoom_view():
@@ -44,10 +79,10 @@ def zoom_view():
     c1, c2 = st.columns(2)
     layer = c1.selectbox("Layer", range(cfg.n_layers), index=cfg.n_layers - 1, key="attn_layer")
     head = c2.selectbox("Head", range(m.shape[1]), key="attn_head") if m.shape[1] > 1 else 0
-    title = f"{cfg.mixer}: layer {layer}" + (f", head {head}" if kind == "attention" else " (mixing)")
-    zoom = maps.map_figure(m[layer, head], view.labels, title,
-                           colorscale="RdBu" if kind == "extractor" else "Viridis",
-                           zmid=0.0 if kind == "extractor" else None)
+    title = f"{cfg.mixer}: layer {layer}" + (f", head {head}" if kind == "attention" else
+                                             f" (mixing, {lags.SUMMARIES[summary]})")
+    zoom = maps.map_figure(m[layer, head], view.labels, title, colorscale="RdBu" if signed else "Viridis",
+                           zmid=0.0 if signed else None)
     st.plotly_chart(zoom, width="stretch")
     export_buttons(zoom, maps.maps_table(m[layer:layer + 1, head:head + 1], view.labels), f"map_l{layer}_h{head}",
                    loaded.path, text, {"layer": layer, "head": head, "window_start": start}, key="zoom")

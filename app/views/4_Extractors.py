@@ -12,18 +12,25 @@ def only_extractors(loaded):
 
 setup("Extractors")
 st.caption("Weights are indexed by lag i - j (0 = the token itself). ME: one scalar per lag. WE/HE: one vector per "
-           "lag (a depthwise causal convolution). SHE: one d x d matrix per lag.")
+           "lag (a depthwise causal convolution), shown by its signed mean and its RMS over channels. SHE: one d x d "
+           "matrix per lag, shown by its Frobenius norm (the mean of its signed entries cancels).")
 loaded = pick_model(accept=only_extractors, default="me")
 if loaded is None:
     st.stop()
 cfg, model = loaded.config, loaded.model
 table = lags.lag_table(model)
 
-value = "mean" if cfg.mixer == "me" else "rms"
-label = {"mean": "the lag weight w_k", "rms": "RMS of the lag's weights over channels" if cfg.mixer != "she"
-         else "RMS of the lag's d x d matrix"}[value]
 log_x = st.checkbox("Log lag axis", value=True, key="ext_logx")
-fig = lags.profile_figure(table, value, f"{cfg.mixer}: {label}, per layer", log_x=log_x)
+if cfg.mixer in ("we", "he"):
+    # a signed mean near 0 can hide large weights of both signs: the RMS beside it gives their size
+    value = "mean and rms"
+    fig = lags.mean_rms_figure(table, f"{cfg.mixer}: the lag's weights over channels, signed mean and RMS, "
+                               "per layer", log_x=log_x)
+else:
+    # SHE: the mean of a d x d matrix's signed entries cancels; its Frobenius norm is the norm of d x_ext_i / d x_j
+    value = "mean" if cfg.mixer == "me" else "fro"
+    label = "the lag weight w_k" if value == "mean" else "Frobenius norm of the lag's d x d matrix W^ext"
+    fig = lags.profile_figure(table, value, f"{cfg.mixer}: {label}, per layer", log_x=log_x)
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, table, f"lags_profile_{cfg.mixer}", loaded.path, None, {"value": value})
 

@@ -1,12 +1,12 @@
 """Attribution: which earlier tokens drove one next-token prediction (captum)."""
 import streamlit as st
 
-from analysis import attribution
+from analysis import attribution, budgets
 from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 
 
-MAX_VIEW = 256  # tokens per attributed window: each gradient costs a forward and backward over all of them
+MAX_VIEW = budgets.ATTRIBUTION_VIEW  # tokens per attributed window (analysis.budgets says why)
 
 
 def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | None, method: str, steps: int, progress):
@@ -31,10 +31,11 @@ c1, c2, c3 = st.columns(3)
 position = c1.slider("Prediction made after token #", 0, n - 1, n - 1, key="attr_pos") if n > 1 else 0
 c1.caption(f"after {view.labels[position]!r}")
 n_params = sum(p.numel() for p in loaded.model.parameters())
-big = n_params > 50_000_000  # one gradient takes seconds on a CPU: start with the one-pass method
-method = c2.selectbox("Method", attribution.METHODS, key="attr_method",
-                      index=attribution.METHODS.index("gradient x input") if big else 0)
-steps = c3.slider("Integrated-gradients steps", 4, attribution.MAX_STEPS, 16, key="attr_steps",
+# a large model starts on the one-pass method (one gradient takes seconds on a CPU); analysis.export opens the same way
+opening, default_steps = budgets.attribution_default(n_params)
+big = opening != "integrated gradients"
+method = c2.selectbox("Method", attribution.METHODS, key="attr_method", index=attribution.METHODS.index(opening))
+steps = c3.slider("Integrated-gradients steps", 4, attribution.MAX_STEPS, default_steps, key="attr_steps",
                   disabled=method != "integrated gradients")
 if big and method == "integrated gradients":
     c3.caption(f"{int(steps)} gradients over the window of this {n_params / 1e6:.0f} M-parameter model: "

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from analysis import maps, tokens
+from analysis import budgets, maps, tokens
 from analysis.text import tokenize, window
 from app import heavy
 from app.common import export_buttons, load, pick_model, setup, text_input
@@ -41,7 +41,7 @@ if a is None or b is None:
 text = text_input()
 if text is None:
     st.stop()
-size = min(a.config.context, b.config.context, 128)
+size = budgets.view(budgets.COMPARE_VIEW, min(a.config.context, b.config.context))
 ta = window(tokenize(a.tokenizer, text), 0, size)
 tb = window(tokenize(b.tokenizer, text), 0, size)
 lpa, sa = timed_logprobs(str(a.path), tuple(ta.ids))

@@ -1,13 +1,12 @@
 """Pruning: which tokens a method drops, per layer and part of speech, and what it costs. The method is a model's
 own learned context pruning (its rule) or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at
 a budget, on any softmax attention model; two methods can be put side by side on one text at matched sparsity."""
-import os
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
-from analysis import pruning, scores, tokens
+from analysis import budgets, pruning, scores, tokens
 from analysis.pruning import LEARNED, NOTHING
 from app import access, heavy
 from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,
@@ -51,8 +50,8 @@ def first_pruned() -> str | None:
 
 
 # parameters: past this, a second forward or a second model waits to be asked for (MIXSCOPE_LARGE_MODEL overrides)
-LARGE = int(float(os.environ.get("MIXSCOPE_LARGE_MODEL") or 5e7))   # (float: "5e7" is accepted too)
-MAX_VIEW = 1024  # tokens per analysed window: masks grow with its square (30 layers x 1,024^2 bytes = 31 MB)
+LARGE = budgets.large_model()
+MAX_VIEW = budgets.PRUNING_VIEW  # tokens per analysed window (analysis.budgets says why)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)

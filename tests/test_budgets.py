@@ -1,0 +1,241 @@
+"""View and memory budgets (analysis.budgets): the pages and analysis.export draw the same windows; models.evaluate
+scores in token-sized batches with the head applied in chunks, equal to the direct computation; every command
+refuses what would not fit before any model work, naming what fits, and accepts its largest input."""
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from analysis import budgets, export
+from analysis.text import MAX_CHARS, Tokens, decode_upload, tokenize, window
+from analysis.zoo import models_root
+from models import evaluate
+from models.checkpoint import load_model_dir
+from models.config import ModelConfig
+from models.scoring import RUNTIME_BYTES, forward_bytes, head_logprobs, target_logprobs, weights_bytes
+from models.transformer import DecoderLM
+from tests.helpers import randomize, tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+VIEWS = REPO / "app" / "views"
+
+
+def fake_tokens(n: int) -> Tokens:
+    return Tokens(list(range(n)), [f"t{i}" for i in range(n)], [(i, i + 1) for i in range(n)])
+
+
+# ---- one place for the views -----------------------------------------------------------------------------------
+
+def test_pages_and_modules_take_their_limits_from_budgets():
+    src = {p.stem: p.read_text(encoding="utf-8") for p in VIEWS.glob("*.py")}
+    assert "from analysis.budgets import ATTENTION_VIEW as MAX_VIEW" in src["2_Attention"]
+    assert "MAX_VIEW = budgets.ATTRIBUTION_VIEW" in src["5_Attribution"]
+    assert "budgets.view(budgets.COMPARE_VIEW" in src["6_Compare"]
+    assert "MAX_VIEW = budgets.PRUNING_VIEW" in src["7_Pruning"]
+    # no page keeps a literal window of its own
+    assert not [name for name, s in src.items() if "MAX_VIEW = 1" in s or "MAX_VIEW = 2" in s]
+    from analysis import live, scores, text
+    from app import access
+    assert text.MAX_CHARS is budgets.MAX_CHARS == 20_000
+    assert access.SERVE_MAX_CHARS == budgets.SERVE_MAX_CHARS
+    assert access.SERVE_MAX_NEW_TOKENS == budgets.SERVE_MAX_NEW_TOKENS
+    assert scores.VIEW == budgets.SCORES_VIEW and live.MAX_STRIP == budgets.LIVE_STRIP   # (to import from budgets)
+
+
+@pytest.mark.parametrize("n, context", [(5000, 8192), (600, 256), (100, 512), (40, 24)])
+def test_export_draws_the_windows_the_pages_open_on(n, context):
+    from app.common import window_picker   # (bare mode: its slider returns its default, the first window)
+    toks = fake_tokens(n)
+    got = export.app_windows(toks, context)
+    for page, size in (("attention", budgets.ATTENTION_VIEW), ("attribution", budgets.ATTRIBUTION_VIEW)):
+        want, start = window_picker(toks, context, f"test_{page}", size)
+        assert start == 0 and got[page].ids == want.ids and got[page].labels == want.labels
+    # Compare reads the first COMPARE_VIEW tokens of the text under both models' contexts
+    assert got["compare"].ids == window(toks, 0, min(context, budgets.COMPARE_VIEW)).ids
+
+
+@pytest.fixture(scope="module")
+def mha():
+    return load_model_dir(models_root() / "mha")
+
+
+def test_export_of_the_longest_accepted_text_draws_the_app_windows(tmp_path, mha):
+    path = tmp_path / "long.txt"
+    words = ("The committee met again on Tuesday to talk about the harbour and the roads. " * 400)[:MAX_CHARS]
+    path.write_text(words, encoding="utf-8")
+    text = decode_upload(path.name, path.read_bytes())          # the most accepted: 20,000 characters
+    assert len(text) == MAX_CHARS and len(tokenize(mha.tokenizer, text).ids) > mha.config.context
+    figs = {name: (table, settings) for name, _, table, settings in export.model_figures(mha, text)}
+    table, settings = figs["maps_overview"]
+    assert settings == {"window_start": 0, "tokens": budgets.ATTENTION_VIEW}
+    assert table["query_pos"].max() == budgets.ATTENTION_VIEW - 1
+    assert len(figs["surprisal"][0]) == budgets.COMPARE_VIEW - 1
+    attr_table, attr = figs["attribution_last"]
+    n_attr = min(budgets.ATTRIBUTION_VIEW, mha.config.context)
+    assert attr["position"] == n_attr - 1 and len(attr_table) == n_attr
+    assert (attr["method"], attr["steps"]) == budgets.attribution_default(sum(p.numel() for p in
+                                                                              mha.model.parameters()))
+    with pytest.raises(Exception, match="limit is 20,000"):
+        decode_upload(path.name, (words + "x").encode())
+
+
+def test_export_refuses_over_budget_before_loading_or_running(tmp_path, monkeypatch, mha):
+    (tmp_path / "t.txt").write_text("Some words to export.", encoding="utf-8")
+    monkeypatch.setenv("MIXSCOPE_MEMORY_MB", "300")   # under the runtime alone: no model fits
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("models.checkpoint.load_model_dir", no_load)
+    with pytest.raises(export.ExportError, match=r"over the 0\.3 GB memory budget.*MIXSCOPE_MEMORY_MB"):
+        export.export_model(models_root() / "mha", tmp_path / "t.txt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+    def no_forward(*a, **k):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(mha.model, "forward", no_forward)
+    with pytest.raises(export.ExportError, match="memory budget"):
+        export.model_figures(mha, "Some words to export.")
+
+
+def test_smollm2_export_plans_under_4_gb():
+    for name in ("smollm2-135m", "smollm2-pruned-g1.0"):
+        cfg = budgets.config_of(models_root() / name)
+        assert budgets.export_bytes(cfg, budgets.planned_weights(cfg)) < 4 * 2 ** 30
+
+
+# ---- models.evaluate: batches by tokens, the head in chunks ------------------------------------------------------
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_head_logprobs_in_chunks_equal_the_whole_logits(tie):
+    model = DecoderLM(tiny_config("gqa", n_kv_heads=2, vocab_size=97, context=40, tie_embeddings=tie)).eval()
+    randomize(model, std=0.3)
+    x = torch.randint(0, 97, (3, 40))
+    y = torch.randint(0, 97, (3, 40))
+    with torch.no_grad():
+        whole = target_logprobs(model(x).logits, y, chunk=1000)
+        for chunk in (1, 7, 64):
+            part = head_logprobs(model, model(x, hidden_only=True).hidden, y, chunk=chunk)
+            torch.testing.assert_close(part, whole, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="hidden_only"):
+        model(x, targets=y, hidden_only=True)
+
+
+def direct_nll(model, doc, context, stride):
+    """Each window's whole logits at once, the scored targets summed: what score_documents did before it chunked."""
+    total = 0.0
+    with torch.no_grad():
+        for b, e, k in evaluate.windows(len(doc), context, stride):
+            logits = model(torch.tensor([doc[b:e]])).logits[0]
+            total += F.cross_entropy(logits[-k:].double(), torch.tensor(doc[b + 1:e + 1][-k:]), reduction="sum").item()
+    return total
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_token_batches_and_head_chunks_equal_direct_scores(dtype, rel):
+    model = DecoderLM(tiny_config("mha", vocab_size=200, context=32)).to(dtype).eval()
+    randomize(model, std=0.3)
+    rng = np.random.default_rng(3)
+    docs = [[int(t) for t in rng.integers(0, 200, size=n)] for n in (3, 17, 33, 90, 150, 40)]
+    want = sum(direct_nll(model, d, 32, 8) for d in docs)
+    for batch_tokens in (1, 32, 100, 10_000):    # one window a forward, one, three, all of a length
+        res = evaluate.score_documents(model, docs, stride=8, batch_tokens=batch_tokens)
+        assert res["nll"] == pytest.approx(want, rel=rel)
+        assert res["tokens"] == sum(len(d) - 1 for d in docs)
+    first = evaluate.score_documents(model, docs, stride=8, max_windows=3)
+    every = [w for d in docs for w in evaluate.windows(len(d), 32, 8)]   # in document order
+    assert len(every) > 3 and first["tokens"] == sum(k for *_, k in every[:3])
+
+
+def test_batch_rows_follow_the_token_budget_and_the_memory_budget():
+    model = DecoderLM(tiny_config("mha", vocab_size=200, context=256)).eval()
+    assert evaluate.batch_rows(model, 256) == evaluate.BATCH_TOKENS // 256
+    assert evaluate.batch_rows(model, 8192 * 2) == 1          # at least one window
+    cfg = model.config
+    fixed = weights_bytes(model) + RUNTIME_BYTES
+    budget = fixed + forward_bytes(cfg, 3, 256)
+    assert evaluate.batch_rows(model, 256, budget=budget) == 3
+    assert evaluate.batch_rows(model, 256, budget=fixed + forward_bytes(cfg, 1, 256) - 1) == 0
+
+
+def test_evaluate_refuses_before_any_forward_naming_the_longest_window_that_fits(monkeypatch):
+    model = DecoderLM(tiny_config("mha", vocab_size=200, context=256)).eval()
+    cfg, fixed = model.config, weights_bytes(model) + RUNTIME_BYTES
+    docs = [[int(t) for t in np.random.default_rng(0).integers(0, 200, size=600)]]
+
+    def no_forward(*a, **k):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(model, "forward", no_forward)
+    budget = fixed + forward_bytes(cfg, 1, 200)
+    with pytest.raises(ValueError, match="longest window that fits is 200 tokens") as e:
+        evaluate.score_documents(model, docs, stride=64, budget=budget)
+    assert "--window 200" in str(e.value)
+    monkeypatch.undo()
+    res = evaluate.score_documents(model, docs, stride=64, window=200, budget=budget)   # what it named: accepted
+    assert res["tokens"] == 599
+
+
+def test_smollm2_base_plans_its_whole_context_in_4_gb():
+    """The base's 8,192-token window fits the default budget (planned on the meta device: nothing loaded)."""
+    cfg = ModelConfig.load(models_root() / "smollm2-135m" / "config.json")
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    assert cfg.context == 8192 and evaluate.batch_rows(model, 8192) == 1
+    evaluate.check_window(model, 8192)
+
+
+# ---- the reports ------------------------------------------------------------------------------------------------
+
+def test_report_windows_refused_past_what_fits_and_the_named_one_accepted(monkeypatch):
+    cfg = budgets.config_of(models_root() / "smollm2-135m")
+    budgets.check_window([cfg], 1024, budgets.report_window_bytes)   # a report's usual windows fit
+    with pytest.raises(budgets.OverBudget, match=r"largest window that fits is --window (\d+)") as e:
+        budgets.check_window([cfg], 3000, budgets.report_window_bytes)
+    most = int(str(e.value).rsplit(" ", 1)[1])
+    assert 1024 <= most < 3000
+    budgets.check_window([cfg], most, budgets.report_window_bytes)
+    with pytest.raises(budgets.OverBudget):
+        budgets.check_window([cfg], most + 1, budgets.report_window_bytes)
+    pruned = budgets.config_of(models_root() / "smollm2-pruned-g1.0")
+    budgets.check_window([cfg, pruned], pruned.context, budgets.report_window_bytes)   # the reports' default 512
+    with pytest.raises(budgets.OverBudget, match="context is 512 tokens.*--window 512"):
+        budgets.check_window([cfg, pruned], 513, budgets.report_window_bytes)
+
+
+def test_report_commands_refuse_before_loading(monkeypatch, tmp_path, capsys):
+    from analysis.reports import eviction, matched
+    from analysis.reports import pruning as pruning_report
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    for module in (eviction, matched, pruning_report):
+        monkeypatch.setattr(module, "load_model_dir", no_load)
+    base, pruned = str(models_root() / "smollm2-135m"), str(models_root() / "smollm2-pruned-g1.0")
+    out = str(tmp_path / "r.md")
+    assert pruning_report.main([base, "--window", "20000", "--out", out, "--figure", ""]) == 2
+    assert "context is 8,192 tokens" in capsys.readouterr().err
+    monkeypatch.setenv("MIXSCOPE_MEMORY_MB", "1500")
+    assert pruning_report.main([base, "--window", "8192", "--out", out, "--figure", ""]) == 2
+    assert "largest window that fits is --window" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        eviction.main(["--dense", base, "--pruned", pruned, "--window", "1024", "--out", out])
+    assert e.value.code == 2 and "context is 512" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        matched.main([pruned, "--base", base, "--window", "2048", "--source", "test=data/smollm2:test"])
+    assert e.value.code == 2 and "--window" in capsys.readouterr().err
+
+
+def test_forward_bytes_grows_with_what_a_model_masks():
+    dense = tiny_config("mha", context=512, vocab_size=1000)
+    pruned = tiny_config("mha", context=512, vocab_size=1000, prune=True, prune_r=4)
+    assert forward_bytes(pruned, 1, 512) > forward_bytes(dense, 1, 512) + 4 * 4 * 512 ** 2
+    # the head's logits never exceed a chunk: doubling the vocabulary adds chunk x vocab floats, not t x vocab
+    big = tiny_config("mha", context=512, vocab_size=2000)
+    assert forward_bytes(big, 1, 512) - forward_bytes(dense, 1, 512) < 4 * 512 * 1000
+    assert math.isfinite(budgets.method_run_bytes(dense, 512))
