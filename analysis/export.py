@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import platform
+import re
 import sys
 import threading
 import warnings
@@ -47,16 +48,34 @@ def _ensure_server() -> None:
 
 
 def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
+    """The figure drawn by kaleido; the same bytes every time for one figure (stable_svg, and traces given uids,
+    which plotly.js would otherwise draw at random)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if any(t.uid is None for t in fig.data):
+        fig = go.Figure(fig)   # (a copy: the caller's figure, perhaps cached and shown, is left as it was)
+        for i, trace in enumerate(fig.data):
+            if trace.uid is None:
+                trace.uid = f"trace{i}"
     try:
         _ensure_server()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return fig.to_image(format=fmt, scale=scale if fmt == "png" else 1.0)
+            data = fig.to_image(format=fmt, scale=scale if fmt == "png" else 1.0)
     except Exception as e:  # kaleido reports a missing browser in several exception types
         raise ExportError(f"could not render {fmt.upper()} with kaleido: {e}. Figure export needs a Chromium "
                           "browser: on Debian `apt-get install chromium` (make run / make test do this as root)") from e
+    return stable_svg(data) if fmt == "svg" else data
+
+
+def stable_svg(svg: bytes) -> bytes:
+    """plotly.js names an SVG's clip paths and defs after a random 6-hex id per drawing; naming them after the
+    document's own hash instead makes one figure's SVG the same bytes every time it is drawn."""
+    found = re.search(rb'<defs id="defs-([0-9a-f]{6})"', svg)
+    if not found:
+        return svg
+    stable = hashlib.sha256(svg.replace(found.group(1), b"")).hexdigest()[:6].encode()
+    return svg.replace(found.group(1), stable)
 
 
 def versions() -> dict[str, str]:

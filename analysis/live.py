@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis.budgets import LIVE_STRIP as MAX_STRIP  # tokens drawn in a strip (the last ones)
 from models.trace import held_at
 
-from analysis.budgets import LIVE_STRIP as MAX_STRIP  # noqa: E402  (tokens drawn in a strip: the last ones)
 HELD, DROPPED, UNSEEN = 1.0, 0.0, np.nan
 
 

@@ -16,10 +16,8 @@ figure again.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -53,16 +51,6 @@ def refused(spec: dict) -> str | None:
         return (f"traces of type {sorted(map(str, kinds - TRACES))}; this project's figures are made of "
                 f"{', '.join(sorted(TRACES))}")
     return None
-
-
-def stable_svg(svg: bytes) -> bytes:
-    """plotly.js names an SVG's clip paths and defs after a random 6-hex id per drawing; naming them after the
-    document's own hash instead makes one figure's SVG the same bytes every time it is drawn."""
-    found = re.search(rb'<defs id="defs-([0-9a-f]{6})"', svg)
-    if not found:
-        return svg
-    stable = hashlib.sha256(svg.replace(found.group(1), b"")).hexdigest()[:6].encode()
-    return svg.replace(found.group(1), stable)
 
 
 def load_figure(sidecar: str | Path):
@@ -128,12 +116,7 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
     if clash and not force:
         raise ExportError(f"{', '.join(p.name for p in clash)} would be overwritten in {out}: choose another --out, "
                           "or pass --force")
-    for i, trace in enumerate(fig.data):   # plotly.js would name a trace without a uid at random (SVG ids)
-        if trace.uid is None:
-            trace.uid = f"trace{i}"
     images = [figure_bytes(fig, fmt, scale) for fmt in formats]   # (all drawn before any is written)
-    if "svg" in formats:
-        images[formats.index("svg")] = stable_svg(images[formats.index("svg")])
     if paper is not None and "svg" in formats:
         try:
             images[formats.index("svg")] = style.embed_font(images[formats.index("svg")])

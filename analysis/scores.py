@@ -11,10 +11,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from analysis.budgets import SCORES_VIEW as VIEW  # queries x keys drawn at once, whatever the text's length
 from analysis.maps import layer_records
 from models.pruning.interaction import distance_term, gates, keep_from_gates, mean_sparsity
-
-VIEW = 256  # queries x keys drawn at once: 256^2 cells (0.26 MB of floats) whatever the text's length
 
 
 def recorded(model, ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -13,9 +13,10 @@ import math
 import torch
 
 from models.pruning.replay import replay
-from models.scoring import target_logprobs
+from models.scoring import head_logprobs
 
-MAX_TOKENS = 2048  # prompt + continuation scored at once: [T, vocab] fp32 logits (400 MB at SmolLM2's 49k vocab)
+MAX_TOKENS = 2048  # prompt + continuation scored at once: a policy's replay forms [T, vocab] fp32 logits (400 MB at
+                   # SmolLM2's 49k vocab)
 
 
 @torch.inference_mode()
@@ -28,10 +29,11 @@ def continuation_logprobs(model, prompt_ids: list[int], new_ids: list[int], poli
         raise ValueError(f"{len(ids)} tokens: the twin's price is scored on at most {MAX_TOKENS} at once")
     if policy is not None:
         lp = replay(model, ids, policy, prompt=len(prompt_ids)).logprobs
-    else:
-        x = torch.tensor([ids], device=model.wte.weight.device)
-        lp = target_logprobs(model(x).logits[0, :-1], x[0, 1:])
-    return lp[len(prompt_ids) - 1:].double().cpu()
+        return lp[len(prompt_ids) - 1:].double().cpu()
+    x = torch.tensor([ids], device=model.wte.weight.device)
+    first = len(prompt_ids) - 1   # the head runs only where a generated token is predicted, a chunk at a time
+    hidden = model(x, hidden_only=True).hidden[0, first:-1]
+    return head_logprobs(model, hidden, x[0, first + 1:]).double().cpu()
 
 
 def perplexity(lp: torch.Tensor) -> float:

@@ -292,7 +292,6 @@ def app_precision() -> dict:
     MIXSCOPE_DTYPE (default float32; bfloat16 trades exactness for speed: a bf16 model's whole-text forward and
     its decode round hidden states differently, so the Pruning and Generate pages may then disagree about a
     rare drop). Recorded in every figure's sidecar."""
-    import os
     from models.device import inference_dtype, resolve
     dev = resolve(os.environ.get("MIXSCOPE_DEVICE") or "auto")
     dt = inference_dtype(dev, os.environ.get("MIXSCOPE_DTYPE") or APP_DTYPE)
