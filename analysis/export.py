@@ -241,6 +241,11 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     for k, vec in heads.head_vectors(model).items():
         geo, var = heads.geometry_table(vec)
         out.append((f"heads_pca_{k}", heads.pca_figure(geo, var, f"{cfg.mixer}: {k} per head, PCA"), geo, {"kind": k}))
+    for k, gram in heads.circuit_grams(model).items():   # the Heads page's default: unit-norm circuits, 2-D
+        geo, var = heads.circuit_table(gram, cfg.n_heads, unit=True)
+        out.append((f"heads_pca_{cfg.mixer}_{k}",
+                    heads.pca_figure(geo, var, f"{cfg.mixer}: {k} circuits, unit norm, all layers"), geo,
+                    {"kind": k, "dims": 2, "unit_norm": True}))
     if lags.extractor_layers(model):
         t = lags.lag_table(model)
         out.append(("lags_profile", lags.profile_figure(t, "rms", f"{cfg.mixer}: lag weight size per layer"), t, {}))

@@ -175,7 +175,7 @@ def test_four_sessions_at_once_each_see_their_own_numbers(server, browser):
         assert page.locator("[data-testid='stException']").count() == 0, name
     assert f"after position {len(ids) - 1} (log p = {logp:.3f})" in pages["Attribution"].inner_text("body")
     assert f"{ppl_a:.2f}" in pages["Compare"].locator("[data-testid='stMetric']").first.inner_text()
-    pages["Generate"].wait_for_selector("text=perplexity of output", timeout=120_000)
+    pages["Generate"].wait_for_selector("text=perplexity of own output", timeout=120_000)
     assert f"{gen.perplexity:.2f}" in pages["Generate"].locator("[data-testid='stMetric']").nth(3).inner_text()
     pages["Attention"].wait_for_selector("text=mhe-mul: layer 3, head 0", timeout=60_000)
     for page in pages.values():
@@ -206,7 +206,7 @@ def test_generate_shows_pruning_live_beside_the_dense_twin(server, browser, tmp_
     assert page.locator("[data-testid='stException']").count() == 0
     page.wait_for_selector("text=Replay: the cache at step s", timeout=300_000)
     wait_idle(page)
-    page.wait_for_selector("text=cache memory saved", timeout=60_000)
+    page.wait_for_selector("text=cache held: saved", timeout=60_000)
     page.screenshot(path=str(SHOTS / "Generate_live_after.png"), full_page=True)
     with page.expect_download(timeout=120_000) as dl:
         page.get_by_role("button", name="trace.json", exact=True).click()

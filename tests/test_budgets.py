@@ -1,10 +1,12 @@
 """View and memory budgets (analysis.budgets): the pages and analysis.export draw the same windows; models.evaluate
 scores in token-sized batches with the head applied in chunks, equal to the direct computation; every command
 refuses what would not fit before any model work, naming what fits, and accepts its largest input."""
+import dataclasses
 import math
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,6 +82,11 @@ def test_export_of_the_longest_accepted_text_draws_the_app_windows(tmp_path, mha
                                                                               mha.model.parameters()))
     with pytest.raises(Exception, match="limit is 20,000"):
         decode_upload(path.name, (words + "x").encode())
+    from analysis import heads    # the Heads page's default view: unit-norm circuits, 2-D
+    for kind, gram in heads.circuit_grams(mha.model).items():
+        table, settings = figs[f"heads_pca_mha_{kind}"]
+        assert settings == {"kind": kind, "dims": 2, "unit_norm": True}
+        pd.testing.assert_frame_equal(table, heads.circuit_table(gram, mha.config.n_heads, unit=True)[0])
 
 
 def test_export_refuses_over_budget_before_loading_or_running(tmp_path, monkeypatch, mha):
@@ -102,9 +109,24 @@ def test_export_refuses_over_budget_before_loading_or_running(tmp_path, monkeypa
         export.model_figures(mha, "Some words to export.")
 
 
-def test_smollm2_export_plans_under_4_gb():
-    for name in ("smollm2-135m", "smollm2-pruned-g1.0"):
-        cfg = budgets.config_of(models_root() / name)
+@pytest.fixture(scope="module")
+def smollm2_base(tmp_path_factory):
+    """A directory holding only SmolLM2-135M's config: the shipped pruned delta's shape with the base's 8,192-token
+    context and no rule. The base itself is built by `make smollm2` and is not in a fresh clone; planning reads only
+    the config."""
+    cfg = ModelConfig.load(models_root() / "smollm2-pruned-g1.0" / "config.json")
+    cfg = dataclasses.replace(cfg, prune=False, context=8192)
+    path = tmp_path_factory.mktemp("smollm2-135m")
+    cfg.save(path / "config.json")
+    real = models_root() / "smollm2-135m" / "config.json"
+    if real.is_file():     # where `make smollm2` ran, the stand-in must be the real thing's shape
+        assert ModelConfig.load(real).to_dict() == cfg.to_dict()
+    return path
+
+
+def test_smollm2_export_plans_under_4_gb(smollm2_base):
+    for path in (smollm2_base, models_root() / "smollm2-pruned-g1.0"):
+        cfg = budgets.config_of(path)
         assert budgets.export_bytes(cfg, budgets.planned_weights(cfg)) < 4 * 2 ** 30
 
 
@@ -180,9 +202,9 @@ def test_evaluate_refuses_before_any_forward_naming_the_longest_window_that_fits
     assert res["tokens"] == 599
 
 
-def test_smollm2_base_plans_its_whole_context_in_4_gb():
+def test_smollm2_base_plans_its_whole_context_in_4_gb(smollm2_base):
     """The base's 8,192-token window fits the default budget (planned on the meta device: nothing loaded)."""
-    cfg = ModelConfig.load(models_root() / "smollm2-135m" / "config.json")
+    cfg = ModelConfig.load(smollm2_base / "config.json")
     with torch.device("meta"):
         model = DecoderLM(cfg)
     assert cfg.context == 8192 and evaluate.batch_rows(model, 8192) == 1
@@ -191,8 +213,8 @@ def test_smollm2_base_plans_its_whole_context_in_4_gb():
 
 # ---- the reports ------------------------------------------------------------------------------------------------
 
-def test_report_windows_refused_past_what_fits_and_the_named_one_accepted(monkeypatch):
-    cfg = budgets.config_of(models_root() / "smollm2-135m")
+def test_report_windows_refused_past_what_fits_and_the_named_one_accepted(smollm2_base):
+    cfg = budgets.config_of(smollm2_base)
     budgets.check_window([cfg], 1024, budgets.report_window_bytes)   # a report's usual windows fit
     with pytest.raises(budgets.OverBudget, match=r"largest window that fits is --window (\d+)") as e:
         budgets.check_window([cfg], 3000, budgets.report_window_bytes)
@@ -207,7 +229,7 @@ def test_report_windows_refused_past_what_fits_and_the_named_one_accepted(monkey
         budgets.check_window([cfg, pruned], 513, budgets.report_window_bytes)
 
 
-def test_report_commands_refuse_before_loading(monkeypatch, tmp_path, capsys):
+def test_report_commands_refuse_before_loading(monkeypatch, tmp_path, capsys, smollm2_base):
     from analysis.reports import eviction, matched
     from analysis.reports import pruning as pruning_report
 
@@ -216,7 +238,7 @@ def test_report_commands_refuse_before_loading(monkeypatch, tmp_path, capsys):
 
     for module in (eviction, matched, pruning_report):
         monkeypatch.setattr(module, "load_model_dir", no_load)
-    base, pruned = str(models_root() / "smollm2-135m"), str(models_root() / "smollm2-pruned-g1.0")
+    base, pruned = str(smollm2_base), str(models_root() / "smollm2-pruned-g1.0")
     out = str(tmp_path / "r.md")
     assert pruning_report.main([base, "--window", "20000", "--out", out, "--figure", ""]) == 2
     assert "context is 8,192 tokens" in capsys.readouterr().err

@@ -15,11 +15,12 @@ VIEWS = Path(__file__).resolve().parent.parent / "app" / "views"
 # (page, model): together every figure kind the pages export, in their default views
 PAGES = [("1_Generate.py", "mha-1024-pruned"), ("2_Attention.py", "mha"), ("2_Attention.py", "she"),
          ("3_Heads.py", "mha"), ("3_Heads.py", "mhe-mul"), ("4_Extractors.py", "we"), ("5_Attribution.py", "mha"),
-         ("6_Compare.py", "mha"), ("7_Pruning.py", "mha-1024-pruned")]
+         ("6_Compare.py", "mha"), ("7_Pruning.py", "mha-1024-pruned"), ("7_Pruning.py+views", "mha-1024-pruned")]
 
 
 def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict]]:
     import app.common
+    page, _, extra = page.partition("+")
     caught = []
     real = app.common.export_buttons
 
@@ -35,6 +36,12 @@ def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict
         at.number_input(key="gen_n").set_value(12)
         at.checkbox(key="gen_greedy").set_value(True)
         at.button(key="gen_go").click().run()
+    if extra == "views":   # Pruning's views that are off by default: the scores, a side by side, every policy
+        at.toggle(key="prune_scores").set_value(True)
+        at.selectbox(key="prune_compare").set_value("tova")
+        at.toggle(key="prune_all").set_value(True).run()
+        names = {name for name, *_ in caught}
+        assert {"pruning_scores", "pruning_disagreement", "pruning_pos_profile", "pruning_pos_profile_all"} <= names
     assert not at.exception, at.exception
     return caught
 

@@ -179,3 +179,22 @@ def test_per_group_decoding_evicts_what_the_per_group_replay_evicts(mixer, extra
     held = dec.live(0)   # the mean over groups of what each still holds
     assert held == pytest.approx([float((run.dropped_at[li] < 0).sum(-1).double().mean()) for li in range(n_layers)])
     assert dec.seen_share() > 0
+
+
+BF16 = [("mha", {}), ("gqa", {"n_kv_heads": 2, "positions": "rope"})]
+
+
+@pytest.mark.parametrize("mixer, extra", BF16)
+@pytest.mark.parametrize("name, budget", STEP + ONCE)
+def test_in_bfloat16_replay_and_decode_evict_alike_where_they_see_the_same_states(mixer, extra, name, budget):
+    """A bf16 model: layer 0 reads the embeddings, which a whole-text forward and a token-by-token decode share, and
+    there each policy's replay evicts exactly what its decode evicts. Both take the softmax in bf16 and hand the
+    policy float32; equal scores (common at bf16's 8 bits) go to the later position in both (policies.keep_top).
+    Later layers read hidden states the two compute with different blockings, which round differently in bf16: there
+    the tables may differ (docs/gpu.md), which is why the app analyses in float32."""
+    model = model_for(mixer, prune=False, context=64, seed=3, **extra).to(torch.bfloat16)
+    prompt = 24 if policies.once(name) else None
+    run = replay(model, IDS, make(name, budget), prompt=prompt)
+    _, dropped = decoded(model, IDS, make(name, budget), prompt)
+    assert (dropped[0] >= 0).sum() > 0
+    assert torch.equal(run.dropped_at[0, 0], dropped[0])
