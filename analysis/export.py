@@ -217,9 +217,10 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     check_memory(cfg, budgets.weights_bytes(model))
     out = []
     view = views["attention"]
-    m, kind = maps.mixing_maps(model, view.ids)
-    out.append(("maps_overview", maps.overview_figure(m, kind), maps.maps_table(m, view.labels),
-                {"window_start": 0, "tokens": len(view.ids)}))
+    m, kind, title = maps.mixing_view(model, view.ids)   # (SHE: its lags' norms, as the Attention page)
+    summary = {"summary": lags.default_summary(cfg.mixer)} if maps.is_extractor(model) else {}
+    out.append(("maps_overview", maps.overview_figure(m, kind, f"{cfg.mixer}: {title}" if title else ""),
+                maps.maps_table(m, view.labels), {"window_start": 0, "tokens": len(view.ids), **summary}))
     last = cfg.n_layers - 1
     out.append((f"map_layer{last}_head0",
                 maps.map_figure(m[last, 0], view.labels, f"{cfg.mixer}: layer {last}, head 0"),

@@ -20,6 +20,15 @@ def extractor_layers(model) -> list[Extractor]:
 
 
 SUMMARIES = {"mean": "signed mean over channels", "rms": "RMS over channels", "fro": "Frobenius norm"}
+# the Overview's title for the magnitudes (the signed mean keeps maps.overview_figure's own)
+OVERVIEW_TITLES = {"fro": "norm of d x_ext_i / d x_j (the Frobenius norm of W^ext at lag i - j), per layer",
+                   "rms": "RMS over channels of the lag weights, per layer"}
+
+
+def default_summary(mixer: str) -> str:
+    """What a page or an export shows of an Extractor's lags unless asked: SHE's Frobenius norm (the signed mean of
+    its d x d matrices cancels), the signed mean for the others."""
+    return "fro" if mixer == "she" else "mean"
 
 
 def lag_table(model) -> pd.DataFrame:

@@ -31,6 +31,20 @@ def mixing_maps(model, ids: list[int]) -> tuple[np.ndarray, str]:
     return np.stack([d.mixing[None].float().cpu().numpy() for d in records]), "extractor"
 
 
+def mixing_view(model, ids: list[int], summary: str | None = None) -> tuple[np.ndarray, str, str]:
+    """(maps, kind for overview_figure, overview title: '' for its own) as the Attention page opens on them:
+    attention probabilities; an Extractor's lags by `summary` (lags.default_summary unless given). The magnitudes
+    ('fro', 'rms') need no forward: they are the weights laid out by lag."""
+    from analysis import lags
+    if is_extractor(model):
+        summary = summary or lags.default_summary(model.config.mixer)
+        if summary != "mean":
+            model.check_fits(len(ids))
+            return lags.lag_maps(lags.lag_table(model), len(ids), summary), "lag-size", lags.OVERVIEW_TITLES[summary]
+    m, kind = mixing_maps(model, ids)
+    return m, kind, ""
+
+
 def is_extractor(model) -> bool:
     return isinstance(model.blocks[0].mixer, Extractor)
 

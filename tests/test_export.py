@@ -148,3 +148,21 @@ def test_a_sidecar_names_a_deltas_base_and_the_codes_commit():
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     assert meta["code"]["commit"] == (head.stdout.strip() if head.returncode == 0 else None)   # (None: no checkout)
     assert meta["code"]["uncommitted_changes"] in ((True, False) if head.returncode == 0 else (None,))
+
+
+@pytest.mark.parametrize("name, summary", [("she", "fro"), ("we", "mean")])
+def test_an_extractor_exports_the_lag_summary_its_attention_page_opens_on(name, summary):
+    """SHE's overview is the norm of d x_ext_i / d x_j, not the signed mean of its d x d lags (which cancels); the
+    others' is the signed mean, the matrix the forward records."""
+    from analysis import lags
+    loaded = load_model_dir(models_root() / name)
+    figs = {n: (table, settings) for n, _, table, settings in export.model_figures(loaded, TEXT)}
+    table, settings = figs["maps_overview"]
+    assert settings["summary"] == summary == lags.default_summary(name)
+    t = settings["tokens"]
+    want = lags.lag_maps(lags.lag_table(loaded.model), t, summary)[:, 0]
+    np.testing.assert_allclose(table["weight"].to_numpy(), want[table["layer"], table["query_pos"], table["key_pos"]],
+                               rtol=1e-6, atol=1e-7)
+    if summary == "fro":   # the norms are sizes: never negative, and not what the signed mean gives
+        signed = maps.mixing_maps(loaded.model, tokenize(loaded.tokenizer, TEXT).ids[:t])[0][:, 0]
+        assert (table["weight"] >= 0).all() and not np.allclose(want, signed, atol=1e-3)

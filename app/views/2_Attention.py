@@ -27,7 +27,7 @@ view, start = window_picker(toks, cfg.context, "attn_window", MAX_VIEW)
 # SHE shows their Frobenius norm (the norm of d x_ext_i / d x_j); WE/HE offer the RMS beside the signed mean.
 summary = None
 if maps.is_extractor(loaded.model):
-    summary = "fro" if cfg.mixer == "she" else "mean"
+    summary = lags.default_summary(cfg.mixer)
     if cfg.mixer in ("we", "he"):
         summary = st.radio("Lag weights over channels", ["mean", "rms"], horizontal=True, key="attn_summary",
                            format_func=lags.SUMMARIES.get)
@@ -56,8 +56,7 @@ if kind == "extractor":
 
 st.subheader("Overview")
 # (overview_figure draws any kind but "extractor" on the one-sided scale)
-overview_title = {"fro": "norm of d x_ext_i / d x_j (the Frobenius norm of W^ext at lag i - j), per layer",
-                  "rms": "RMS over channels of the lag weights, per layer"}.get(summary)
+overview_title = lags.OVERVIEW_TITLES.get(summary)
 fig = maps.overview_figure(m, "lag-size" if sized else kind, f"{cfg.mixer}: {overview_title}" if sized else "")
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, lambda: maps.maps_table(m, view.labels), "maps_overview", loaded.path, text,

@@ -13,9 +13,10 @@ from app.common import export_buttons, load, pick_model, setup, text_input
 
 @st.cache_data(max_entries=32, show_spinner="Recording the mixing maps…")
 def maps_of(path: str, ids: tuple[int, ...]):
-    """(maps [layers, heads, T, T], kind): one forward, kept for the layer and head pickers."""
+    """(maps [layers, heads, T, T], kind): one forward, kept for the layer and head pickers (an Extractor: what the
+    Attention page opens on, SHE's lag norms among them)."""
     with heavy.slot():
-        return maps.mixing_maps(load(path).model, list(ids))
+        return maps.mixing_view(load(path).model, list(ids))[:2]
 
 
 def timed_logprobs(path: str, ids: tuple[int, ...]) -> tuple[np.ndarray, float]:
