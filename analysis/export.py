@@ -142,8 +142,14 @@ def weights_sha256(path: Path) -> str:
     return known
 
 
+def precision_of(model) -> dict:
+    """Where and in what dtype a loaded model runs (its weights'), as the app's sidecar records it."""
+    w = model.wte.weight
+    return {"device": w.device.type, "dtype": str(w.dtype).removeprefix("torch.")}
+
+
 def sidecar(model_dir: str | Path | None, text: str | None, settings: dict, figure: str,
-            fig: go.Figure | None = None) -> dict:
+            fig: go.Figure | None = None, precision: dict | None = None) -> dict:
     """What was drawn: the model, its weights' hash (and a delta's base, as pinned), the text's hash, the settings,
     the code's version and commit, the packages' versions and, given the figure, its whole plotly spec under "plotly"
     (so `python -m analysis.render` redraws it without the model)."""
@@ -156,6 +162,7 @@ def sidecar(model_dir: str | Path | None, text: str | None, settings: dict, figu
         "code": dict(code_version()),
         "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text is not None else None,
         "settings": settings,
+        **({"precision": precision} if precision is not None else {}),
         "versions": versions(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **({"plotly": json.loads(fig.to_json())} if fig is not None else {}),
@@ -249,7 +256,8 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
                     {"kind": k, "dims": 2, "unit_norm": True}))
     if lags.extractor_layers(model):
         t = lags.lag_table(model)
-        out.append(("lags_profile", lags.profile_figure(t, "rms", f"{cfg.mixer}: lag weight size per layer"), t, {}))
+        fig, value = lags.profile_view(t, cfg.mixer)   # (the Extractors page's first view)
+        out.append((f"lags_profile_{cfg.mixer}", fig, t, {"value": value}))
     return out
 
 
@@ -286,7 +294,8 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
                           f"{' ...' if len(clash) > 4 else ''}): choose another --out, or pass --force")
     written = []
     for name, fig, table, settings in figures:
-        written += write_bundle(fig, table, out, name, sidecar(model_dir, text, settings, name, fig))
+        written += write_bundle(fig, table, out, name, sidecar(model_dir, text, settings, name, fig,
+                                                                    precision_of(loaded.model)))
     return written
 
 

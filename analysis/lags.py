@@ -44,6 +44,17 @@ def lag_table(model) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def profile_view(table: pd.DataFrame, mixer: str, log_x: bool = True) -> tuple[go.Figure, str]:
+    """(figure, value) the Extractors page opens on: WE/HE the signed mean beside the RMS; ME its lag weight itself;
+    SHE the Frobenius norm of each lag's d x d matrix (the mean of its signed entries cancels)."""
+    if mixer in ("we", "he"):   # a signed mean near 0 can hide large weights of both signs: the RMS gives their size
+        return mean_rms_figure(table, f"{mixer}: the lag's weights over channels, signed mean and RMS, per layer",
+                               log_x=log_x), "mean and rms"
+    value = "mean" if mixer == "me" else "fro"
+    label = "the lag weight w_k" if value == "mean" else "Frobenius norm of the lag's d x d matrix W^ext"
+    return profile_figure(table, value, f"{mixer}: {label}, per layer", log_x=log_x), value
+
+
 def lag_maps(table: pd.DataFrame, t: int, value: str = "fro") -> np.ndarray:
     """[layers, 1, t, t]: one summary of the lag weights laid out as a causal Toeplitz matrix, entry (i, j) the
     lag i - j's value (0 above the diagonal). With 'mean' it is the mixing matrix the forward records; with 'fro'

@@ -37,12 +37,12 @@ LAYOUT_REFUSED = ("images", "mapbox", "map", "geo")
 def refused(spec: dict) -> str | None:
     """What in a spec this project's figures never have (and a renderer might fetch a URL for), or None."""
     layout = spec.get("layout") or {}
-    layouts = [layout]
-    if isinstance(layout, dict):
-        template = layout.get("template") or {}
-        if isinstance(template, dict):   # (a template named by a string is plotly's own)
-            layouts.append(template.get("layout") or {})
-    if not all(isinstance(x, dict) for x in layouts) or any(x.get(k) for x in layouts for k in LAYOUT_REFUSED):
+    template = layout.get("template") or {} if isinstance(layout, dict) else {}
+    # (a template named by a string is plotly's own; a template's geo and map entries only style subplots that the
+    # allowed traces never open, and plotly's default template has them, but its images would be drawn)
+    style = (template.get("layout") or {}) if isinstance(template, dict) else {}
+    if not isinstance(layout, dict) or not isinstance(style, dict) or any(layout.get(k) for k in LAYOUT_REFUSED) \
+            or style.get("images"):
         return "layout images, maps or geography, which this project's figures never have"
     data = spec.get("data") or []
     traces = data if isinstance(data, list) else [None]

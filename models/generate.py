@@ -123,14 +123,8 @@ def _sync(device: torch.device) -> None:
 
 def layer_bytes_per_token(model) -> tuple[list[int], list[int]]:
     """Per layer: decode-state bytes one token costs in this model, and in its dense twin (no K_int)."""
-    size = model.wte.weight.element_size()
-    own, dense = [], []
-    for b in model.blocks:
-        spec = b.mixer.cache_spec()
-        numel = {n: math.prod(s) for n, s in spec.items()}
-        own.append(sum(numel.values()) * size)
-        dense.append(sum(v for n, v in numel.items() if n != "k_int") * size)
-    return own, dense
+    pairs = [b.mixer.cache_bytes_per_token(model.wte.weight.dtype) for b in model.blocks]
+    return [own for own, _ in pairs], [dense for _, dense in pairs]
 
 
 @torch.inference_mode()

@@ -164,7 +164,8 @@ class DecoderLM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
                 diagnostics: bool = False, positions: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-                last_only: bool = False, attention_maps: bool = True, hidden_only: bool = False) -> ModelOutput:
+                last_only: bool = False, attention_maps: bool = True, hidden_only: bool = False,
+                residual=None) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
         there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
         and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and
@@ -173,7 +174,10 @@ class DecoderLM(nn.Module):
         last_only: logits [B,1,V] for the last position alone (generation, attributions). diagnostics: each layer's
         LayerRecord comes back in ModelOutput.diagnostics (attention_maps=False: without the attention
         probabilities). hidden_only: the final-norm states in ModelOutput.hidden and no logits (the caller applies
-        output_weight a chunk of positions at a time: models.scoring.head_logprobs)."""
+        output_weight a chunk of positions at a time: models.scoring.head_logprobs). residual: a function (i, x)
+        -> x given the residual stream [B,T,d_m] entering block i, whose return enters it instead (activation
+        patching reads and replaces it there: models.pruning.intervene; no hook is put on the model, which app
+        sessions share)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
             if positions is None:
@@ -199,6 +203,8 @@ class DecoderLM(nn.Module):
         # of a 30-layer model over 1,000 tokens would otherwise hold 1 GB of them)
         records = [LayerRecord(attention_maps) for _ in self.blocks] if diagnostics else None
         for i, block in enumerate(self.blocks):
+            if residual is not None:
+                x = residual(i, x)
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions)
         if isinstance(cache, DecodeCache) and cache.cursor is not None:
             if fixed:
@@ -232,5 +238,4 @@ class DecoderLM(nn.Module):
 
     def cache_bytes_per_token(self) -> int:
         """Decode-state bytes each new position adds, summed over layers."""
-        size = self.wte.weight.element_size()
-        return sum(b.mixer.cache_numel_per_token() for b in self.blocks) * size
+        return sum(b.mixer.cache_bytes_per_token(self.wte.weight.dtype)[0] for b in self.blocks)

@@ -54,6 +54,8 @@ def test_cli_writes_every_figure_for_a_model(tmp_path):
     names = {p.name for p in (tmp_path / "out").iterdir()}
     for stem in ("maps_overview", "surprisal", "attribution_last", "heads_pca_e_Q", "heads_pca_g"):
         assert {f"{stem}.{ext}" for ext in ("png", "svg", "pdf", "csv", "json")} <= names
+    side = json.loads((tmp_path / "out" / "surprisal.json").read_text())
+    assert side["precision"] == {"device": "cpu", "dtype": "float32"}     # where and how the model ran
 
 
 def test_cli_refuses_bad_text(tmp_path):
@@ -130,6 +132,7 @@ def test_render_redraws_an_exported_figure_from_its_sidecar_alone(tmp_path, mha)
                 {"plotly": {"data": [], "layout": {"template": {"layout": {"images": [{"source": "http://x"}]}}}}},
                 {"plotly": {"data": [{"type": "image", "source": "http://x/y.png"}], "layout": {}}},
                 {"plotly": {"data": [{"type": "choropleth"}], "layout": {}}},
+                {"plotly": {"data": [], "layout": {"geo": {"scope": "europe"}}}},
                 {"plotly": {"data": [], "layout": {"width": 10 ** 7}}}):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(export.ExportError):
@@ -137,6 +140,18 @@ def test_render_redraws_an_exported_figure_from_its_sidecar_alone(tmp_path, mha)
     assert render.main([str(side), "--out", str(out), "--width", "5"]) == 2
     assert render.main([str(side), "--out", str(out), "--format", "png", "--width", "8000", "--height", "8000",
                         "--scale", "10"]) == 2 and not (out / "map.png").exists()
+
+
+def test_a_figure_in_plotlys_own_template_is_redrawn():
+    """plotly's default template styles geo and map subplots; a figure carrying it (any figure made outside a
+    streamlit process, which sets its own) is not refused for that."""
+    import plotly.graph_objects as go
+
+    from analysis import render
+    fig = go.Figure(go.Heatmap(z=[[1, 2], [3, 4]]), layout={"template": "plotly"})
+    spec = json.loads(fig.to_json())
+    assert spec["layout"]["template"]["layout"].get("geo")
+    assert render.refused(spec) is None
 
 
 def test_a_sidecar_names_a_deltas_base_and_the_codes_commit():
@@ -159,6 +174,7 @@ def test_an_extractor_exports_the_lag_summary_its_attention_page_opens_on(name, 
     figs = {n: (table, settings) for n, _, table, settings in export.model_figures(loaded, TEXT)}
     table, settings = figs["maps_overview"]
     assert settings["summary"] == summary == lags.default_summary(name)
+    assert figs[f"lags_profile_{name}"][1] == {"value": {"she": "fro", "we": "mean and rms"}[name]}  # Extractors page's
     t = settings["tokens"]
     want = lags.lag_maps(lags.lag_table(loaded.model), t, summary)[:, 0]
     np.testing.assert_allclose(table["weight"].to_numpy(), want[table["layer"], table["query_pos"], table["key_pos"]],

@@ -113,3 +113,19 @@ def test_a_sidecar_records_the_precision(monkeypatch):
     monkeypatch.setenv("MIXSCOPE_DTYPE", "bfloat16")
     meta = json.loads(sidecar_json(go.Figure(go.Scatter(y=[1, 2])), "x", MHA_PRUNED, "text", {}))
     assert meta["precision"] == {"device": "cpu", "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_bytes_per_token_count_k_int_in_the_rules_precision(dtype):
+    """The bytes a held token costs (Generate's 'cache held', the Pruning page, the zoo) are the bytes one slot of
+    the compacted cache's buffers takes: a bf16 model's K_int is float32 there, and counted so."""
+    from models.generate import layer_bytes_per_token
+    from models.pruning.compact_cache import CompactCache
+    model = DecoderLM(tiny_config("gqa", n_kv_heads=2, prune=True, prune_r=8)).to(dtype)
+    own, dense = layer_bytes_per_token(model)
+    for b, per, twin in zip(model.blocks, own, dense):
+        cache = CompactCache(b.mixer.cache_spec(), 1, 64, dtype, "cpu")
+        slot = sum(buf.nbytes for buf in cache.buffers.values()) // cache.capacity
+        no_k_int = sum(buf.nbytes for n, buf in cache.buffers.items() if n != "k_int") // cache.capacity
+        assert (per, twin) == (slot, no_k_int) and per > twin
+    assert model.cache_bytes_per_token() == sum(own)

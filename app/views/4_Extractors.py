@@ -21,16 +21,7 @@ cfg, model = loaded.config, loaded.model
 table = lags.lag_table(model)
 
 log_x = st.checkbox("Log lag axis", value=True, key="ext_logx")
-if cfg.mixer in ("we", "he"):
-    # a signed mean near 0 can hide large weights of both signs: the RMS beside it gives their size
-    value = "mean and rms"
-    fig = lags.mean_rms_figure(table, f"{cfg.mixer}: the lag's weights over channels, signed mean and RMS, "
-                               "per layer", log_x=log_x)
-else:
-    # SHE: the mean of a d x d matrix's signed entries cancels; its Frobenius norm is the norm of d x_ext_i / d x_j
-    value = "mean" if cfg.mixer == "me" else "fro"
-    label = "the lag weight w_k" if value == "mean" else "Frobenius norm of the lag's d x d matrix W^ext"
-    fig = lags.profile_figure(table, value, f"{cfg.mixer}: {label}, per layer", log_x=log_x)
+fig, value = lags.profile_view(table, cfg.mixer, log_x)
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, table, f"lags_profile_{cfg.mixer}", loaded.path, None, {"value": value})
 

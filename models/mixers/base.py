@@ -59,11 +59,17 @@ class Mixer(nn.Module):
         return LayerCache(self.cache_spec(), batch, capacity, dtype, device,
                           track_alive=getattr(self, "pruning", None) is not None)
 
-    def cache_numel_per_token(self) -> int:
-        total = 0
-        for shape in self.cache_spec().values():
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> tuple[int, int]:
+        """Decode-state bytes one position costs this layer in a model of `dtype`: every state it caches, the
+        learned rule's K_int in the rule's precision (float32 in a bf16 model); and the same without K_int (what
+        its dense twin caches). The one count the Generate and Pruning pages and the zoo table use."""
+        from models.pruning.interaction import state_dtype   # (models.pruning imports the caches, which import this)
+        own = dense = 0
+        for name, shape in self.cache_spec().items():
             n = 1
             for size in shape:
                 n *= size
-            total += n
-        return total
+            size = n * state_dtype(name, dtype).itemsize
+            own += size
+            dense += 0 if name == "k_int" else size
+        return own, dense
