@@ -40,6 +40,19 @@ def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int
     return out
 
 
+def head_kl(model, before: torch.Tensor, after: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """KL(p_before || p_after) of the next-token distributions the head gives two runs' final hidden states
+    ([..., T, d_model] each -> [..., T], in nats), `chunk` positions at a time as head_logprobs."""
+    w = model.output_weight().t()
+    dtype = torch.promote_types(before.dtype, torch.float32)
+    out = torch.empty(before.shape[:-1], dtype=dtype, device=before.device)
+    for s in range(0, before.shape[-2], chunk):
+        a = (before[..., s:s + chunk, :] @ w).to(dtype).log_softmax(-1)
+        b = (after[..., s:s + chunk, :] @ w).to(dtype).log_softmax(-1)
+        out[..., s:s + chunk] = (a.exp() * (a - b)).sum(-1).clamp_min(0)   # (>= 0; rounding can dip below)
+    return out
+
+
 def memory_budget() -> int:
     """Bytes a command or page plans for in all (weights, runtime and working memory): MIXSCOPE_MEMORY_MB, default
     4,096 (read at each call, so a test or an operator can change it)."""

@@ -39,9 +39,16 @@ def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict
     if extra == "views":   # Pruning's views that are off by default: the scores, a side by side, every policy
         at.toggle(key="prune_scores").set_value(True)
         at.selectbox(key="prune_compare").set_value("tova")
-        at.toggle(key="prune_all").set_value(True).run()
+        at.toggle(key="prune_all").set_value(True)
+        at.toggle(key="prune_iv").set_value(True).run()
+        at.selectbox(key="prune_iv_token").set_value(3)
+        at.radio(key="prune_iv_keep").set_value("dropped").run()
+        at.radio(key="prune_iv_kind").set_value("patch the dense twin's states").run()
         names = {name for name, *_ in caught}
         assert {"pruning_scores", "pruning_disagreement", "pruning_pos_profile", "pruning_pos_profile_all"} <= names
+        what_if = [how["settings"] for name, _, how in caught if name == "pruning_what_if"]
+        assert {"token": 3, "keep": False, "at": 4, "onward": False}.items() <= what_if[-2].items()
+        assert what_if[-1]["donor"] == "twin"
     assert not at.exception, at.exception
     return caught
 

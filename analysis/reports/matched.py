@@ -43,7 +43,7 @@ from tqdm import tqdm
 from analysis import pruning
 from analysis.budgets import OverBudget, check_dirs, report_window_bytes
 from models.checkpoint import code_version, file_sha256, load_model_dir
-from models.data.corpus import load_tokens
+from models.data.corpus import DataError, load_tokens
 from models.device import add_arguments as add_device_arguments
 from models.pruning import policies, sparsity
 
@@ -350,7 +350,7 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
             ap.error(f"--source takes NAME=DIR:SPLIT with NAME of letters, digits, _ . -, got {spec!r}")
         try:
             sources[name] = source_windows(where, window, args.windows)
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, DataError) as e:
             ap.error(f"--source {spec}: {e}")
     return sources, names, prompt
 
@@ -470,8 +470,8 @@ def main(argv=None) -> int:
     if not args.pruned or not args.base or not args.source:
         ap.error("give the pruned model directories, --base and at least one --source (or --merge)")
     policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
+    check_window(ap, [args.base, *args.pruned], args.window)   # (before any source is read)
     sources, names, prompt = parse(ap, args, args.window)
-    check_window(ap, [args.base, *args.pruned], args.window)
     ran = provenance(args, args.pruned) if args.json else {}
     base = load_model_dir(args.base, device=args.device)
     pruned = [load_model_dir(p, device=args.device) for p in args.pruned]

@@ -7,6 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from analysis import budgets, pruning, scores, tokens
+from analysis import intervene as change
 from analysis.pruning import LEARNED, NOTHING
 from app import access, heavy
 from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,
@@ -14,7 +15,7 @@ from app.common import (dense_base_path, export_buttons, load, method_title, mod
 from models.checkpoint import CheckpointError, read_json, valid_sparsity
 from models.delta import unfetched_base
 from models.generate import layer_bytes_per_token
-from models.pruning import policies
+from models.pruning import intervene, policies
 
 def prunable(loaded):
     """None when the page can show this model: a pruned one (its rule and the policies) or a dense softmax one
@@ -129,6 +130,75 @@ def score_view(layer: int) -> None:
               f"{scores.soft_sparsity(hard):.1%} at inference (the step)", delta_color="off")
     c2.plotly_chart(scores.soft_figure(soft, at, view.labels, f"I_k,j under sigma_alpha, alpha {alpha:g}"),
                     width="stretch")
+
+
+@st.cache_data(max_entries=8, show_spinner="Running the model with the change, and without…")
+def cached_change(path: str, ids: tuple[int, ...], labels: tuple[str, ...], layer: int, force: tuple | None,
+                  patch: tuple[int, ...] | None):
+    """analysis.intervene.outcome of one forced decision (force: token, keep, at, onward) or one patch of the dense
+    twin's residual stream entering `layer` at `patch`: two forwards (three with the donor's)."""
+    model = load(path).model
+    with heavy.slot():
+        before = intervene.forced(model, list(ids))
+        if force is not None:
+            forces = [intervene.Force(layer, *force)]
+            return change.outcome(model, before, intervene.forced(model, list(ids), forces), list(labels),
+                                  change.first_affected(forces), forces)
+        donor = intervene.residuals(model, list(ids), layer, rule=False)
+        after = intervene.patched(model, list(ids), layer, list(patch), donor)
+        return change.outcome(model, before, after, list(labels), change.first_affected(positions=list(patch)))
+
+
+@heavy.fragment
+def what_if(layer: int) -> None:
+    """Force the rule's decision about one token at this layer (or from it on), or give this layer the dense twin's
+    states at chosen positions, and see what changed downstream: a fragment, its controls redraw this part alone."""
+    st.subheader(f"What if: force a decision at layer {layer}, or patch in the dense twin's states")
+    if not st.toggle("Run a change (two more forwards)", key="prune_iv"):
+        return
+    kind = st.radio("Change", ["force a decision", "patch the dense twin's states"], horizontal=True,
+                    key="prune_iv_kind")
+    c1, c2, c3 = st.columns(3)
+    force = patch = None
+    if kind == "force a decision":
+        j = int(c1.selectbox("Token", range(n - 1), key="prune_iv_token",
+                             format_func=lambda i: f"{i}: {view.labels[i]!r}"))
+        keep = c2.radio("Force it", ["kept", "dropped"], horizontal=True, key="prune_iv_keep") == "kept"
+        at = None if keep else int(c2.number_input("from query", j + 1, n - 1, j + 1, key="prune_iv_at"))
+        onward = c3.checkbox("and in every later layer", key="prune_iv_onward")
+        force = (j, keep, at, onward)
+        what = (f"{view.labels[j]!r} (position {j}) {'kept' if keep else f'dropped from query {at}'} at layer "
+                f"{layer}{' and after' if onward else ''}")
+        iv_settings = {"token": j, "keep": keep, "at": at, "onward": onward}
+    else:
+        p = int(c1.number_input("Position", 0, n - 1, min(n - 1, n // 2), key="prune_iv_pos"))
+        width = int(c2.number_input("and the next", 0, 64, 0, key="prune_iv_width",
+                                    help="positions after it, patched too"))
+        patch = tuple(range(p, min(n, p + width + 1)))
+        c3.caption("Donor: the same weights with the rule off (nothing dropped), reading the same text.")
+        what = f"layer {layer}'s input at {p}{f'-{patch[-1]}' if len(patch) > 1 else ''} from the dense twin"
+        iv_settings = {"patch": list(patch), "donor": "twin"}
+    res = cached_change(path, ids, tuple(view.labels), layer, force, patch)
+    s = res["summary"]
+    m = st.columns(4)
+    m[0].metric(f"perplexity from position {s['from']}", f"{s['ppl_from_after']:.3f}",
+                f"{s['ppl_from_after'] - s['ppl_from_before']:+.3f} (was {s['ppl_from_before']:.3f})",
+                delta_color="inverse", help=f"The {s['scored_from']} predictions the change can reach")
+    m[1].metric("perplexity, whole window", f"{s['ppl_after']:.3f}", f"{s['ppl_after'] - s['ppl_before']:+.3f}",
+                delta_color="inverse", help=f"All {s['scored']} predictions")
+    m[2].metric("largest KL of a next-token distribution", f"{s['max_kl']:.4f}",
+                f"at position {s['max_kl_position']}", delta_color="off")
+    free = int((~res["changed"]["forced"]).sum())
+    m[3].metric("later decisions changed", f"{free}", help="Drops in any layer that moved or appeared or vanished "
+                "as a consequence (the forced ones not counted)")
+    fig = change.effect_figure(res["effects"], s["from"], f"{cfg.mixer}: {what}")
+    st.plotly_chart(fig, width="stretch")
+    export_buttons(fig, res["effects"], "pruning_what_if", loaded.path, text,
+                   settings | {"layer": layer, **iv_settings}, key="iv")
+    st.dataframe(res["by_layer"], hide_index=True)
+    if len(res["changed"]):
+        st.markdown("**Changed decisions** (the query that dropped the token before and after; -1: held to the end)")
+        st.dataframe(res["changed"], hide_index=True)
 
 
 def default_prompt(n: int) -> int:
@@ -269,6 +339,7 @@ else:
 st.dataframe(sp.style.format({"sparsity": "{:.1%}"}), hide_index=True)
 if method == LEARNED:
     score_view(layer)
+    what_if(layer)
 
 # ---- two methods side by side at matched sparsity -------------------------------------------------------------------
 st.subheader("Side by side at matched sparsity")

@@ -173,8 +173,10 @@ class ContextPruning(nn.Module):
             x = widen(x)
             return x @ self.W_Kint.to(x.dtype)
 
-    def log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole sequence x [B,T,d] -> (log I [B,T,T], I [B,T,T]); -inf / 0 above the diagonal.
+    def log_keep(self, x: torch.Tensor, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole sequence x [B,T,d] -> (log I [B,T,T], I [B,T,T]); -inf / 0 above the diagonal. edit, when given,
+        takes the gates sigma(x_{n,j}) [B,T,T] and returns them changed (an intervention forcing decisions:
+        models.pruning.intervene); the keep structure follows from the changed gates as from the rule's own.
 
         log I accumulates log sigma (floored at 1e-40) in log space, so it is finite and never NaN; I itself
         is the plain cumulative product, exactly 0 once a token is dropped.
@@ -183,12 +185,14 @@ class ContextPruning(nn.Module):
         cumulative sums and products ran in float32 on bf16 inputs, and the mixed-dtype backward failed (a
         masked_scatter_ dtype error on an H100)."""
         with torch.autocast(x.device.type, enabled=False):
-            return self._log_keep(widen(x))
+            return self._log_keep(widen(x), edit)
 
-    def _log_keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_keep(self, x: torch.Tensor, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[1]
         pos = torch.arange(t, device=x.device)
         sig = gates(self.scores(x, self.keys(x), pos, pos), self.current_alpha(), self.sinks)  # [B, n, j]
+        if edit is not None:
+            sig = edit(sig)
         later = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1)           # n > j
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         zero = torch.zeros((), dtype=sig.dtype, device=x.device)

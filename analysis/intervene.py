@@ -1,0 +1,97 @@
+"""What a forced decision or a patch did: per-position effects on the next-token distributions and log-probabilities,
+the drops that changed in every layer, and their figures (pure functions of models.pruning.intervene's runs)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from models.pruning.intervene import Force, Run
+
+
+def effects(kl: np.ndarray, before: Run, after: Run, labels: list[str]) -> pd.DataFrame:
+    """One row per position n < T-1: the token there, the next token it predicts, the log-probability of that token
+    before and after, their difference, and KL(before || after) of the whole next-token distribution at n."""
+    lp0, lp1 = before.logprobs.double().cpu().numpy(), after.logprobs.double().cpu().numpy()
+    n = len(lp0)
+    return pd.DataFrame({"position": np.arange(n), "token": labels[:n], "next_token": labels[1:n + 1],
+                         "logp_before": lp0, "logp_after": lp1, "delta_logp": lp1 - lp0, "kl": kl[:n]})
+
+
+def first_affected(forces: list[Force] | None = None, positions: list[int] | None = None) -> int:
+    """The first position whose prediction a change can reach: a forced token's first query (a kept token's, the
+    query after it), or the first patched position."""
+    if forces:
+        return min(f.first_query() if not f.keep else f.token + 1 for f in forces)
+    return min(positions)
+
+
+def summary(table: pd.DataFrame, start: int) -> dict:
+    """Perplexity of the whole text and of the positions from `start` on, before and after; the largest KL."""
+    after = table[table["position"] >= start]
+
+    def ppl(lp) -> float:
+        return float(math.exp(-lp.mean())) if len(lp) else float("nan")
+
+    return {"from": int(start), "scored_from": int(len(after)), "scored": int(len(table)),
+            "ppl_before": ppl(table["logp_before"]), "ppl_after": ppl(table["logp_after"]),
+            "ppl_from_before": ppl(after["logp_before"]), "ppl_from_after": ppl(after["logp_after"]),
+            "max_kl": float(table["kl"].max()) if len(table) else 0.0,
+            "max_kl_position": int(table["kl"].idxmax()) if len(table) else -1}
+
+
+def changed_drops(before: Run, after: Run, labels: list[str], forces: list[Force] = ()) -> pd.DataFrame:
+    """Every (layer, token) whose drop changed: the query that dropped it before and after (-1: held to the end),
+    and whether the change was forced or followed from it."""
+    b, a = before.dropped_at.cpu().numpy(), after.dropped_at.cpu().numpy()
+    layer, pos = np.nonzero(a != b)
+    forced = {(i, f.token) for f in forces for i in range(b.shape[0]) if f.applies(i)}
+    return pd.DataFrame({"layer": layer, "position": pos, "token": pd.Series([labels[p] for p in pos], dtype=object),
+                         "dropped_at_before": b[layer, pos], "dropped_at_after": a[layer, pos],
+                         "forced": np.array([(int(i), int(p)) in forced for i, p in zip(layer, pos)], dtype=bool)})
+
+
+def changes_by_layer(changed: pd.DataFrame, n_layers: int) -> pd.DataFrame:
+    """Per layer: how many decisions changed as a consequence (forced ones apart), newly dropped, newly kept."""
+    free = changed[~changed["forced"]]
+    rows = []
+    for layer in range(n_layers):
+        part = free[free["layer"] == layer]
+        rows.append({"layer": layer, "changed": len(part),
+                     "now_dropped": int(((part["dropped_at_before"] < 0) & (part["dropped_at_after"] >= 0)).sum()),
+                     "now_kept": int(((part["dropped_at_before"] >= 0) & (part["dropped_at_after"] < 0)).sum()),
+                     "forced": int((changed["forced"] & (changed["layer"] == layer)).sum())})
+    return pd.DataFrame(rows)
+
+
+def effect_figure(table: pd.DataFrame, start: int, title: str) -> go.Figure:
+    """Per position: the change in log p of the next token (bars) and the KL of the next-token distribution (line,
+    right axis), with a rule where the change starts to reach."""
+    fig = go.Figure()
+    hover = [f"{t!r} -> {n!r}" for t, n in zip(table["token"], table["next_token"])]
+    fig.add_trace(go.Bar(x=table["position"], y=table["delta_logp"], name="change in log p(next token)",
+                         hovertext=hover, marker_color="#0072B2"))
+    fig.add_trace(go.Scatter(x=table["position"], y=table["kl"], name="KL(before || after), nats", yaxis="y2",
+                             mode="lines", hovertext=hover, line={"color": "#D55E00"}))
+    fig.add_vline(x=start - 0.5, line_dash="dot", line_color="grey")
+    fig.update_layout(title=title, xaxis_title="position (predicting the next token)",
+                      yaxis_title="change in log p", yaxis2={"title": "KL (nats)", "overlaying": "y", "side": "right",
+                                                            "rangemode": "tozero"},
+                      legend={"orientation": "h", "y": -0.2}, height=420, bargap=0)
+    return fig
+
+
+def outcome(model, before: Run, after: Run, labels: list[str], start: int, forces: list[Force] = ()) -> dict:
+    """Everything the page and the command show of one change: the per-position effects, the changed drops and
+    their count per layer, and the summary from the first position the change reaches."""
+    import torch
+
+    from models.scoring import head_kl
+    with torch.no_grad():
+        kl = head_kl(model, before.hidden[:-1], after.hidden[:-1]).double().cpu().numpy()
+    table = effects(kl, before, after, labels)
+    changed = changed_drops(before, after, labels, forces)
+    return {"effects": table, "changed": changed, "by_layer": changes_by_layer(changed, len(before.dropped_at)),
+            "summary": summary(table, start)}
