@@ -112,19 +112,23 @@ def method_run_bytes(cfg, t: int) -> int:
     pruned model's own rule keeps every layer's float32 keep mask instead, which is less. Measured on SmolLM2 with a
     second copy held, at 1,697 tokens (the largest two models then took): 4,055 MiB against 4,096 planned, with the
     reports' sparsity reading every layer in float at once (now one layer at a time)."""
-    groups = (cfg.n_kv_heads or cfg.n_heads // 2) if cfg.mixer == "gqa" else cfg.n_heads   # (at most: MQA has 1)
+    groups = most_groups(cfg)
     masks = cfg.n_layers * groups * t * t * (1 + 1) + groups * t * t * 8
     scores = 5 * 4 * cfg.n_heads * t * t + 4 * groups * t * t
     return forward_bytes(cfg, 1, t) + 2 * logits_bytes(t, cfg.vocab_size) + scores + masks
 
 
+def most_groups(cfg) -> int:
+    """KV groups of a layer, at most (GQA's own count; MQA has 1, counted as MHA's heads)."""
+    from models.mixers.attention import GQA
+    return GQA.kv_heads_of(cfg) if cfg.mixer == "gqa" else cfg.n_heads
+
+
 def replay_most(cfg) -> int:
     """The longest text models.pruning.replay reads for the costliest policy (the hindsight oracle, per KV group): its
-    own refusal, computed the same way so a report can name it before it starts."""
+    own limit (replay.most_tokens), so a report can name it before it starts."""
     from models.pruning import replay
-    groups = (cfg.n_kv_heads or cfg.n_heads // 2) if cfg.mixer == "gqa" else cfg.n_heads
-    return min(cfg.context, replay.MAX_TOKENS, math.isqrt(replay.SCORES_BYTES // (4 * cfg.n_heads * 3)),
-               math.isqrt(replay.VISIBLE_BYTES // (cfg.n_layers * groups)))
+    return replay.most_tokens(cfg, most_groups(cfg), 3)
 
 
 def report_window_bytes(cfg, t: int) -> int:

@@ -151,6 +151,14 @@ class MethodRun:
     logprobs: torch.Tensor
 
 
+def most_tokens(cfg, rows: int, copies: int) -> int:
+    """The longest text a replay reads: the model's context and MAX_TOKENS, one layer's scores [heads, T, T] `copies`
+    times over within SCORES_BYTES, and the masks [layers, rows, T, T] within VISIBLE_BYTES (analysis.budgets plans
+    with it too)."""
+    return min(cfg.context, MAX_TOKENS, math.isqrt(SCORES_BYTES // (4 * cfg.n_heads * copies)),
+               math.isqrt(VISIBLE_BYTES // (cfg.n_layers * rows)))
+
+
 @torch.inference_mode()
 def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> MethodRun:
     """One forward over ids with `policy` in every attention layer (learned pruning off; None: nothing evicted)."""
@@ -161,8 +169,7 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Met
                          "dense softmax model")
     cfg, rows = model.config, rows_of(policy, model.blocks[0].mixer)
     copies = 3 if policy is not None and policy.hindsight else 1  # the oracle's softmax and suffix sums beside them
-    most = min(cfg.context, MAX_TOKENS, math.isqrt(SCORES_BYTES // (4 * cfg.n_heads * copies)),
-               math.isqrt(VISIBLE_BYTES // (cfg.n_layers * rows)))
+    most = most_tokens(cfg, rows, copies)
     if len(ids) > most:
         raise ValueError(f"{len(ids)} tokens: an eviction replay reads at most {most} (the model's context, the scores "
                          f"[{cfg.n_heads} heads, T, T] it holds per layer and the masks [{cfg.n_layers} layers, {rows} "
