@@ -265,21 +265,35 @@ def bundle_paths(out_dir: str | Path, name: str) -> list[Path]:
     return [Path(out_dir) / f"{name}.{ext}" for ext in (*FORMATS, "csv", "json")]
 
 
-def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Path, force: bool = False,
-                 device: str = "cpu", dtype: str = "float32") -> list[Path]:
-    """Every figure of model_figures as a bundle in out_dir. Existing files are refused (nothing is written)
-    unless force."""
-    from analysis.budgets import config_of, planned_weights
+def command_inputs(text_file: str | Path, out_dir: str | Path) -> tuple[str, Path]:
+    """A command's --text (decoded as an upload is: at most analysis.budgets.MAX_CHARS characters) and its --out
+    directory, or ExportError saying which is wrong."""
     from analysis.text import decode_upload
-    from models.checkpoint import CheckpointError, load_model_dir
-
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file, not a directory")
     path = Path(text_file)
     if not path.is_file():
         raise ExportError(f"--text {path} is not a file")
-    text = decode_upload(path.name, path.read_bytes())   # at most analysis.budgets.MAX_CHARS characters
+    return decode_upload(path.name, path.read_bytes()), out
+
+
+def refuse_overwrite(paths: list[Path], out: Path, force: bool) -> None:
+    """ExportError, before anything is written, when any of `paths` exists, unless force."""
+    clash = [p for p in paths if p.exists()]
+    if clash and not force:
+        raise ExportError(f"{len(clash)} file(s) in {out} would be overwritten ({', '.join(p.name for p in clash[:4])}"
+                          f"{' ...' if len(clash) > 4 else ''}): choose another --out, or pass --force")
+
+
+def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Path, force: bool = False,
+                 device: str = "cpu", dtype: str = "float32") -> list[Path]:
+    """Every figure of model_figures as a bundle in out_dir. Existing files are refused (nothing is written)
+    unless force."""
+    from analysis.budgets import config_of, planned_weights
+    from models.checkpoint import CheckpointError, load_model_dir
+
+    text, out = command_inputs(text_file, out_dir)
     try:
         cfg = config_of(model_dir)
     except CheckpointError:
@@ -288,10 +302,7 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
         check_memory(cfg, planned_weights(cfg))   # before the weights are read
     loaded = load_model_dir(model_dir, device=device, dtype=dtype)
     figures = model_figures(loaded, text)
-    clash = [p for name, *_ in figures for p in bundle_paths(out, name) if p.exists()]
-    if clash and not force:
-        raise ExportError(f"{len(clash)} file(s) in {out} would be overwritten ({', '.join(p.name for p in clash[:4])}"
-                          f"{' ...' if len(clash) > 4 else ''}): choose another --out, or pass --force")
+    refuse_overwrite([p for name, *_ in figures for p in bundle_paths(out, name)], out, force)
     written = []
     for name, fig, table, settings in figures:
         written += write_bundle(fig, table, out, name, sidecar(model_dir, text, settings, name, fig,

@@ -24,7 +24,7 @@ def first_affected(forces: list[Force] | None = None, positions: list[int] | Non
     """The first position whose prediction a change can reach: a forced token's first query (a kept token's, the
     query after it), or the first patched position."""
     if forces:
-        return min(f.first_query() if not f.keep else f.token + 1 for f in forces)
+        return min(f.first_query() for f in forces)
     return min(positions)
 
 
@@ -95,3 +95,26 @@ def outcome(model, before: Run, after: Run, labels: list[str], start: int, force
     changed = changed_drops(before, after, labels, forces)
     return {"effects": table, "changed": changed, "by_layer": changes_by_layer(changed, len(before.dropped_at)),
             "summary": summary(table, start)}
+
+
+def describe(force: Force, labels: list[str]) -> str:
+    """One forced decision in words, as the page's and the command's figure titles read."""
+    fate = "kept" if force.keep else f"dropped from query {force.first_query()}"
+    return (f"{labels[force.token]!r} (position {force.token}) {fate} at layer {force.layer}"
+            f"{' and after' if force.onward else ''}")
+
+
+def force_outcome(model, ids: list[int], labels: list[str], forces: list[Force]) -> dict:
+    """outcome of the model's own forward against the one with `forces` (two forwards)."""
+    from models.pruning import intervene
+    before, after = intervene.forced(model, ids), intervene.forced(model, ids, forces)
+    return outcome(model, before, after, labels, first_affected(forces), forces)
+
+
+def patch_outcome(model, ids: list[int], labels: list[str], layer: int, positions: list[int], donor) -> dict:
+    """outcome of the model's own forward against the one whose residual stream entering `layer` at `positions` is
+    the donor model's with its rule off (the model itself: its dense twin); three forwards."""
+    from models.pruning import intervene
+    before = intervene.forced(model, ids)
+    after = intervene.patched(model, ids, layer, positions, intervene.residuals(donor, ids, layer, rule=False))
+    return outcome(model, before, after, labels, first_affected(positions=positions))

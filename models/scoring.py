@@ -27,28 +27,30 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = CH
     return out
 
 
-def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """target_logprobs of the logits the model's head gives the final hidden states (DecoderLM.forward with
-    hidden_only): [..., T, d_model], [..., T] -> [..., T]. The head runs `chunk` positions at a time, so only
-    [..., chunk, V] logits exist at once (SmolLM2 at 8,192 tokens: 12 MB a row instead of 1.6 GB)."""
+def head_log_softmax(model, hidden: torch.Tensor, chunk: int = CHUNK):
+    """(start, log-softmax of the head's logits [..., chunk, V]) over the final hidden states [..., T, d_model],
+    `chunk` positions at a time, in float32 at least: only one chunk's logits exist at once (SmolLM2 at 8,192
+    tokens: 12 MB a row instead of 1.6 GB)."""
     w = model.output_weight().t()
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    out = torch.empty(targets.shape, dtype=dtype, device=hidden.device)
     for s in range(0, hidden.shape[-2], chunk):
-        part = (hidden[..., s:s + chunk, :] @ w).to(dtype).log_softmax(-1)
+        yield s, (hidden[..., s:s + chunk, :] @ w).to(dtype).log_softmax(-1)
+
+
+def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """target_logprobs of the logits the model's head gives the final hidden states (DecoderLM.forward with
+    hidden_only): [..., T, d_model], [..., T] -> [..., T], the head in chunks (head_log_softmax)."""
+    out = torch.empty(targets.shape, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+    for s, part in head_log_softmax(model, hidden, chunk):
         out[..., s:s + chunk] = part.gather(-1, targets[..., s:s + chunk, None]).squeeze(-1)
     return out
 
 
 def head_kl(model, before: torch.Tensor, after: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """KL(p_before || p_after) of the next-token distributions the head gives two runs' final hidden states
-    ([..., T, d_model] each -> [..., T], in nats), `chunk` positions at a time as head_logprobs."""
-    w = model.output_weight().t()
-    dtype = torch.promote_types(before.dtype, torch.float32)
-    out = torch.empty(before.shape[:-1], dtype=dtype, device=before.device)
-    for s in range(0, before.shape[-2], chunk):
-        a = (before[..., s:s + chunk, :] @ w).to(dtype).log_softmax(-1)
-        b = (after[..., s:s + chunk, :] @ w).to(dtype).log_softmax(-1)
+    ([..., T, d_model] each -> [..., T], in nats), the head in chunks (head_log_softmax)."""
+    out = torch.empty(before.shape[:-1], dtype=torch.promote_types(before.dtype, torch.float32), device=before.device)
+    for (s, a), (_, b) in zip(head_log_softmax(model, before, chunk), head_log_softmax(model, after, chunk)):
         out[..., s:s + chunk] = (a.exp() * (a - b)).sum(-1).clamp_min(0)   # (>= 0; rounding can dip below)
     return out
 

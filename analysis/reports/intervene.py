@@ -34,55 +34,40 @@ def intervention_bytes(cfg, t: int) -> int:
 def run(args) -> dict:
     from analysis import export
     from analysis.export import ExportError, bundle_paths, sidecar, write_bundle
-    from analysis.text import decode_upload, tokenize, window
+    from analysis.text import tokenize, window
     from models.checkpoint import load_model_dir
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} is a file, not a directory")
-    path = Path(args.text)
-    if not path.is_file():
-        raise ExportError(f"--text {path} is not a file")
-    text = decode_upload(path.name, path.read_bytes())
+    text, out = export.command_inputs(args.text, args.out)
     cfg = budgets.config_of(args.model_dir)
     if not cfg.prune:
         raise ExportError(f"{args.model_dir} does not prune: an intervention forces the learned rule's decisions")
     size = budgets.view(args.window or budgets.PRUNING_VIEW, cfg.context)
     budgets.check_window([cfg], size, intervention_bytes)
     name = "intervention_effects"
-    clash = [p for p in [*bundle_paths(out, name), *(out / f for f in FILES)] if p.exists()]
-    if clash and not args.force:
-        raise ExportError(f"{len(clash)} file(s) in {out} would be overwritten ({', '.join(p.name for p in clash[:4])}"
-                          "): choose another --out, or pass --force")
+    export.refuse_overwrite([*bundle_paths(out, name), *(out / f for f in FILES)], out, args.force)
     loaded = load_model_dir(args.model_dir, device=args.device, dtype=args.dtype)
     toks = window(tokenize(loaded.tokenizer, text), args.start, size)
     if len(toks.ids) < 2:
         raise ExportError(f"the window from token {args.start} holds {len(toks.ids)} token(s): it needs 2")
     model, ids = loaded.model, toks.ids
-    before = intervene.forced(model, ids)
     if args.patch:
-        donor_model = model
+        donor = model
         if args.donor != "twin":
             other = load_model_dir(args.donor, device=args.device, dtype=args.dtype)
             if tokenize(other.tokenizer, text).ids[args.start:args.start + size] != ids:
                 raise ExportError(f"{args.donor} tokenizes the text differently: patching needs the same tokens")
-            donor_model = other.model
-        donor = intervene.residuals(donor_model, ids, args.layer, rule=False)
-        after = intervene.patched(model, ids, args.layer, args.patch, donor)
-        forces, start = [], report.first_affected(positions=args.patch)
+            donor = other.model
+        res = report.patch_outcome(model, ids, toks.labels, args.layer, args.patch, donor)
         what = f"layer {args.layer}'s input at {', '.join(map(str, args.patch))} from {args.donor}"
         settings = {"patch": args.patch, "donor": args.donor}
     else:
         j, keep = (args.keep, True) if args.keep is not None else (args.drop, False)
-        forces = [intervene.Force(args.layer, j, keep, None if keep else args.at, args.onward)]
-        after = intervene.forced(model, ids, forces)
-        start = report.first_affected(forces)
-        fate = "kept" if keep else f"dropped from query {forces[0].first_query()}"
-        what = f"{toks.labels[j]!r} (position {j}) {fate} at layer {args.layer}{' and after' if args.onward else ''}"
-        settings = {"token": j, "keep": keep, "at": forces[0].first_query(), "onward": args.onward}
-    res = report.outcome(model, before, after, toks.labels, start, forces)
+        force = intervene.Force(args.layer, j, keep, None if keep else args.at, args.onward)
+        res = report.force_outcome(model, ids, toks.labels, [force])
+        what = report.describe(force, toks.labels)
+        settings = {"token": j, "keep": keep, "at": force.first_query(), "onward": args.onward}
     settings = {"layer": args.layer, "window_start": args.start, "tokens": len(ids), **settings}
-    fig = report.effect_figure(res["effects"], start, f"{Path(args.model_dir).name}: {what}")
+    fig = report.effect_figure(res["effects"], res["summary"]["from"], f"{Path(args.model_dir).name}: {what}")
     out.mkdir(parents=True, exist_ok=True)
     written = write_bundle(fig, res["effects"], out, name, sidecar(args.model_dir, text, settings, name, fig,
                                                                       export.precision_of(model)))

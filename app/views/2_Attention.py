@@ -9,9 +9,10 @@ from analysis.budgets import ATTENTION_VIEW as MAX_VIEW  # tokens per view; a wi
 
 
 @st.cache_data(max_entries=32, show_spinner="Running the model…")
-def cached_maps(path: str, ids: tuple[int, ...]):
+def cached_view(path: str, ids: tuple[int, ...], summary: str | None):
+    """(maps, kind, overview title) as maps.mixing_view draws them (an Extractor's magnitudes need no forward)."""
     with heavy.slot():
-        return maps.mixing_maps(load(path).model, list(ids))
+        return maps.mixing_view(load(path).model, list(ids), summary)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
@@ -31,12 +32,8 @@ if maps.is_extractor(loaded.model):
     if cfg.mixer in ("we", "he"):
         summary = st.radio("Lag weights over channels", ["mean", "rms"], horizontal=True, key="attn_summary",
                            format_func=lags.SUMMARIES.get)
-if summary in (None, "mean"):
-    m, kind = cached_maps(str(loaded.path), tuple(view.ids))
-else:
-    m, kind = lags.lag_maps(cached_lags(str(loaded.path)), len(view.ids), summary), "extractor"
+m, kind, overview_title = cached_view(str(loaded.path), tuple(view.ids), summary)
 signed = summary == "mean"          # lag maps of both signs: a diverging colour scale about 0
-sized = summary in ("rms", "fro")   # lag maps of magnitudes: a one-sided scale, as attention's
 
 if cfg.mixer == "mhe-add":
     st.info("MHE-ADD: the key head embedding e^K shifts every score in a softmax row by the same amount, so it "
@@ -44,7 +41,7 @@ if cfg.mixer == "mhe-add":
 if cfg.mixer == "mhe-mul":
     st.info("MHE-MUL: every head shares one K and V; head i scales the query by g_i = (1+e_i^Q)(1+e_i^K) "
             "and the output by 1+e_i^V.")
-if kind == "extractor":
+if summary is not None:
     what = {"mean": "the effective mixing weight of past token j on token i (mean over channels)",
             "rms": "the RMS over channels of the lag weight that mixes past token j into token i",
             "fro": "how strongly past token j is mixed into token i: the norm of d x_ext_i / d x_j, the "
@@ -55,9 +52,8 @@ if kind == "extractor":
             "and channel.")
 
 st.subheader("Overview")
-# (overview_figure draws any kind but "extractor" on the one-sided scale)
-overview_title = lags.OVERVIEW_TITLES.get(summary)
-fig = maps.overview_figure(m, "lag-size" if sized else kind, f"{cfg.mixer}: {overview_title}" if sized else "")
+# (overview_figure draws any kind but "extractor", the signed mean, on the one-sided scale)
+fig = maps.overview_figure(m, kind, f"{cfg.mixer}: {overview_title}" if overview_title else "")
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, lambda: maps.maps_table(m, view.labels), "maps_overview", loaded.path, text,
                {"window_start": start, "tokens": len(view.ids), **({"summary": summary} if summary else {})})

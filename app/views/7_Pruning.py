@@ -139,14 +139,9 @@ def cached_change(path: str, ids: tuple[int, ...], labels: tuple[str, ...], laye
     twin's residual stream entering `layer` at `patch`: two forwards (three with the donor's)."""
     model = load(path).model
     with heavy.slot():
-        before = intervene.forced(model, list(ids))
         if force is not None:
-            forces = [intervene.Force(layer, *force)]
-            return change.outcome(model, before, intervene.forced(model, list(ids), forces), list(labels),
-                                  change.first_affected(forces), forces)
-        donor = intervene.residuals(model, list(ids), layer, rule=False)
-        after = intervene.patched(model, list(ids), layer, list(patch), donor)
-        return change.outcome(model, before, after, list(labels), change.first_affected(positions=list(patch)))
+            return change.force_outcome(model, list(ids), list(labels), [intervene.Force(layer, *force)])
+        return change.patch_outcome(model, list(ids), list(labels), layer, list(patch), model)
 
 
 @heavy.fragment
@@ -167,8 +162,7 @@ def what_if(layer: int) -> None:
         at = None if keep else int(c2.number_input("from query", j + 1, n - 1, j + 1, key="prune_iv_at"))
         onward = c3.checkbox("and in every later layer", key="prune_iv_onward")
         force = (j, keep, at, onward)
-        what = (f"{view.labels[j]!r} (position {j}) {'kept' if keep else f'dropped from query {at}'} at layer "
-                f"{layer}{' and after' if onward else ''}")
+        what = change.describe(intervene.Force(layer, *force), view.labels)
         iv_settings = {"token": j, "keep": keep, "at": at, "onward": onward}
     else:
         p = int(c1.number_input("Position", 0, n - 1, min(n - 1, n // 2), key="prune_iv_pos"))

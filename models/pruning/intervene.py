@@ -31,7 +31,8 @@ class Force:
     onward: bool = False
 
     def first_query(self) -> int:
-        return self.token + 1 if self.at is None else self.at
+        """The first query the force changes: a kept token's next, a dropped one's `at`."""
+        return self.token + 1 if self.keep or self.at is None else self.at
 
     def applies(self, layer: int) -> bool:
         return layer == self.layer or (self.onward and layer > self.layer)
