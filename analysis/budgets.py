@@ -193,16 +193,33 @@ def check_dirs(dirs: list, window: int, need, one_at_a_time: bool = False, what:
 
 def export_bytes(cfg, weights: int) -> int:
     """Peak bytes analysis.export plans for on one model, at the app's first windows: the weights and runtime, the
-    Attention view's maps and their long table (kept until written), and the costliest of the forwards beside them
-    (the maps' own, the Compare view's surprisal with its whole logits, the Attribution view's gradients with the
-    page's default method)."""
+    Attention view's maps and their long table (kept until written), and the costliest of the work beside them
+    (the maps' own forward, the Compare view's surprisal with its whole logits, the Attribution view's gradients with
+    the page's default method, the Heads view's circuit Gram)."""
     t_maps, t_attr = view(ATTENTION_VIEW, cfg.context), view(ATTRIBUTION_VIEW, cfg.context)
     t_cmp = view(COMPARE_VIEW, cfg.context)
-    method, steps = attribution_default(weights // 4)  # (float32 weights: 4 bytes a parameter)
+    method, steps = attribution_default(planned_weights(cfg) // 4)   # (parameters, whatever dtype `weights` is in)
     kept = maps_bytes(cfg, t_maps) + maps_table_bytes(cfg, t_maps)
     work = max(forward_bytes(cfg, 1, t_cmp) + logits_bytes(t_cmp, cfg.vocab_size),
-               attribution_bytes(cfg, t_attr, method, steps))
+               attribution_bytes(cfg, t_attr, method, steps), circuit_bytes(cfg))
     return weights + RUNTIME_BYTES + kept + work
+
+
+HEADS_FLAT_BYTES = 2**30   # analysis.heads.circuit_gram holds every head's flattened circuit at once up to this
+HEADS_BLOCK = 2**22        # ... and past it, blocks of at most this many numbers (each of two factors' products)
+
+
+def flat_circuits(cfg) -> bool:
+    """Whether circuit_gram takes the flattened form for this model (d_model < d_head^2, within HEADS_FLAT_BYTES)."""
+    n, d_m = cfg.n_layers * cfg.n_heads, cfg.d_model
+    return d_m < cfg.d_head ** 2 and n * d_m * d_m * 4 <= HEADS_FLAT_BYTES
+
+
+def circuit_bytes(cfg) -> int:
+    """The Heads view's circuit Gram at its peak, float32: the flattened circuits [heads, d_model^2] (and their
+    Gram), or two block products and their sum."""
+    n, d_m = cfg.n_layers * cfg.n_heads, cfg.d_model
+    return n * d_m * d_m * 4 + n * n * 8 if flat_circuits(cfg) else 3 * HEADS_BLOCK * 4 + n * n * 8
 
 
 ATTRIBUTION_STEPS = 16   # the Attribution page's default integrated-gradients steps

@@ -70,12 +70,14 @@ def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
 
 def stable_svg(svg: bytes) -> bytes:
     """plotly.js names an SVG's clip paths and defs after a random 6-hex id per drawing; naming them after the
-    document's own hash instead makes one figure's SVG the same bytes every time it is drawn."""
+    document's own hash instead makes one figure's SVG the same bytes every time it is drawn. Only the id where it
+    names something (id="clip<id>...", url(#g<id>-...)) is replaced, never the same six characters in the data."""
     found = re.search(rb'<defs id="defs-([0-9a-f]{6})"', svg)
     if not found:
         return svg
-    stable = hashlib.sha256(svg.replace(found.group(1), b"")).hexdigest()[:6].encode()
-    return svg.replace(found.group(1), stable)
+    at = re.compile(rb"""((?:id="|url\(['"]?#)[A-Za-z-]*)""" + found.group(1))
+    stable = hashlib.sha256(at.sub(rb"\1", svg)).hexdigest()[:6].encode()
+    return at.sub(rb"\1" + stable, svg)
 
 
 def versions() -> dict[str, str]:
@@ -148,17 +150,31 @@ def precision_of(model) -> dict:
     return {"device": w.device.type, "dtype": str(w.dtype).removeprefix("torch.")}
 
 
-def sidecar(model_dir: str | Path | None, text: str | None, settings: dict, figure: str,
+def model_entry(model_dir: str | Path) -> dict:
+    """One model as a sidecar names it: its directory, its weights' sha256 and, for a delta, its base as pinned."""
+    weights = Path(model_dir) / "model.safetensors"
+    return {"model_dir": str(model_dir),
+            "checkpoint_sha256": weights_sha256(weights) if weights.is_file() else None,
+            "base": base_of(Path(model_dir))}
+
+
+def sidecar(model_dir: str | Path | dict | None, text: str | None, settings: dict, figure: str,
             fig: go.Figure | None = None, precision: dict | None = None) -> dict:
     """What was drawn: the model, its weights' hash (and a delta's base, as pinned), the text's hash, the settings,
     the code's version and commit, the packages' versions and, given the figure, its whole plotly spec under "plotly"
-    (so `python -m analysis.render` redraws it without the model)."""
-    weights = Path(model_dir) / "model.safetensors" if model_dir else None
+    (so `python -m analysis.render` redraws it without the model).
+
+    model_dir may map each model a figure draws to its directory ({"A": dir_a, "B": dir_b}): "models" then names
+    every one, in that order, and the top-level model fields are the first's."""
+    named = model_dir if isinstance(model_dir, dict) else ({"model": model_dir} if model_dir else {})
+    models = [{"name": str(name), **model_entry(d)} for name, d in named.items() if d]
+    first = models[0] if models else {"model_dir": None, "checkpoint_sha256": None, "base": None}
     return {
         "figure": figure,
-        "model_dir": str(model_dir) if model_dir else None,
-        "checkpoint_sha256": weights_sha256(weights) if weights and weights.is_file() else None,
-        "base": base_of(Path(model_dir)) if model_dir else None,   # a delta's: its base's pinned weights
+        "model_dir": first["model_dir"],
+        "checkpoint_sha256": first["checkpoint_sha256"],
+        "base": first["base"],   # a delta's: its base's pinned weights
+        "models": models,
         "code": dict(code_version()),
         "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text is not None else None,
         "settings": settings,
@@ -231,7 +247,8 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     last = cfg.n_layers - 1
     out.append((f"map_layer{last}_head0",
                 maps.map_figure(m[last, 0], view.labels, f"{cfg.mixer}: layer {last}, head 0"),
-                maps.maps_table(m[last:last + 1, :1], view.labels), {"layer": last, "head": 0, "window_start": 0}))
+                maps.maps_table(m[last:last + 1, :1], view.labels, last, 0),
+                {"layer": last, "head": 0, "window_start": 0}))
     del m   # (the tables hold what is written; the maps themselves are not needed again)
     view = views["compare"]
     lp = tokens.token_logprobs(model, view.ids)

@@ -33,6 +33,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 import torch
 
+from analysis.budgets import HEADS_BLOCK, HEADS_FLAT_BYTES
 from models.mixers.attention import Attention
 from models.mixers.mhe import MHE, MHEMul
 
@@ -100,16 +101,14 @@ def _cross(f: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Ten
     return x[rows][:, :, cols]
 
 
-FLAT_BYTES = 2**30  # circuit_gram's flattened form holds every circuit at once up to this
-
-
-def circuit_gram(factors: list[Factors], budget: int = 2**22, method: str = "auto") -> np.ndarray:
+def circuit_gram(factors: list[Factors], budget: int = HEADS_BLOCK, method: str = "auto") -> np.ndarray:
     """Frobenius inner products of every head's circuit, heads of all layers in order ([n, n] float64):
     <L_a R_a^T, L_b R_b^T> = tr(R_a L_a^T L_b R_b^T) = sum((L_a^T L_b) * (R_a^T R_b)),
     d_h x d_h products only ("gram"). Blocks of heads keep each [rows, d_h, cols, d_h] product under `budget`
     numbers. That costs n^2 d_h^2 d_m multiply-adds; the flattened circuits' own Gram ("flat") costs
     n d_m^2 (d_h + n), less when d_m < d_h^2, and holds n d_m^2 numbers: "auto" takes it then, within
-    FLAT_BYTES (SmolLM2: 270 heads, d_m 576, d_h 64: 358 MB; both kinds in 3.2 s against 14.7 s on 2 CPU threads)."""
+    analysis.budgets.HEADS_FLAT_BYTES (SmolLM2: 270 heads, d_m 576, d_h 64: 358 MB; both kinds in 3.2 s against
+    14.7 s on 2 CPU threads)."""
     def stack(side: int) -> tuple[torch.Tensor, torch.Tensor]:
         mats, idx, at = [], [], 0
         for f in factors:
@@ -122,7 +121,7 @@ def circuit_gram(factors: list[Factors], budget: int = 2**22, method: str = "aut
     (left, li), (right, ri) = stack(0), stack(1)
     n, d_m, d_h = len(li), left.shape[1], left.shape[-1]
     if method == "flat" or (method == "auto" and d_m < d_h * d_h
-                            and n * d_m * d_m * left.element_size() <= FLAT_BYTES):
+                            and n * d_m * d_m * left.element_size() <= HEADS_FLAT_BYTES):
         flat = torch.bmm(left[li], right[ri].transpose(1, 2)).reshape(n, -1)   # [n, d_m^2]
         return (flat @ flat.T).double().cpu().numpy()
     step = max(1, int(budget ** 0.5) // d_h)

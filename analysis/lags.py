@@ -36,10 +36,8 @@ def lag_table(model) -> pd.DataFrame:
     (ME: the scalar itself; SHE: over the d x d matrix)."""
     rows = []
     for layer, m in enumerate(extractor_layers(model)):
-        prof = m.lag_profile()
-        w = m.w_ext.detach().float()
-        fro = w.reshape(len(w), -1).norm(dim=1)
-        for lag, (rms, mean, f) in enumerate(zip(prof["rms"].tolist(), prof["mean"].tolist(), fro.tolist())):
+        prof = {k: v.float().tolist() for k, v in m.lag_profile().items()}
+        for lag, (rms, mean, f) in enumerate(zip(prof["rms"], prof["mean"], prof["fro"])):
             rows.append({"layer": layer, "lag": lag, "rms": rms, "mean": mean, "fro": f})
     return pd.DataFrame(rows)
 
@@ -55,17 +53,12 @@ def profile_view(table: pd.DataFrame, mixer: str, log_x: bool = True) -> tuple[g
     return profile_figure(table, value, f"{mixer}: {label}, per layer", log_x=log_x), value
 
 
-def lag_maps(table: pd.DataFrame, t: int, value: str = "fro") -> np.ndarray:
-    """[layers, 1, t, t]: one summary of the lag weights laid out as a causal Toeplitz matrix, entry (i, j) the
-    lag i - j's value (0 above the diagonal). With 'mean' it is the mixing matrix the forward records; with 'fro'
-    entry (i, j) is the norm of d x_ext_i / d x_j."""
-    lag = np.arange(t)[:, None] - np.arange(t)[None, :]
-    layers = sorted(table["layer"].unique())
-    out = np.zeros((len(layers), 1, t, t))
-    for layer in layers:
-        prof = table[table["layer"] == layer].sort_values("lag")[value].to_numpy()
-        out[layer, 0] = np.where(lag >= 0, prof[np.clip(lag, 0, len(prof) - 1)], 0.0)
-    return out
+def lag_maps(model, t: int, value: str = "fro") -> np.ndarray:
+    """[layers, 1, t, t]: one summary of each Extractor layer's lag weights laid out as a causal Toeplitz matrix
+    (Extractor.mixing_matrix), entry (i, j) the lag i - j's value (0 above the diagonal). With 'mean' it is the
+    mixing matrix the forward records; with 'fro' entry (i, j) is the norm of d x_ext_i / d x_j."""
+    return np.stack([m.mixing_matrix(t, summary=value).double().cpu().numpy()[None]
+                     for m in extractor_layers(model)])
 
 
 def lag_channel(model, layer: int) -> np.ndarray:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import html
 import statistics
+from itertools import cycle
 
 import numpy as np
 import pandas as pd
+import plotly.express as px
 import plotly.graph_objects as go
 
 from analysis.budgets import LIVE_STRIP as MAX_STRIP  # tokens drawn in a strip (the last ones)
@@ -23,6 +25,11 @@ def labels_of(trace: dict, tokenizer) -> list[str]:
 
 def steps_frame(trace: dict) -> pd.DataFrame:
     return pd.DataFrame([{k: v for k, v in s.items() if k != "live_per_layer"} for s in trace["steps"]])
+
+
+def runs_frame(traces: dict[str, dict]) -> pd.DataFrame:
+    """Every run's steps, one table: what the figures drawing several runs export (a "model" column names each)."""
+    return pd.concat([steps_frame(tr).assign(model=name) for name, tr in traces.items()], ignore_index=True)
 
 
 def drops_frame(trace: dict, labels: list[str]) -> pd.DataFrame:
@@ -65,11 +72,12 @@ def strip_figure(trace: dict, step: int, labels: list[str], title: str) -> go.Fi
 def cache_curve_figure(traces: dict[str, dict], title: str) -> go.Figure:
     """Held and allocated cache bytes per step, and what a dense cache would hold."""
     fig = go.Figure()
-    for name, tr in traces.items():
-        df = steps_frame(tr)
-        fig.add_trace(go.Scatter(x=df["step"], y=df["held_bytes"] / 2**20, mode="lines", name=f"{name}: held"))
+    for (name, tr), colour in zip(traces.items(), cycle(px.colors.qualitative.Plotly)):
+        df = steps_frame(tr)   # a run's held and allocated share its colour (and legend group)
+        fig.add_trace(go.Scatter(x=df["step"], y=df["held_bytes"] / 2**20, mode="lines", name=f"{name}: held",
+                                 line_color=colour, legendgroup=name))
         fig.add_trace(go.Scatter(x=df["step"], y=df["alloc_bytes"] / 2**20, mode="lines", line_dash="dot",
-                                 name=f"{name}: allocated"))
+                                 line_color=colour, legendgroup=name, name=f"{name}: allocated"))
     first = next(iter(traces.values()))
     df = steps_frame(first)
     fig.add_trace(go.Scatter(x=df["step"], y=df["dense_bytes"] / 2**20, mode="lines",

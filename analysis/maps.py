@@ -40,7 +40,7 @@ def mixing_view(model, ids: list[int], summary: str | None = None) -> tuple[np.n
         summary = summary or lags.default_summary(model.config.mixer)
         if summary != "mean":
             model.check_fits(len(ids))
-            return lags.lag_maps(lags.lag_table(model), len(ids), summary), "lag-size", lags.OVERVIEW_TITLES[summary]
+            return lags.lag_maps(model, len(ids), summary), "lag-size", lags.OVERVIEW_TITLES[summary]
     m, kind = mixing_maps(model, ids)
     return m, kind, ""
 
@@ -49,10 +49,12 @@ def is_extractor(model) -> bool:
     return isinstance(model.blocks[0].mixer, Extractor)
 
 
-def maps_table(maps: np.ndarray, labels: list[str]) -> pd.DataFrame:
-    """Long form: one row per (layer, head, query, key) with key <= query."""
+def maps_table(maps: np.ndarray, labels: list[str], first_layer: int = 0, first_head: int = 0) -> pd.DataFrame:
+    """Long form: one row per (layer, head, query, key) with key <= query. For a slice of the maps, first_layer
+    and first_head name its first layer and head, so the rows keep the model's numbering."""
     L, H, T, _ = maps.shape
-    layer, head, q, k = np.meshgrid(np.arange(L), np.arange(H), np.arange(T), np.arange(T), indexing="ij")
+    layer, head, q, k = np.meshgrid(first_layer + np.arange(L), first_head + np.arange(H), np.arange(T),
+                                    np.arange(T), indexing="ij")
     keep = (k <= q).ravel()
     df = pd.DataFrame({"layer": layer.ravel()[keep], "head": head.ravel()[keep], "query_pos": q.ravel()[keep],
                        "key_pos": k.ravel()[keep], "weight": maps.ravel()[keep]})

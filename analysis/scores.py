@@ -126,6 +126,16 @@ def soft_sparsity(keep: torch.Tensor) -> float:
     return float(mean_sparsity(keep, count_first=False))
 
 
+def soft_table(keep: torch.Tensor, start: int, labels: list[str]) -> pd.DataFrame:
+    """What soft_figure draws, long form: one row per (query k, key j <= k) in the drawn block."""
+    stop = min(keep.shape[0], start + VIEW)
+    z = keep.detach().double().cpu().numpy()[start:stop, start:stop]
+    k, j = np.tril_indices(stop - start)
+    lab = np.asarray(labels, dtype=object)
+    return pd.DataFrame({"query": start + k, "key": start + j, "query_token": lab[start + k],
+                         "key_token": lab[start + j], "keep": z[k, j]})
+
+
 def soft_figure(keep: torch.Tensor, start: int, labels: list[str], title: str) -> go.Figure:
     """Heatmap of I_{k,j} (0 dropped, 1 kept) over queries and keys start..start+VIEW; blank above the diagonal."""
     stop = min(keep.shape[0], start + VIEW)

@@ -3,9 +3,11 @@ embedded font, and math written as sub- and superscripts.
 
 - Widths: 3.5 in (one column) and 7 in (two columns, a full page width), in CSS pixels at 96 per inch, which is
   what kaleido's PDF page is measured in; the height keeps the figure's own aspect, within 0.4 to 1.2 of the width.
-- Colours: lines and markers take the Okabe-Ito palette (distinct under the common colour-vision deficiencies);
-  heatmaps take cividis (sequential, made for deuteranopia) or, when centred on a value, ColorBrewer's RdBu,
-  which ColorBrewer marks colour-blind safe.
+- Colours: lines, markers and bars take the Okabe-Ito palette (distinct under the common colour-vision
+  deficiencies), one colour per colour or legend group the figure had, dashed or hatched past 8 (`recolour`);
+  heatmaps on a named scale take cividis (sequential, made for deuteranopia) or, when centred on a value,
+  ColorBrewer's RdBu, which ColorBrewer marks colour-blind safe; a categorical heatmap keeps its bands, with its
+  hues moved to the nearest Okabe-Ito colour.
 - Font: Liberation Sans (Arial's metrics), at 8 pt. Chromium embeds the fonts it draws with in a PDF; an SVG
   names its font, so the paper SVG carries the font file itself (an @font-face data URI, about 190 KB).
 - Math: kaleido has no MathJax offline, so labels written in TeX's small subset (x_{n,j}, I^{k}, \\alpha, \\sigma)
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import base64
 import re
+from functools import lru_cache
 from pathlib import Path
 
+import plotly.colors as pc
 import plotly.graph_objects as go
 
 PX_PER_IN = 96
@@ -51,6 +55,97 @@ def _centred(trace) -> bool:
                                       and trace.zmax > 0)
 
 
+DASHES = ["solid", "dash", "dot", "dashdot"]            # lines past the 8th colour: the colours again, dashed
+PATTERNS = ["", "/", ".", "x"]                           # bars likewise, hatched
+SYMBOLS = ["circle", "square", "diamond", "triangle-up"]  # markers likewise, in other shapes
+
+
+def _rgb(colour) -> tuple[int, int, int] | None:
+    """#rrggbb, #rgb or rgb(r, g, b) as integers; None for anything else (a name, an array of colours)."""
+    if not isinstance(colour, str):
+        return None
+    c = colour.strip().lower()
+    if re.fullmatch(r"#[0-9a-f]{6}", c):
+        return tuple(int(c[i:i + 2], 16) for i in (1, 3, 5))
+    if re.fullmatch(r"#[0-9a-f]{3}", c):
+        return tuple(int(ch * 2, 16) for ch in c[1:])
+    found = re.fullmatch(r"rgba?\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*(,[^)]*)?\)", c)
+    return tuple(int(v) for v in found.groups()[:3]) if found else None
+
+
+def _neutral(rgb: tuple[int, int, int]) -> bool:
+    """A grey, black, white or a near-white tint: no hue to confuse, so it stays as drawn (reference lines,
+    "kept" backgrounds)."""
+    return max(rgb) - min(rgb) < 40 or min(rgb) > 200
+
+
+def _nearest_hue(rgb: tuple[int, int, int]) -> str:
+    """The Okabe-Ito colour nearest a categorical colour, so a figure's words ("red dropped, blue held") still hold."""
+    def dist(c):
+        o = _rgb(c)
+        return sum((a - b) ** 2 for a, b in zip(rgb, o))
+    return min(OKABE_ITO[1:], key=dist)
+
+
+@lru_cache(maxsize=1)
+def _named_scales() -> frozenset:
+    """Plotly's named colour scales (and their reverses) as colour tuples: a figure holds "Viridis" as its stops."""
+    out = set()
+    for name in pc.named_colorscales():
+        for n in (name, name + "_r"):
+            out.add(tuple(_rgb(c) for _, c in pc.get_colorscale(n)))
+    return frozenset(out)
+
+
+def recolour(fig: go.Figure) -> None:
+    """Colour-blind-safe colours in place.
+
+    Lines, markers and bars: each distinct colour the figure gave (or, where it gave none, each legend group or
+    name) takes the next Okabe-Ito colour, so traces that shared a colour still share one; past the palette's 8,
+    the colours repeat with another dash, hatch or marker shape, so no two groups look alike. Greys stay.
+    Heatmaps: a scale of the figure's own colours is categorical (held/dropped, who dropped): its greys and
+    tints stay and each hue becomes the nearest Okabe-Ito colour; a named scale becomes cividis, or RdBu when
+    centred."""
+    groups: dict = {}
+    for t in fig.data:
+        if t.type == "heatmap":
+            scale = t.colorscale
+            own = (isinstance(scale, (list, tuple)) and all(_rgb(c) for _, c in scale)
+                   and tuple(_rgb(c) for _, c in scale) not in _named_scales())
+            if own:
+                t.colorscale = [[v, c if _neutral(_rgb(c)) else _nearest_hue(_rgb(c))] for v, c in scale]
+            else:
+                t.colorscale = DIVERGING if _centred(t) else SEQUENTIAL
+            continue
+        if t.type not in ("scatter", "scattergl", "bar"):
+            continue
+        given = (t.line.color if t.type != "bar" and t.line is not None else None) or (
+            t.marker.color if t.marker is not None and isinstance(t.marker.color, str) else None)
+        rgb = _rgb(given)
+        if rgb is not None and _neutral(rgb):
+            continue
+        if given is not None and rgb is None and not isinstance(given, str):
+            continue   # an array of colours (a value per point) keeps its own scale
+        key = ("colour", rgb or given) if given else ("group", t.legendgroup or t.name or id(t))
+        k = groups.setdefault(key, len(groups))
+        colour, round_ = OKABE_ITO[k % len(OKABE_ITO)], k // len(OKABE_ITO)
+        if t.type == "bar":
+            t.marker.color = colour
+            if round_ and not t.marker.pattern.shape:
+                t.marker.pattern.shape = PATTERNS[round_ % len(PATTERNS)]
+            continue
+        # (a dash or shape the figure chose itself says something, e.g. allocated beside held: it stays)
+        if t.mode is None or "lines" in t.mode:
+            t.line.color = colour
+            if round_ and t.line.dash is None:
+                t.line.dash = DASHES[round_ % len(DASHES)]
+        if t.mode is None or "markers" in t.mode:
+            if t.marker.color is None or isinstance(t.marker.color, str):
+                t.marker.color = colour
+            if round_ and t.marker.symbol is None:
+                t.marker.symbol = SYMBOLS[round_ % len(SYMBOLS)]
+
+
 def paper(fig: go.Figure, column: str = "one") -> go.Figure:
     """A copy of fig in the publication style at a column width ("one" or "two")."""
     if column not in COLUMNS:
@@ -61,15 +156,7 @@ def paper(fig: go.Figure, column: str = "one") -> go.Figure:
     out.update_layout(template="simple_white", width=width, height=round(width * min(max(aspect, 0.4), 1.2)),
                       font=dict(family=FONT_FAMILY, size=round(FONT_PT * PX_PER_IN / 72)), colorway=OKABE_ITO,
                       margin=dict(l=40, r=10, t=30 if fig.layout.title.text else 10, b=35))
-    for i, t in enumerate(out.data):
-        if t.type == "heatmap":
-            t.colorscale = DIVERGING if _centred(t) else SEQUENTIAL
-        elif t.type in ("scatter", "scattergl", "bar"):
-            colour = OKABE_ITO[i % len(OKABE_ITO)]
-            if t.marker is not None and isinstance(t.marker.color, str):
-                t.marker.color = colour
-            if t.type != "bar" and t.line is not None and isinstance(t.line.color, str):
-                t.line.color = colour
+    recolour(out)
     if out.layout.title.text:
         out.layout.title.text = tex(out.layout.title.text)
     for axis in (a for name in dir(out.layout) if name.startswith(("xaxis", "yaxis"))

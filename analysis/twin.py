@@ -15,8 +15,19 @@ import torch
 from models.pruning.replay import replay
 from models.scoring import head_logprobs
 
-MAX_TOKENS = 2048  # prompt + continuation scored at once: a policy's replay forms [T, vocab] fp32 logits (400 MB at
-                   # SmolLM2's 49k vocab)
+
+def most_tokens(model, policy=None) -> int:
+    """The longest prompt + continuation scored at once: a policy's replay reads at most what budgets.replay_most
+    allows (its [T, vocab] logits and per-layer scores); the model's own rule (or none) is one forward, up to the
+    model's context within the memory budget, with both models of the pair held."""
+    from analysis import budgets
+    from models.scoring import RUNTIME_BYTES, forward_bytes, memory_budget, weights_bytes
+    cfg = model.config
+    if policy is not None:
+        return budgets.replay_most(cfg)
+    room = memory_budget() - RUNTIME_BYTES - 2 * weights_bytes(model)
+    return budgets.largest(lambda t: forward_bytes(cfg, 1, t) <= room, cfg.context)
+
 
 
 @torch.inference_mode()
@@ -25,8 +36,10 @@ def continuation_logprobs(model, prompt_ids: list[int], new_ids: list[int], poli
     model's own rule (or none) when policy is None, else the policy's replay (prompt mode compresses at the
     prompt's end, as generation did)."""
     ids = list(prompt_ids) + list(new_ids)
-    if len(ids) > MAX_TOKENS:
-        raise ValueError(f"{len(ids)} tokens: the twin's price is scored on at most {MAX_TOKENS} at once")
+    most = most_tokens(model, policy)
+    if len(ids) > most:
+        raise ValueError(f"{len(ids)} tokens: the twin's price is scored on at most {most:,} at once "
+                         f"({'a policy replay' if policy is not None else 'one forward'} on this model)")
     if policy is not None:
         lp = replay(model, ids, policy, prompt=len(prompt_ids)).logprobs
         return lp[len(prompt_ids) - 1:].double().cpu()

@@ -78,10 +78,19 @@ def _write_atomic(path: Path, write) -> None:
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def rule_tensors(model: DecoderLM) -> set[str]:
+    """The state-dict names of the pruning rule's tensors: stored and kept in the rule's precision (float32 at least,
+    models.pruning.interaction), never rounded to a smaller storage type with the other weights."""
+    from models.pruning.interaction import ContextPruning
+    return {f"{name}.{k}" for name, m in model.named_modules() if isinstance(m, ContextPruning)
+            for k in m.state_dict()}
+
+
 def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, card: dict | None = None,
                    weights_dtype: str | None = None, only: set[str] | None = None) -> Path:
     """weights_dtype (bfloat16 | float16): store floating-point weights in that type (loading computes in float32
-    with the rounded values); recorded in the card. only: write just these tensors (a delta directory)."""
+    with the rounded values), all but the pruning rule's (rule_tensors); recorded in the card. only: write just these
+    tensors (a delta directory)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     card = dict(card or {})
@@ -89,8 +98,8 @@ def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     card.setdefault("mixer", model.config.mixer)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if only is None or k in only}
     if weights_dtype is not None:
-        store = STORAGE[weights_dtype]
-        tensors = {k: v.to(store) if v.is_floating_point() else v for k, v in tensors.items()}
+        store, exact = STORAGE[weights_dtype], rule_tensors(model)
+        tensors = {k: v.to(store) if v.is_floating_point() and k not in exact else v for k, v in tensors.items()}
         card["weights_dtype"] = weights_dtype
     if only is None:  # a full model: a base.json left from an earlier delta here would make loading overlay a base
         (out / "base.json").unlink(missing_ok=True)
@@ -322,9 +331,11 @@ def shrink(src: str | Path, out: str | Path, weights_dtype: str = "bfloat16", da
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty: choose another directory, or pass --force")
     loaded = load_model_dir(src, device=device)
+    exact = rule_tensors(loaded.model)
     with torch.no_grad():
-        for p in loaded.model.parameters():
-            p.copy_(p.to(STORAGE[weights_dtype]).float())
+        for name, p in loaded.model.named_parameters():
+            if name not in exact:
+                p.copy_(p.to(STORAGE[weights_dtype]).float())
     card = dict(loaded.card)
     data = Path(data_dir or card.get("data", {}).get("dir", "data"))
     docs = encode_documents(loaded.tokenizer, load_documents(data, "test"))

@@ -130,6 +130,32 @@ def test_smollm2_export_plans_under_4_gb(smollm2_base):
         assert budgets.export_bytes(cfg, budgets.planned_weights(cfg)) < 4 * 2 ** 30
 
 
+def test_export_plans_from_the_parameters_whatever_the_weights_dtype(smollm2_base):
+    """The Attribution method export plans for follows the parameter count, so bf16 weights change only the
+    weights' own bytes (it read weights // 4 as parameters, halving a bf16 model's)."""
+    cfg = budgets.config_of(smollm2_base)
+    w = budgets.planned_weights(cfg)
+    assert budgets.export_bytes(cfg, w) - budgets.export_bytes(cfg, w // 2) == w - w // 2
+
+
+@pytest.mark.parametrize("d_model, d_head, flat", [(16, 8, True), (64, 4, False)])
+def test_the_circuit_plan_is_the_form_circuit_gram_takes(monkeypatch, d_model, d_head, flat):
+    """budgets.flat_circuits says which form analysis.heads.circuit_gram takes (the flattened one calls bmm);
+    the Gram is the same either way."""
+    from analysis import heads
+    cfg = tiny_config("mha", d_model=d_model, n_heads=4, d_head=d_head)
+    model = DecoderLM(cfg).eval()
+    randomize(model, seed=1)
+    calls, real = [], torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or real(*a))
+    grams = heads.circuit_grams(model)
+    assert budgets.flat_circuits(cfg) == flat == bool(calls)
+    per_layer = [heads.circuit_factors(b.mixer) for b in model.blocks]
+    other = heads.circuit_gram([f["QK"] for f in per_layer], method="gram")
+    np.testing.assert_allclose(grams["QK"], other, rtol=1e-4, atol=1e-6)
+    assert budgets.circuit_bytes(cfg) >= cfg.n_layers * cfg.n_heads * d_model ** 2 * 4 * flat
+
+
 # ---- models.evaluate: batches by tokens, the head in chunks ------------------------------------------------------
 
 @pytest.mark.parametrize("tie", [True, False])

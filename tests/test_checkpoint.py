@@ -173,6 +173,26 @@ def test_bfloat16_storage_loads_the_rounded_weights_in_float32(model_dir, tmp_pa
     assert (out / "model.safetensors").stat().st_size < 0.6 * (model_dir / "model.safetensors").stat().st_size
 
 
+def test_bfloat16_storage_keeps_the_pruning_rule_exact(tmp_path, tokenizer):
+    """The rule's parameters (W^Qint, W^Kint, beta, lambda) stay float32 in a bf16 file: its drop decisions are not
+    rounded with the other weights (issue: one precision for drop decisions)."""
+    from models.checkpoint import rule_tensors
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=4, prune_distance=True,
+                                  vocab_size=tokenizer.get_vocab_size()))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    exact = rule_tensors(model)
+    assert exact and all(".pruning." in k for k in exact)
+    out = save_model_dir(tmp_path / "bf16", model, tokenizer, {}, weights_dtype="bfloat16")
+    stored = load_file(str(out / "model.safetensors"))
+    assert {k for k, v in stored.items() if v.dtype == torch.float32} == exact
+    loaded = load_model_dir(out).model.state_dict()
+    for name, a in model.state_dict().items():
+        want = a if name in exact else a.to(torch.bfloat16).float()
+        assert torch.equal(loaded[name], want), name
+
+
 def test_shrink_records_the_perplexity_price(model_dir, tmp_path):
     from models.checkpoint import main, shrink
     from models.data import prepare

@@ -224,7 +224,7 @@ def test_lag_norms_are_the_norms_of_the_lag_jacobian(mixer):
     model = model_for(mixer, seed=4)
     table = lags.lag_table(model)
     t = 9
-    fro = lags.lag_maps(table, t, "fro")
+    fro = lags.lag_maps(model, t, "fro")
     assert fro.shape == (3, 1, t, t)
     for layer, m in enumerate(lags.extractor_layers(model)):
         w = m.w_ext.detach()
@@ -247,9 +247,9 @@ def test_lag_maps_rms_and_mean_equal_their_definitions_and_the_recorded_mixing()
         w = m.w_ext.detach().numpy()
         mean = np.array([[w[i - j].mean() if j <= i else 0 for j in range(t)] for i in range(t)])
         rms = np.array([[np.sqrt((w[i - j] ** 2).mean()) if j <= i else 0 for j in range(t)] for i in range(t)])
-        np.testing.assert_allclose(lags.lag_maps(table, t, "mean")[layer, 0], mean, rtol=1e-6, atol=1e-12)
-        np.testing.assert_allclose(lags.lag_maps(table, t, "rms")[layer, 0], rms, rtol=1e-6)
-        np.testing.assert_allclose(lags.lag_maps(table, t, "mean")[layer, 0], records[layer].mixing.numpy(),
+        np.testing.assert_allclose(lags.lag_maps(model, t, "mean")[layer, 0], mean, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(lags.lag_maps(model, t, "rms")[layer, 0], rms, rtol=1e-6)
+        np.testing.assert_allclose(lags.lag_maps(model, t, "mean")[layer, 0], records[layer].mixing.numpy(),
                                    rtol=1e-6, atol=1e-12)
     fig = lags.mean_rms_figure(table, "we")
     assert {a.text for a in fig.layout.annotations} == {"signed mean", "RMS"}

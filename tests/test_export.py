@@ -1,6 +1,7 @@
 """Figure export: real PNG/SVG/PDF files from kaleido, CSV equal to the plotted data, a complete sidecar."""
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,9 +177,22 @@ def test_an_extractor_exports_the_lag_summary_its_attention_page_opens_on(name, 
     assert settings["summary"] == summary == lags.default_summary(name)
     assert figs[f"lags_profile_{name}"][1] == {"value": {"she": "fro", "we": "mean and rms"}[name]}  # Extractors page's
     t = settings["tokens"]
-    want = lags.lag_maps(lags.lag_table(loaded.model), t, summary)[:, 0]
+    want = lags.lag_maps(loaded.model, t, summary)[:, 0]
     np.testing.assert_allclose(table["weight"].to_numpy(), want[table["layer"], table["query_pos"], table["key_pos"]],
                                rtol=1e-6, atol=1e-7)
     if summary == "fro":   # the norms are sizes: never negative, and not what the signed mean gives
         signed = maps.mixing_maps(loaded.model, tokenize(loaded.tokenizer, TEXT).ids[:t])[0][:, 0]
         assert (table["weight"] >= 0).all() and not np.allclose(want, signed, atol=1e-3)
+
+
+def test_stable_svg_renames_the_drawings_ids_and_nothing_else():
+    """plotly.js's random id is replaced where it names a def, a clip path or a gradient (and where those are used),
+    never where the same six characters are data or text."""
+    svg = (b'<svg><defs id="defs-abc123"><clipPath id="clipabc123xy"/></defs><g clip-path="url(#clipabc123xy)">'
+           b'<text>abc123 = 0xabc123</text><rect style="fill: url(\'#gabc123-cb0\');"/></g></svg>')
+    out = export.stable_svg(svg)
+    new = re.search(rb'defs-([0-9a-f]{6})', out).group(1)
+    assert new != b"abc123" and out.count(new) == 4
+    assert b"<text>abc123 = 0xabc123</text>" in out
+    assert out == export.stable_svg(svg.replace(b"abc123", b"fff000").replace(b"<text>fff000 = 0xfff000",
+                                                                              b"<text>abc123 = 0xabc123"))

@@ -45,7 +45,8 @@ def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict
         at.radio(key="prune_iv_keep").set_value("dropped").run()
         at.radio(key="prune_iv_kind").set_value("patch the dense twin's states").run()
         names = {name for name, *_ in caught}
-        assert {"pruning_scores", "pruning_disagreement", "pruning_pos_profile", "pruning_pos_profile_all"} <= names
+        assert {"pruning_scores", "pruning_score_terms", "pruning_soft_keep", "pruning_disagreement",
+                "pruning_pos_profile", "pruning_pos_profile_all"} <= names
         what_if = [how["settings"] for name, _, how in caught if name == "pruning_what_if"]
         assert {"token": 3, "keep": False, "at": 4, "onward": False}.items() <= what_if[-2].items()
         assert what_if[-1]["donor"] == "twin"
@@ -64,8 +65,34 @@ def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch,
         meta = json.loads(path.read_text())
         for key in ("checkpoint_sha256", "code", "text_sha256", "settings", "precision", "versions"):
             assert key in meta, (name, key)
+        # every model the figure draws is named with its weights' hash (a figure of two models names both)
+        dirs = how["model_dir"] if isinstance(how["model_dir"], dict) else {"model": how["model_dir"]}
+        assert [m["name"] for m in meta["models"]] == [str(k) for k in dirs], name
+        assert all(m["checkpoint_sha256"] for m in meta["models"]), name
+        assert meta["checkpoint_sha256"] == meta["models"][0]["checkpoint_sha256"], name
         again = render.load_figure(path)
         assert json.loads(again.to_json()) == json.loads(fig.to_json()), name
+    if page == "6_Compare.py":   # dense against dense here: both maps, their difference, the surprisal of both
+        assert {"compare_surprisal", "compare_map_A", "compare_map_B", "compare_difference"} <= {n for n, *_ in figures}
+        assert all(len(how["model_dir"]) == 2 for n, _, how in figures if n in ("compare_surprisal",
+                                                                                  "compare_difference"))
+
+
+def test_no_two_kinds_of_figure_share_an_export_name():
+    """A name is a figure kind: two export_buttons calls in the views never give the same literal name (or the same
+    literal start of a formatted one), so a download never stands for another figure."""
+    import ast
+    seen = {}
+    for page in sorted(VIEWS.glob("*.py")):
+        for node in ast.walk(ast.parse(page.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "export_buttons":
+                name = node.args[2]
+                if isinstance(name, ast.JoinedStr):   # f"heads_pca_{...}": its literal start
+                    name = name.values[0]
+                assert isinstance(name, ast.Constant), (page.name, ast.dump(name))
+                assert name.value not in seen, (name.value, page.name, seen.get(name.value))
+                seen[name.value] = page.name
+    assert len(seen) > 20
 
 
 def sidecar_of(tmp_path, fig) -> Path:
@@ -126,3 +153,34 @@ def test_the_paper_style_keeps_the_data_and_embeds_its_font(tmp_path):
 def test_tex_subset():
     assert style.tex("x_{n,j} + \\beta^2") == "x<sub>n,j</sub> + β<sup>2</sup>"
     assert style.tex("plain text, \\unknown, held_bytes") == "plain text, \\unknown, held_bytes"
+
+
+def test_the_paper_style_keeps_groups_apart_and_pairs_together():
+    """Past the palette's 8 colours the groups differ by dash; traces that shared a colour (a run's held and
+    allocated cache) still share one; greys stay; a categorical heatmap keeps its bands, its tints and its hues'
+    names (red stays a red, blue a blue)."""
+    import plotly.graph_objects as go
+
+    import pandas as pd
+
+    from analysis import live, pruning
+    many = go.Figure([go.Scatter(y=[i, i + 1], mode="lines", name=f"layer {i}") for i in range(10)]
+                     + [go.Scatter(y=[0, 0], mode="lines", line_color="#777", name="dense")])
+    styled = style.paper(many)
+    looks = [(t.line.color, t.line.dash) for t in styled.data[:10]]
+    assert len(set(looks)) == 10 and {c for c, _ in looks} <= set(style.OKABE_ITO)
+    assert styled.data[10].line.color == "#777"
+    steps = [{"step": s, "held_bytes": 100 - s, "alloc_bytes": 128, "dense_bytes": 100 + s, "model_ms": 1.0,
+              "token": "a"} for s in range(4)]
+    curve = style.paper(live.cache_curve_figure({"pruned": {"steps": steps}, "twin": {"steps": steps}}, "cache"))
+    held_a, alloc_a, held_b, alloc_b = curve.data[:4]
+    assert held_a.line.color == alloc_a.line.color != held_b.line.color == alloc_b.line.color
+    assert alloc_a.line.dash == "dot" and held_a.line.dash is None
+    d = pd.DataFrame({"layer": [0, 0, 0, 0], "position": [0, 1, 2, 3], "token": list("abcd"),
+                      "who": ["neither", "both", "a only", "b only"]})
+    heat = pruning.disagreement_figure(d, ("x", "y"), "who")
+    before, after = heat.data[0].colorscale, style.paper(heat).data[0].colorscale
+    assert [v for v, _ in before] == [v for v, _ in after]   # the same bands
+    colours = dict(zip(pruning.WHO_COLOURS, [c for _, c in after][::2]))
+    assert colours["neither"] == pruning.WHO_COLOURS["neither"] and colours["both"] == pruning.WHO_COLOURS["both"]
+    assert colours["a only"] == "#D55E00" and colours["b only"] == "#0072B2"   # Okabe-Ito's vermillion and blue

@@ -158,7 +158,7 @@ def test_the_twins_price_is_teacher_forced_as_each_model_generates(policy):
     and scores the other model's output too; the price compares the two models on each text."""
     import math
 
-    from analysis import twin
+    from analysis import budgets, twin
     from models.pruning import policies
     pruned = model_for("mha", context=64, seed=6).float()
     other = model_for("mha", prune=False, context=64, seed=7).float()
@@ -177,8 +177,10 @@ def test_the_twins_price_is_teacher_forced_as_each_model_generates(policy):
     assert rows[3]["perplexity"] == pytest.approx(twin_res.perplexity, rel=1e-4)
     change = twin.price_change(rows, "a", "b")
     assert change["a's"] == pytest.approx(rows[0]["perplexity"] / rows[1]["perplexity"] - 1)
+    most = twin.most_tokens(model, pol)
+    assert most == (budgets.replay_most(model.config) if pol else model.config.context)
     with pytest.raises(ValueError, match="at most"):
-        twin.continuation_logprobs(model, [1] * twin.MAX_TOKENS, [2])
+        twin.continuation_logprobs(model, [1] * most, [2])
 
 
 def test_the_replay_text_shows_the_token_sampled_at_the_step():

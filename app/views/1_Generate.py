@@ -132,10 +132,11 @@ def finish(pending: dict, stop_reason: str | None = None) -> None:
 def price_view(loaded, saved, labels, res, twin_res) -> None:
     """Pruning's price on the same text: both models score both continuations, teacher-forced (analysis.twin)."""
     ids, new = res.prompt_ids, [res.new_ids, twin_res.new_ids]
-    if len(ids) + max(map(len, new)) > twins.MAX_TOKENS:
-        st.caption(f"Pruning's price on the same text is scored up to {twins.MAX_TOKENS:,} tokens; this is longer.")
-        return
     pol = policies.make(*saved["policy"]) if saved.get("policy") else None
+    most = twins.most_tokens(loaded.model, pol)
+    if len(ids) + max(map(len, new)) > most:
+        st.caption(f"Pruning's price on the same text is scored up to {most:,} tokens here; this is longer.")
+        return
     if pol is None:
         other, why = twin_for(loaded)
         if other is None:
@@ -314,15 +315,18 @@ if saved and saved["model"] == str(loaded.path):
         st.dataframe(drops[drops["step"] == step], hide_index=True, width="stretch")
         st.caption(f"The drops made at step {step} ({int((drops['step'] == step).sum())}); "
                    f"{len(drops)} over the whole generation.")
-        all_traces = {p.name: t for p, _, t in saved["runs"]}
+        # each run by its label and model (under a policy both runs are the same model)
+        runs_named = {f"{label} · {p.name}": (p, t) for (p, _, t), label in zip(saved["runs"], saved["labels"])}
+        all_traces = {name: t for name, (_, t) in runs_named.items()}
+        all_dirs = {name: p for name, (p, _) in runs_named.items()}
         curve = live.cache_curve_figure(all_traces, "cache held per step")
         st.plotly_chart(curve, width="stretch")
-        export_buttons(curve, lambda: live.steps_frame(tr), "generation_cache", path, used_prompt, tr["settings"],
-                       key="gen_curve")
+        export_buttons(curve, lambda: live.runs_frame(all_traces), "generation_cache", all_dirs, used_prompt,
+                       tr["settings"], key="gen_curve")
         lat = live.latency_curve_figure(all_traces, "model latency per token")
         st.plotly_chart(lat, width="stretch")
-        export_buttons(lat, lambda: live.steps_frame(tr), "generation_latency", path, used_prompt, tr["settings"],
-                       key="gen_lat")
+        export_buttons(lat, lambda: live.runs_frame(all_traces), "generation_latency_steps", all_dirs, used_prompt,
+                       tr["settings"], key="gen_lat")
         files = traces.files(tr)
         d = st.columns(3)
         for col, (suffix, body) in zip(d, files.items()):

@@ -79,8 +79,9 @@ def zoom_view():
     zoom = maps.map_figure(m[layer, head], view.labels, title, colorscale="RdBu" if signed else "Viridis",
                            zmid=0.0 if signed else None)
     st.plotly_chart(zoom, width="stretch")
-    export_buttons(zoom, maps.maps_table(m[layer:layer + 1, head:head + 1], view.labels), f"map_l{layer}_h{head}",
-                   loaded.path, text, {"layer": layer, "head": head, "window_start": start}, key="zoom")
+    export_buttons(zoom, maps.maps_table(m[layer:layer + 1, head:head + 1], view.labels, layer, head),
+                   f"map_l{layer}_h{head}", loaded.path, text, {"layer": layer, "head": head, "window_start": start},
+                   key="zoom")
 
 
 zoom_view()

@@ -60,7 +60,7 @@ df = pd.concat([tokens.surprisal_table(ta.labels, lpa, f"A: {a.path.name}"),
                 tokens.surprisal_table(tb.labels, lpb, f"B: {b.path.name}")])
 fig = tokens.surprisal_figure(df, "per-token surprisal")
 st.plotly_chart(fig, width="stretch")
-export_buttons(fig, df, "compare_surprisal", None, text, {"A": str(a.path), "B": str(b.path)})
+export_buttons(fig, df, "compare_surprisal", {"A": a.path, "B": b.path}, text, {"A": a.path.name, "B": b.path.name})
 
 
 
@@ -74,17 +74,21 @@ def maps_view(a, b, ta, tb) -> None:
     layer = c1.selectbox("Layer", range(layers), index=layers - 1, key="cmp_layer")
     head = c2.selectbox("Head (A and B)", range(min(ma.shape[1], mb.shape[1])), key="cmp_head")
     left, right = st.columns(2)
-    fa = maps.map_figure(ma[layer, min(head, ma.shape[1] - 1)], ta.labels, f"A {a.path.name}: layer {layer}")
-    fb = maps.map_figure(mb[layer, min(head, mb.shape[1] - 1)], tb.labels, f"B {b.path.name}: layer {layer}")
-    left.plotly_chart(fa, width="stretch", key="cmp_a")
-    right.plotly_chart(fb, width="stretch", key="cmp_b")
+    for col, name, loaded, m, toks in ((left, "A", a, ma, ta), (right, "B", b, mb, tb)):
+        h = min(head, m.shape[1] - 1)
+        fig = maps.map_figure(m[layer, h], toks.labels, f"{name} {loaded.path.name}: layer {layer}")
+        with col:
+            st.plotly_chart(fig, width="stretch", key=f"cmp_{name.lower()}")
+            export_buttons(fig, lambda m=m, labels=toks.labels, h=h: maps.maps_table(m[layer:layer + 1, h:h + 1],
+                                                                                     labels, layer, h),
+                           f"compare_map_{name}", loaded.path, text, {"layer": layer, "head": h}, key=f"cmp_map_{name}")
     if ta.ids == tb.ids and ka == kb == "attention":
         diff = maps.difference_figure(ma[layer, head], mb[layer, head], ta.labels,
                                       f"A - B: layer {layer}, head {head}")
         st.plotly_chart(diff, width="stretch", key="cmp_diff")
-        export_buttons(diff, maps.maps_table((ma - mb)[layer:layer + 1, head:head + 1], ta.labels),
-                       "compare_difference", None, text, {"A": str(a.path), "B": str(b.path), "layer": layer,
-                                                          "head": head})
+        export_buttons(diff, maps.maps_table((ma - mb)[layer:layer + 1, head:head + 1], ta.labels, layer, head),
+                       "compare_difference", {"A": a.path, "B": b.path}, text,
+                       {"A": a.path.name, "B": b.path.name, "layer": layer, "head": head})
     else:
         st.info("The difference map needs two attention models with the same tokenizer.")
 

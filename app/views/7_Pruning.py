@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from analysis import budgets, pruning, scores, tokens
+from analysis import budgets, live, pruning, scores, tokens
 from analysis import intervene as change
 from analysis.pruning import LEARNED, NOTHING
 from app import access, heavy
@@ -122,14 +122,20 @@ def score_view(layer: int) -> None:
     j, q_at = int(close["position"][pick]), int(close["closest_query"][pick])
     terms = scores.split(rule, q, k, q_at, j)
     bars = scores.split_figure(terms, 12, f"x_{q_at},{j} = {terms['value'].sum():+.4f}, term by term")
-    c1.plotly_chart(bars, width="stretch")
+    with c1:
+        st.plotly_chart(bars, width="stretch")
+        export_buttons(bars, terms, "pruning_score_terms", loaded.path, text,
+                       settings | {"layer": layer, "query": q_at, "token": j}, key="score_terms")
     alpha = c2.slider("alpha of the soft rule (training raised it from 1 to 8)", 1.0, 8.0, 1.0, 0.5,
                       key="prune_scores_alpha")
     soft, hard = scores.soft_keep(x, alpha, rule.sinks), scores.soft_keep(x, float("inf"), rule.sinks)
     c2.metric(f"sparsity of this layer at alpha {alpha:g}", f"{scores.soft_sparsity(soft):.1%}",
               f"{scores.soft_sparsity(hard):.1%} at inference (the step)", delta_color="off")
-    c2.plotly_chart(scores.soft_figure(soft, at, view.labels, f"I_k,j under sigma_alpha, alpha {alpha:g}"),
-                    width="stretch")
+    soft_fig = scores.soft_figure(soft, at, view.labels, f"I_k,j under sigma_alpha, alpha {alpha:g}")
+    with c2:
+        st.plotly_chart(soft_fig, width="stretch")
+        export_buttons(soft_fig, lambda: scores.soft_table(soft, at, view.labels), "pruning_soft_keep", loaded.path,
+                       text, settings | {"layer": layer, "alpha": alpha, "from": at}, key="soft_keep")
 
 
 @st.cache_data(max_entries=8, show_spinner="Running the model with the change, and without…")
@@ -287,8 +293,9 @@ if not large_on_cpu or asked or needed:
     m[3].metric("perplexity (nothing evicted)", f"{ppl0:.2f}", help="The same weights with every token kept (a "
                 "pruned model's rule switched off).")
 m[0].metric("mean sparsity (all layers)", f"{sp['sparsity'].mean():.1%}")
-m[1].metric("cache after the text", f"{held_bytes / 1024:.1f} KiB", f"{held_bytes / dense_bytes - 1:+.0%} vs dense",
-            delta_color="inverse")
+m[1].metric("cache held after the text", f"{held_bytes / 1024:.1f} KiB",
+            f"saved {live.saved(held_bytes, dense_bytes):.0%} of dense", delta_color="off",
+            help="1 - held / a dense cache's (K, V of every token), as the Generate page defines saved")
 m[2].metric(f"perplexity ({'pruned' if method == LEARNED else method})", f"{ppl:.2f}",
             None if ppl0 is None else f"{ppl / ppl0 - 1:+.2%} vs nothing evicted", delta_color="inverse")
 base_dir = dense_base_path(loaded) if cfg.prune else None

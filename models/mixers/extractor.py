@@ -69,9 +69,10 @@ class Extractor(Mixer):
         return y
 
     def lag_profile(self) -> dict[str, torch.Tensor]:
-        """Per-lag summary over channels: 'rms' (size of the lag's weights) and 'mean' (signed)."""
+        """Per-lag summary over channels: 'rms' (size of the lag's weights), 'mean' (signed) and 'fro' (the Frobenius
+        norm of the lag's weights: SHE's d x d matrix, the norm of d x_ext_i / d x_j)."""
         w = self.w_ext.detach().flatten(1) if self.w_ext.dim() > 1 else self.w_ext.detach().unsqueeze(1)
-        return {"rms": w.pow(2).mean(1).sqrt(), "mean": w.mean(1)}
+        return {"rms": w.pow(2).mean(1).sqrt(), "mean": w.mean(1), "fro": w.norm(dim=1)}
 
     def mixing_matrix(self, s: int, start: int = 0, summary: str = "mean") -> torch.Tensor:
         """The lag weights laid out as a causal Toeplitz matrix [S-start, S]: entry (i, j) = profile[i - j]."""
