@@ -32,6 +32,7 @@ ATTRIBUTION_VIEW = 256   # Attribution: each gradient is a forward and backward 
 COMPARE_VIEW = 128       # Compare: two models' surprisal and maps side by side, the Attention page's view each
 PRUNING_VIEW = 1024      # Pruning: keep masks, one byte a cell (30 layers x 1,024^2 = 31 MB), and a policy replay
 SCORES_VIEW = 256        # the Pruning page's interaction scores: 256 queries x 256 keys drawn at once (analysis.scores)
+MAX_SNAPSHOTS = 32       # Pruning's timeline: the training snapshots replayed on a window, one forward each
 LIVE_STRIP = 1024        # Generate's live strips: the last 1,024 positions x 30 layers stay light in a browser
 
 
@@ -201,7 +202,7 @@ def export_bytes(cfg, weights: int) -> int:
     method, steps = attribution_default(planned_weights(cfg) // 4)   # (parameters, whatever dtype `weights` is in)
     kept = maps_bytes(cfg, t_maps) + maps_table_bytes(cfg, t_maps)
     work = max(forward_bytes(cfg, 1, t_cmp) + logits_bytes(t_cmp, cfg.vocab_size),
-               attribution_bytes(cfg, t_attr, method, steps), circuit_bytes(cfg))
+               attribution_bytes(cfg, t_attr, method, steps), circuit_bytes(cfg) if has_circuits(cfg) else 0)
     return weights + RUNTIME_BYTES + kept + work
 
 
@@ -213,6 +214,16 @@ def flat_circuits(cfg) -> bool:
     """Whether circuit_gram takes the flattened form for this model (d_model < d_head^2, within HEADS_FLAT_BYTES)."""
     n, d_m = cfg.n_layers * cfg.n_heads, cfg.d_model
     return d_m < cfg.d_head ** 2 and n * d_m * d_m * 4 <= HEADS_FLAT_BYTES
+
+
+def has_circuits(cfg) -> bool:
+    """Per-head projections, so QK and OV circuits (analysis.heads.circuit_factors): attention, not MHE or an
+    Extractor."""
+    from models.mixers import MIXERS
+    from models.mixers.attention import Attention
+    from models.mixers.mhe import MHE
+    cls = MIXERS[cfg.mixer]
+    return issubclass(cls, Attention) and not issubclass(cls, MHE)
 
 
 def circuit_bytes(cfg) -> int:

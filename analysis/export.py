@@ -76,8 +76,8 @@ def stable_svg(svg: bytes) -> bytes:
     if not found:
         return svg
     at = re.compile(rb"""((?:id="|url\(['"]?#)[A-Za-z-]*)""" + found.group(1))
-    stable = hashlib.sha256(at.sub(rb"\1", svg)).hexdigest()[:6].encode()
-    return at.sub(rb"\1" + stable, svg)
+    stable = hashlib.sha256(at.sub(rb"\g<1>", svg)).hexdigest()[:6].encode()
+    return at.sub(rb"\g<1>" + stable, svg)   # (\g<1>: a hash starting with a digit is not a group number)
 
 
 def versions() -> dict[str, str]:
@@ -164,10 +164,12 @@ def sidecar(model_dir: str | Path | dict | None, text: str | None, settings: dic
     the code's version and commit, the packages' versions and, given the figure, its whole plotly spec under "plotly"
     (so `python -m analysis.render` redraws it without the model).
 
-    model_dir may map each model a figure draws to its directory ({"A": dir_a, "B": dir_b}): "models" then names
-    every one, in that order, and the top-level model fields are the first's."""
+    model_dir may map each model a figure draws to its directory ({"A": dir_a, "B": dir_b}) or to its entry as a
+    report recorded it (model_entry's fields): "models" then names every one, in that order, and the top-level model
+    fields are the first's."""
     named = model_dir if isinstance(model_dir, dict) else ({"model": model_dir} if model_dir else {})
-    models = [{"name": str(name), **model_entry(d)} for name, d in named.items() if d]
+    # (a value that is already an entry, as a report recorded it when it ran, is kept as recorded)
+    models = [{"name": str(name), **(d if isinstance(d, dict) else model_entry(d))} for name, d in named.items() if d]
     first = models[0] if models else {"model_dir": None, "checkpoint_sha256": None, "base": None}
     return {
         "figure": figure,
@@ -189,12 +191,13 @@ def csv_bytes(table: pd.DataFrame) -> bytes:
     return table.to_csv(index=False).encode("utf-8")
 
 
-def write_bundle(fig: go.Figure, table: pd.DataFrame, out_dir: str | Path, name: str, meta: dict) -> list[Path]:
-    """name.{png,svg,pdf,csv,json} in out_dir."""
+def write_bundle(fig: go.Figure, table: pd.DataFrame, out_dir: str | Path, name: str, meta: dict,
+                 formats=tuple(FORMATS)) -> list[Path]:
+    """name.{png,svg,pdf,csv,json} in out_dir (the images in `formats` only; the CSV and the spec always)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for fmt in FORMATS:
+    for fmt in formats:
         p = out / f"{name}.{fmt}"
         p.write_bytes(figure_bytes(fig, fmt))
         paths.append(p)

@@ -102,7 +102,9 @@ def recolour(fig: go.Figure) -> None:
 
     Lines, markers and bars: each distinct colour the figure gave (or, where it gave none, each legend group or
     name) takes the next Okabe-Ito colour, so traces that shared a colour still share one; past the palette's 8,
-    the colours repeat with another dash, hatch or marker shape, so no two groups look alike. Greys stay.
+    the colours repeat with another dash, hatch or marker shape, so no two groups look alike. Greys stay. A colour
+    per point or bar (a sign: red below 0, blue above) keeps its meaning, each hue moved to the nearest Okabe-Ito
+    colour; values per point on a scale take the heatmaps' scales.
     Heatmaps: a scale of the figure's own colours is categorical (held/dropped, who dropped): its greys and
     tints stay and each hue becomes the nearest Okabe-Ito colour; a named scale becomes cividis, or RdBu when
     centred."""
@@ -119,13 +121,18 @@ def recolour(fig: go.Figure) -> None:
             continue
         if t.type not in ("scatter", "scattergl", "bar"):
             continue
-        given = (t.line.color if t.type != "bar" and t.line is not None else None) or (
-            t.marker.color if t.marker is not None and isinstance(t.marker.color, str) else None)
+        points = t.marker.color if t.marker is not None else None
+        if points is not None and not isinstance(points, str):   # a colour (or a value) per point or bar
+            if len(points) and all(_rgb(c) for c in points):    # colours that say something (a sign): their hues
+                t.marker.color = [c if _neutral(_rgb(c)) else _nearest_hue(_rgb(c)) for c in points]
+            elif t.marker.colorscale is not None:                # values on a scale: as a heatmap's
+                signed = t.marker.cmin is not None and t.marker.cmax is not None and t.marker.cmin == -t.marker.cmax
+                t.marker.colorscale = DIVERGING if t.marker.cmid is not None or signed else SEQUENTIAL
+            continue
+        given = (t.line.color if t.type != "bar" and t.line is not None else None) or points
         rgb = _rgb(given)
         if rgb is not None and _neutral(rgb):
             continue
-        if given is not None and rgb is None and not isinstance(given, str):
-            continue   # an array of colours (a value per point) keeps its own scale
         key = ("colour", rgb or given) if given else ("group", t.legendgroup or t.name or id(t))
         k = groups.setdefault(key, len(groups))
         colour, round_ = OKABE_ITO[k % len(OKABE_ITO)], k // len(OKABE_ITO)

@@ -182,7 +182,7 @@ def window_picker(toks, context: int, key: str, size: int | None = None):
 
 
 def export_buttons(fig, table, name: str, model_dir=None, text: str | None = None, settings: dict | None = None,
-                   key: str | None = None) -> None:
+                   key: str | None = None, precision: dict | None = None) -> None:
     """PNG / SVG / PDF rendered only when clicked, plus CSV of the data and the JSON sidecar. table may be a
     callable: a large one (every layer x head x cell of the maps) is then built only when CSV is clicked."""
     key = key or name
@@ -194,16 +194,18 @@ def export_buttons(fig, table, name: str, model_dir=None, text: str | None = Non
                             file_name=f"{name}.csv", mime="text/csv",
                             on_click="ignore", key=f"dl_{key}_csv")
     settings = dict(settings or {})   # (built when clicked: it hashes the weights, 0.4 s for SmolLM2's 538 MB)
-    cols[4].download_button("JSON", data=lambda: sidecar_json(fig, name, model_dir, text, settings),
+    cols[4].download_button("JSON", data=lambda: sidecar_json(fig, name, model_dir, text, settings, precision),
                             file_name=f"{name}.json", mime="application/json", on_click="ignore", key=f"dl_{key}_json")
 
 
-def sidecar_json(fig, name: str, model_dir=None, text: str | None = None, settings: dict | None = None) -> str:
+def sidecar_json(fig, name: str, model_dir=None, text: str | None = None, settings: dict | None = None,
+                 precision: dict | None = None) -> str:
     """The JSON button's file. Server paths are hidden in what describes the figure, never inside its spec, whose
-    arrays are base64 text a replace could corrupt (and which names no server path)."""
+    arrays are base64 text a replace could corrupt (and which names no server path). precision: where and in what
+    dtype the numbers were computed, when not by this server's models (a report's, as it recorded it)."""
     meta = export.sidecar(model_dir, text, settings or {}, name)
     meta = json.loads(access.public(json.dumps(meta, ensure_ascii=False)))
-    meta["precision"] = app_precision()          # where and in what dtype the models ran
+    meta["precision"] = precision or app_precision()   # where and in what dtype the models ran
     meta["plotly"] = json.loads(fig.to_json())   # (what `mixscope render` redraws)
     return json.dumps(meta, indent=2)
 

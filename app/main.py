@@ -14,6 +14,7 @@ PAGES = [
     st.Page("views/5_Attribution.py", title="Attribution", url_path="Attribution"),
     st.Page("views/6_Compare.py", title="Compare", url_path="Compare"),
     st.Page("views/7_Pruning.py", title="Pruning", url_path="Pruning"),
+    st.Page("views/8_Corpus.py", title="Corpus", url_path="Corpus"),
 ]
 
 st.navigation(PAGES).run()

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from models.adapters import set_trainable_params, trainable_params
+from models import snapshots
 from models.checkpoint import FILES, file_sha256, save_model_dir
 from models.config import ConfigError, ModelConfig
 from models.device import describe, resolve
@@ -81,6 +82,8 @@ class TrainConfig:
                                   # they move slowly)
     distill: bool = False         # pruning, base frozen: KL to the same model with its rule off, not the corpus's
                                   # next tokens
+    snapshots: int = 0            # save the trained tensors at step 0 and this many steps over the alpha schedule
+                                  # (models/snapshots.py: the Pruning page's timeline)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -375,6 +378,11 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     if overwrite and main_proc:  # start over: nothing of the replaced model or run is kept
         for name in (STATE, *MODEL_FILES):
             (out / name).unlink(missing_ok=True)
+        for old in (out / snapshots.DIR).glob("*.safetensors"):
+            old.unlink()
+    snapshot_at = set(snapshots.snapshot_steps(tc.steps, tc.alpha_steps, tc.snapshots))
+    if snapshot_at:
+        snapshots.check_size(trainable, tc.snapshots)
     start, tokens_seen, elapsed = 0, 0, 0.0
     if state_path.exists():
         meta = load_state(state_path, model, opt)
@@ -422,6 +430,13 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
                                                   "elapsed_s": elapsed})
 
+    def snapshot() -> None:
+        """The trained tensors at this step (before its update), once: a resumed run keeps what it wrote."""
+        if main_proc and step in snapshot_at and not snapshots.path_of(out, step).exists():
+            alpha = alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end) if pruning else None
+            snapshots.save(out, trainable, step, {"alpha": alpha, "tokens_seen": tokens_seen,
+                                                  "config_hash": config_hash(raw)})
+
     def record(entry: dict) -> None:
         if main_proc:
             with log_path.open("a") as f:
@@ -443,6 +458,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                 stop.reason = f"stop_after={stop_after}"
             if stop.reason:
                 break
+            snapshot()
             t0 = time.perf_counter()
             lr = lr_at(step, tc)
             for g in opt.param_groups:
@@ -508,6 +524,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
             log.warning("stopped at step %d (%s); run the same command again to resume", step, stop.reason)
         return {"status": "interrupted", "steps": step}
 
+    if status == "ok":
+        snapshot()   # (the last step's, when it is one)
     card = {}
     if main_proc:
         extra = {"final_valid_query_sparsity": valid_sparsity()} if pruning and status == "ok" else {}

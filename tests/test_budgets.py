@@ -287,3 +287,10 @@ def test_forward_bytes_grows_with_what_a_model_masks():
     big = tiny_config("mha", context=512, vocab_size=2000)
     assert forward_bytes(big, 1, 512) - forward_bytes(dense, 1, 512) < 4 * 512 * 1000
     assert math.isfinite(budgets.method_run_bytes(dense, 512))
+
+
+@pytest.mark.parametrize("mixer", ["mha", "gqa", "el-att", "mhe-mul", "she", "we"])
+def test_the_circuit_gram_is_planned_only_where_the_heads_page_draws_one(mixer):
+    from analysis import heads
+    cfg = tiny_config(mixer, **({"n_kv_heads": 2} if mixer == "gqa" else {}))
+    assert budgets.has_circuits(cfg) == bool(heads.circuit_grams(DecoderLM(cfg).eval()))

@@ -196,3 +196,9 @@ def test_stable_svg_renames_the_drawings_ids_and_nothing_else():
     assert b"<text>abc123 = 0xabc123</text>" in out
     assert out == export.stable_svg(svg.replace(b"abc123", b"fff000").replace(b"<text>fff000 = 0xfff000",
                                                                               b"<text>abc123 = 0xabc123"))
+    starts = set()
+    for i in range(40):   # other drawings' ids: a new id may start with a digit (not read as a group number)
+        other = f"{i:06x}".encode()
+        renamed = export.stable_svg(svg.replace(b"abc123", other).replace(b"<text>" + other, b"<text>abc123"))
+        starts.add(re.search(rb'defs-([0-9a-f]{6})', renamed).group(1)[:1].isdigit())
+    assert starts == {True, False}

@@ -10,12 +10,14 @@ from streamlit.testing.v1 import AppTest
 
 from analysis import render, style
 from analysis.export import figure_bytes
+from tests.test_corpus import small_report  # noqa: F401 (a fixture)
 
 VIEWS = Path(__file__).resolve().parent.parent / "app" / "views"
 # (page, model): together every figure kind the pages export, in their default views
 PAGES = [("1_Generate.py", "mha-1024-pruned"), ("2_Attention.py", "mha"), ("2_Attention.py", "she"),
          ("3_Heads.py", "mha"), ("3_Heads.py", "mhe-mul"), ("4_Extractors.py", "we"), ("5_Attribution.py", "mha"),
-         ("6_Compare.py", "mha"), ("7_Pruning.py", "mha-1024-pruned"), ("7_Pruning.py+views", "mha-1024-pruned")]
+         ("6_Compare.py", "mha"), ("7_Pruning.py", "mha-1024-pruned"), ("7_Pruning.py+views", "mha-1024-pruned"),
+         ("8_Corpus.py", None)]
 
 
 def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict]]:
@@ -24,9 +26,10 @@ def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict
     caught = []
     real = app.common.export_buttons
 
-    def catch(fig, table, name, model_dir=None, text=None, settings=None, key=None):
-        caught.append((name, fig, {"model_dir": model_dir, "text": text, "settings": settings}))
-        return real(fig, table, name, model_dir, text, settings, key)
+    def catch(fig, table, name, model_dir=None, text=None, settings=None, key=None, precision=None):
+        caught.append((name, fig, {"model_dir": model_dir, "text": text, "settings": settings,
+                                   "precision": precision}))
+        return real(fig, table, name, model_dir, text, settings, key, precision)
 
     monkeypatch.setattr(app.common, "export_buttons", catch)
     at = AppTest.from_file(str(VIEWS / page), default_timeout=300)
@@ -55,13 +58,15 @@ def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict
 
 
 @pytest.mark.parametrize("page, model", PAGES)
-def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch, tmp_path, page, model):
+def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch, tmp_path, page, model, request):
     from app.common import sidecar_json
+    if page == "8_Corpus.py":   # a small report of the zoo's pruned MHA (tests/test_corpus.py)
+        monkeypatch.setenv("MIXSCOPE_CORPUS_DIRS", str(request.getfixturevalue("small_report")))
     figures = exported(monkeypatch, page, model)
     assert figures, f"{page} on {model} exported no figure"
     for name, fig, how in figures:
         path = tmp_path / f"{name}.json"
-        path.write_text(sidecar_json(fig, name, how["model_dir"], how["text"], how["settings"]))
+        path.write_text(sidecar_json(fig, name, how["model_dir"], how["text"], how["settings"], how["precision"]))
         meta = json.loads(path.read_text())
         for key in ("checkpoint_sha256", "code", "text_sha256", "settings", "precision", "versions"):
             assert key in meta, (name, key)
@@ -72,6 +77,11 @@ def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch,
         assert meta["checkpoint_sha256"] == meta["models"][0]["checkpoint_sha256"], name
         again = render.load_figure(path)
         assert json.loads(again.to_json()) == json.loads(fig.to_json()), name
+    if page == "8_Corpus.py":   # each figure names the report's models as it recorded them, with their hashes
+        run = "mha-1024-pruned_own"
+        assert {n for n, *_ in figures} == {"corpus_curve_own", f"corpus_pos_layer_{run}", f"corpus_layers_{run}",
+                                            f"corpus_position_{run}", f"corpus_tokens_{run}"}
+        assert all(how["precision"] == {"device": "cpu", "dtype": "float32"} for *_, how in figures)
     if page == "6_Compare.py":   # dense against dense here: both maps, their difference, the surprisal of both
         assert {"compare_surprisal", "compare_map_A", "compare_map_B", "compare_difference"} <= {n for n, *_ in figures}
         assert all(len(how["model_dir"]) == 2 for n, _, how in figures if n in ("compare_surprisal",
@@ -87,6 +97,9 @@ def test_no_two_kinds_of_figure_share_an_export_name():
         for node in ast.walk(ast.parse(page.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "export_buttons":
                 name = node.args[2]
+                if isinstance(name, ast.Name):   # names from a builder (analysis.corpus.page_figures: tested there)
+                    assert page.name == "8_Corpus.py", page.name
+                    continue
                 if isinstance(name, ast.JoinedStr):   # f"heads_pca_{...}": its literal start
                     name = name.values[0]
                 assert isinstance(name, ast.Constant), (page.name, ast.dump(name))
@@ -184,3 +197,19 @@ def test_the_paper_style_keeps_groups_apart_and_pairs_together():
     colours = dict(zip(pruning.WHO_COLOURS, [c for _, c in after][::2]))
     assert colours["neither"] == pruning.WHO_COLOURS["neither"] and colours["both"] == pruning.WHO_COLOURS["both"]
     assert colours["a only"] == "#D55E00" and colours["b only"] == "#0072B2"   # Okabe-Ito's vermillion and blue
+
+
+def test_the_paper_style_keeps_what_a_colour_per_bar_says():
+    """The term bars colour each bar by its sign (red below 0, blue above) and the attribution bars by value on a
+    centred scale: the paper style keeps both meanings (Okabe-Ito's vermillion and blue; RdBu)."""
+    import pandas as pd
+
+    from analysis import attribution, scores
+    terms = pd.DataFrame({"term": ["dim 0", "dim 1", "beta"], "value": [-0.5, 0.25, 1.0]})
+    bars = style.paper(scores.split_figure(terms, 12, "terms"))
+    assert list(bars.data[0].marker.color) == ["#D55E00", "#0072B2", "#0072B2"]
+    df = pd.DataFrame({"position": [0, 1, 2], "attribution": [-1.0, 0.5, 2.0], "token": list("abc")})
+    attr = style.paper(attribution.attribution_figure(df, "attr"))
+    assert list(attr.data[0].marker.color) == [-1.0, 0.5, 2.0]
+    import plotly.colors
+    assert [c for _, c in attr.data[0].marker.colorscale] == [c for _, c in plotly.colors.get_colorscale("RdBu")]

@@ -319,14 +319,16 @@ if saved and saved["model"] == str(loaded.path):
         runs_named = {f"{label} · {p.name}": (p, t) for (p, _, t), label in zip(saved["runs"], saved["labels"])}
         all_traces = {name: t for name, (_, t) in runs_named.items()}
         all_dirs = {name: p for name, (p, _) in runs_named.items()}
+        runs_settings = tr["settings"] | {"policy": saved.get("policy"),
+                                          "runs": {name: t["settings"] for name, t in all_traces.items()}}
         curve = live.cache_curve_figure(all_traces, "cache held per step")
         st.plotly_chart(curve, width="stretch")
         export_buttons(curve, lambda: live.runs_frame(all_traces), "generation_cache", all_dirs, used_prompt,
-                       tr["settings"], key="gen_curve")
+                       runs_settings, key="gen_curve")
         lat = live.latency_curve_figure(all_traces, "model latency per token")
         st.plotly_chart(lat, width="stretch")
         export_buttons(lat, lambda: live.runs_frame(all_traces), "generation_latency_steps", all_dirs, used_prompt,
-                       tr["settings"], key="gen_lat")
+                       runs_settings, key="gen_lat")
         files = traces.files(tr)
         d = st.columns(3)
         for col, (suffix, body) in zip(d, files.items()):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from analysis import budgets, live, pruning, scores, tokens
+from analysis import budgets, live, pruning, scores, timeline, tokens
 from analysis import intervene as change
 from analysis.pruning import LEARNED, NOTHING
 from app import access, heavy
@@ -15,6 +15,7 @@ from app.common import (dense_base_path, export_buttons, load, method_title, mod
 from models.checkpoint import CheckpointError, read_json, valid_sparsity
 from models.delta import unfetched_base
 from models.generate import layer_bytes_per_token
+from models import snapshots
 from models.pruning import intervene, policies
 
 def prunable(loaded):
@@ -201,6 +202,50 @@ def what_if(layer: int) -> None:
         st.dataframe(res["changed"], hide_index=True)
 
 
+@st.cache_data(max_entries=64, show_spinner=False)
+def cached_snapshot(path: str, ids: tuple[int, ...], tags: tuple[str, ...], labels: tuple[str, ...], name: str,
+                    stamp: float):
+    snap = next(s for s in snapshots.listing(path) if s["path"].name == name)
+    with heavy.slot():
+        return timeline.at_snapshot(load(path).model, snap, list(ids), list(tags), list(labels))
+
+
+@heavy.fragment
+def timeline_view() -> None:
+    """How the rule came to be: the run's snapshots (train.snapshots) replayed on this window, a slider over them."""
+    snaps = snapshots.listing(path)
+    if not snaps:
+        return
+    st.subheader("How the rule came to be")
+    shown = snaps[:budgets.MAX_SNAPSHOTS]
+    more = f" (the first {len(shown)} of {len(snaps)})" if len(snaps) > len(shown) else ""
+    if not st.toggle(f"Replay the training run's {len(shown)} snapshots{more} on this window ({len(shown)} forwards)",
+                     key="prune_timeline"):
+        return
+    bar, parts = st.progress(0.0, text="replaying the snapshots…"), []
+    for k, snap in enumerate(shown):   # (each cached: a second visit, or another window's return, is instant)
+        parts.append(cached_snapshot(path, ids, tuple(tags), tuple(view.labels), snap["path"].name,
+                                     snap["path"].stat().st_mtime))
+        bar.progress((k + 1) / len(shown), text=f"snapshot {k + 1}/{len(shown)} (step {snap['step']})")
+    bar.empty()
+    res = timeline.join(parts)
+    steps = res["steps"]
+    i = st.select_slider("Snapshot", list(range(len(steps))), len(steps) - 1, key="prune_timeline_at",
+                         format_func=lambda i: f"step {steps['step'][i]} (alpha {steps['alpha'][i]:.2f})")
+    step = int(steps["step"][i])
+    spec = settings | {"snapshot_step": step, "snapshots": [s["path"].name for s in shown]}
+    fig = timeline.steps_figure(steps, step, "sparsity and the first tokens over training (this window)")
+    st.plotly_chart(fig, width="stretch")
+    export_buttons(fig, steps, "pruning_timeline", loaded.path, text, spec, key="timeline")
+    lay = timeline.layers_figure(res["layers"], step, f"each layer's sparsity at step {step}")
+    st.plotly_chart(lay, width="stretch")
+    export_buttons(lay, res["layers"], "pruning_timeline_layers", loaded.path, text, spec, key="timeline_layers")
+    rates = res["pos"][res["pos"]["step"] == step]
+    heat = pruning.pos_heatmap(rates, f"step {step}: share of tokens dropped, by part of speech and layer")
+    st.plotly_chart(heat, width="stretch")
+    export_buttons(heat, rates, "pruning_timeline_pos", loaded.path, text, spec, key="timeline_pos")
+
+
 def default_prompt(n: int) -> int:
     """The prompt of a policy in prompt mode unless the user says otherwise: the first three quarters of the window."""
     return max(2, 3 * n // 4)
@@ -341,6 +386,7 @@ st.dataframe(sp.style.format({"sparsity": "{:.1%}"}), hide_index=True)
 if method == LEARNED:
     score_view(layer)
     what_if(layer)
+    timeline_view()
 
 # ---- two methods side by side at matched sparsity -------------------------------------------------------------------
 st.subheader("Side by side at matched sparsity")

@@ -1,0 +1,88 @@
+"""Training snapshots along the alpha schedule: what the trained tensors were at chosen steps, so the way a pruning
+rule came to be can be replayed on a fixed text (analysis.timeline, the Pruning page's timeline).
+
+A run with `train.snapshots: N` writes, in its model directory, snapshots/step_SSSSSS.safetensors at step 0 (the
+rule as initialised, before any update) and at N steps spread evenly over the alpha schedule (its last at the
+schedule's end), each holding only the tensors that train (the rule's alone when the base is frozen: 8.8 MB a
+snapshot on SmolLM2-135M) with the step, alpha and tokens seen in its metadata. A resumed run keeps the snapshots
+it has and writes the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+DIR = "snapshots"
+MAX_BYTES = 2**30   # all of a run's snapshots at most (the trained tensors times the count): refused above
+
+
+class SnapshotError(ValueError):
+    pass
+
+
+def snapshot_steps(steps: int, alpha_steps: int | None, count: int) -> list[int]:
+    """Step 0 and `count` steps spread evenly over the alpha schedule (alpha_steps, default every step), within the
+    run's steps; [] when count is 0."""
+    if count <= 0:
+        return []
+    span = min(alpha_steps or steps, steps)
+    return sorted({0} | {round(span * k / count) for k in range(1, count + 1)})
+
+
+def path_of(model_dir: str | Path, step: int) -> Path:
+    return Path(model_dir) / DIR / f"step_{step:06d}.safetensors"
+
+
+def save(model_dir: str | Path, params: dict[str, torch.Tensor], step: int, meta: dict) -> Path:
+    """The tensors (written whole, then renamed: a stop leaves no half file) with step and meta in the header."""
+    path = path_of(model_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in params.items()}
+    save_file(tensors, str(tmp), metadata={"snapshot": json.dumps({"step": step, **meta})})
+    os.replace(tmp, path)
+    return path
+
+
+def check_size(params: dict[str, torch.Tensor], count: int) -> None:
+    need = (count + 1) * sum(p.numel() * p.element_size() for p in params.values())
+    if need > MAX_BYTES:
+        raise SnapshotError(f"{count} snapshots of {len(params)} trained tensors take {need / 2**30:.1f} GB, over "
+                            f"{MAX_BYTES / 2**30:.0f} GB: take fewer, or freeze the base (train.freeze_base)")
+
+
+def listing(model_dir: str | Path) -> list[dict]:
+    """The snapshots a model directory holds, by step: {"step", "alpha", "tokens_seen", "path"}; a file whose header
+    cannot be read is left out (a model directory a browser user added is not trusted)."""
+    root = Path(model_dir) / DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.glob("step_*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {}).get("snapshot", "null"))
+        except Exception:   # safetensors raises its own error types for a damaged header
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("step"), int):
+            found.append({"step": meta["step"], "alpha": meta.get("alpha"), "tokens_seen": meta.get("tokens_seen"),
+                          "path": path})
+    return sorted(found, key=lambda s: s["step"])
+
+
+def load_into(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy a snapshot's tensors into `model` (a copy of the run's final model: the rest of it is what did not
+    train). Refused, with the tensor named, when a name or shape does not belong to the model."""
+    own = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if name not in own or own[name].shape != t.shape:
+                raise SnapshotError(f"{Path(path).name}: tensor {name} {tuple(t.shape)} is not one of this model's")
+            with torch.no_grad():
+                own[name].copy_(t.to(own[name].dtype))
