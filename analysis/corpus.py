@@ -79,11 +79,11 @@ def window_sums(rows: pd.DataFrame) -> dict[str, pd.DataFrame]:
 
 
 def propensity(sums: pd.DataFrame, by: list[str], resamples: int = RESAMPLES, seed: int = 0) -> pd.DataFrame:
-    """Drop rate per group of `by` columns from per-window sums (window_sums' tables): occurrences, rows, windows the
-    group occurs in, drop_rate = summed drop_share / rows, and its 95 % bootstrap interval over windows (lo, hi; NaN
-    for a group in fewer than MIN_WINDOWS windows). A resample that misses a group leaves it out of that group's
-    percentiles."""
-    cols = [*by, "occurrences", "tokens", "windows", "drop_rate", "lo", "hi"]
+    """Drop rate per group of `by` columns from per-window sums (window_sums' tables): occurrences (tokens), rows
+    ((layer, token) pairs), windows the group occurs in, drop_rate = summed drop_share / rows, and its 95 %
+    bootstrap interval over windows (lo, hi; NaN for a group in fewer than MIN_WINDOWS windows). A resample that
+    misses a group leaves it out of that group's percentiles."""
+    cols = [*by, "occurrences", "rows", "windows", "drop_rate", "lo", "hi"]
     if sums.empty:
         return pd.DataFrame(columns=cols)
     wide = sums.pivot_table(index="window", columns=by, values=["sum", "size", "occurrences"], aggfunc="sum",
@@ -96,7 +96,7 @@ def propensity(sums: pd.DataFrame, by: list[str], resamples: int = RESAMPLES, se
     out = wide["sum"].columns.to_frame(index=False)
     out.columns = by
     out["occurrences"] = wide["occurrences"].to_numpy().sum(0).astype(np.int64)
-    out["tokens"] = size.sum(0).astype(np.int64)
+    out["rows"] = size.sum(0).astype(np.int64)   # (layer, token) rows: occurrences times the layers pooled
     out["windows"] = (size > 0).sum(0).astype(np.int64)
     out["drop_rate"] = total.sum(0) / size.sum(0)
     few = out["windows"].to_numpy() < MIN_WINDOWS
@@ -152,10 +152,11 @@ def _interval(r, lo, hi, n, windows) -> str:
 def pos_layer_figure(stats: pd.DataFrame, title: str, min_tokens: int = 50) -> go.Figure:
     """The paper's figure: the share of each part of speech dropped by each layer (cells of at least min_tokens
     tokens), the interval in the hover."""
-    s = stats[stats["tokens"] >= min_tokens]
-    order = s.groupby("pos")["tokens"].sum().sort_values(ascending=False).index
+    s = stats[stats["occurrences"] >= min_tokens]
+    order = s.groupby("pos")["occurrences"].sum().sort_values(ascending=False).index
     pivot = s.pivot(index="pos", columns="layer", values="drop_rate").reindex(order)
-    hover = s.assign(text=[_interval(*v) for v in zip(s["drop_rate"], s["lo"], s["hi"], s["tokens"], s["windows"])])
+    hover = s.assign(text=[_interval(*v) for v in zip(s["drop_rate"], s["lo"], s["hi"], s["occurrences"],
+                                                      s["windows"])])
     text = hover.pivot(index="pos", columns="layer", values="text").reindex(order)
     fig = go.Figure(go.Heatmap(z=pivot.to_numpy(np.float64), x=[f"L{c}" for c in pivot.columns], y=list(pivot.index),
                                colorscale="Reds", zmin=0, zmax=1, customdata=text.to_numpy(),
@@ -293,7 +294,7 @@ def find_reports(roots: list[Path]) -> list[tuple[int, Path]]:
     return sorted(found.values(), key=lambda x: (x[0], str(x[1])))
 
 
-STATS_COLUMNS = {"run", "family", "source", "occurrences", "tokens", "windows", "drop_rate", "lo", "hi"}
+STATS_COLUMNS = {"run", "family", "source", "occurrences", "rows", "windows", "drop_rate", "lo", "hi"}
 COLUMNS = {"curves": {"run", "family", "budget", "source", "windows", "sparsity", "perplexity", "cost", "cost_lo",
                       "cost_hi"},
            **{f"stats_{t}": STATS_COLUMNS | set(by) for t, by in GROUPS.items()}}

@@ -111,10 +111,19 @@ def force_outcome(model, ids: list[int], labels: list[str], forces: list[Force])
     return outcome(model, before, after, labels, first_affected(forces), forces)
 
 
-def patch_outcome(model, ids: list[int], labels: list[str], layer: int, positions: list[int], donor) -> dict:
-    """outcome of the model's own forward against the one whose residual stream entering `layer` at `positions` is
-    the donor model's with its rule off (the model itself: its dense twin); three forwards."""
+def patch_outcome(model, ids: list[int], labels: list[str], layer: int, positions: list[int], donor,
+                  into: str = "pruned") -> dict:
+    """outcome of a forward against the same forward with the residual stream entering `layer` at `positions`
+    patched; three forwards. into "pruned": the model's own forward, patched with the donor model's states with its
+    rule off (the model itself: its dense twin). into "dense": the dense twin's forward (the rule off), patched with
+    the pruned model's own states (donor must be the model itself)."""
     from models.pruning import intervene
-    before = intervene.forced(model, ids)
-    after = intervene.patched(model, ids, layer, positions, intervene.residuals(donor, ids, layer, rule=False))
+    if into == "dense":
+        if donor is not model:
+            raise ValueError("the pruned model's states go into its own dense twin: the donor is the model itself")
+        before = intervene.twin_run(model, ids)
+        after = intervene.patched(model, ids, layer, positions, intervene.residuals(model, ids, layer), rule=False)
+    else:
+        before = intervene.forced(model, ids)
+        after = intervene.patched(model, ids, layer, positions, intervene.residuals(donor, ids, layer, rule=False))
     return outcome(model, before, after, labels, first_affected(positions=positions))

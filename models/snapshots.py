@@ -26,12 +26,28 @@ class SnapshotError(ValueError):
 
 
 def snapshot_steps(steps: int, alpha_steps: int | None, count: int) -> list[int]:
-    """Step 0 and `count` steps spread evenly over the alpha schedule (alpha_steps, default every step), within the
-    run's steps; [] when count is 0."""
+    """Step 0, `count` steps spread evenly over the alpha schedule (alpha_steps, default every step) and the run's
+    last step (the finished model's rule); [] when count is 0."""
     if count <= 0:
         return []
     span = min(alpha_steps or steps, steps)
-    return sorted({0} | {round(span * k / count) for k in range(1, count + 1)})
+    return sorted({0, steps} | {round(span * k / count) for k in range(1, count + 1)})
+
+
+def keep_evenly(snaps: list[dict], most: int) -> list[dict]:
+    """At most `most` snapshots, spread evenly, the first and the last always among them."""
+    if len(snaps) <= most:
+        return snaps
+    picks = sorted({round(i * (len(snaps) - 1) / (most - 1)) for i in range(most)})
+    return [snaps[i] for i in picks]
+
+
+def clear(model_dir: str | Path, after: int = -1) -> None:
+    """Remove the snapshots past step `after` (all of them by default): a run that starts over, or resumes from an
+    earlier checkpoint than its last snapshot, writes them again on the path it now takes."""
+    for s in listing(model_dir):
+        if s["step"] > after:
+            s["path"].unlink()
 
 
 def path_of(model_dir: str | Path, step: int) -> Path:
@@ -50,39 +66,68 @@ def save(model_dir: str | Path, params: dict[str, torch.Tensor], step: int, meta
 
 
 def check_size(params: dict[str, torch.Tensor], count: int) -> None:
-    need = (count + 1) * sum(p.numel() * p.element_size() for p in params.values())
+    """Refuse `count` snapshots of these tensors over MAX_BYTES in all."""
+    need = count * sum(p.numel() * p.element_size() for p in params.values())
     if need > MAX_BYTES:
         raise SnapshotError(f"{count} snapshots of {len(params)} trained tensors take {need / 2**30:.1f} GB, over "
                             f"{MAX_BYTES / 2**30:.0f} GB: take fewer, or freeze the base (train.freeze_base)")
 
 
+MAX_FILE_BYTES = MAX_BYTES   # one snapshot file read at most (a model directory a browser user added is untrusted)
+
+
+def _alpha(value) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 def listing(model_dir: str | Path) -> list[dict]:
-    """The snapshots a model directory holds, by step: {"step", "alpha", "tokens_seen", "path"}; a file whose header
-    cannot be read is left out (a model directory a browser user added is not trusted)."""
+    """The snapshots a model directory holds, by step: {"step", "alpha", "tokens_seen", "path"}. Left out: a file
+    that is not a regular file inside the directory (a link out of it, a FIFO), one over MAX_FILE_BYTES, one whose
+    header cannot be read or whose step is not its name's (a model directory a browser user added is untrusted)."""
     root = Path(model_dir) / DIR
     if not root.is_dir():
         return []
+    inside = root.resolve()
     found = []
     for path in sorted(root.glob("step_*.safetensors")):
         try:
-            with safe_open(str(path), framework="pt") as f:
+            real = path.resolve()
+            if real.parent != inside or not real.is_file() or real.stat().st_size > MAX_FILE_BYTES:
+                continue
+            with safe_open(str(real), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get("snapshot", "null"))
         except Exception:   # safetensors raises its own error types for a damaged header
             continue
-        if isinstance(meta, dict) and isinstance(meta.get("step"), int):
-            found.append({"step": meta["step"], "alpha": meta.get("alpha"), "tokens_seen": meta.get("tokens_seen"),
-                          "path": path})
+        if isinstance(meta, dict) and isinstance(meta.get("step"), int) and path == path_of(model_dir, meta["step"]):
+            found.append({"step": meta["step"], "alpha": _alpha(meta.get("alpha")),
+                          "tokens_seen": meta.get("tokens_seen"), "path": path})
     return sorted(found, key=lambda s: s["step"])
 
 
 def load_into(model: torch.nn.Module, path: str | Path) -> None:
     """Copy a snapshot's tensors into `model` (a copy of the run's final model: the rest of it is what did not
-    train). Refused, with the tensor named, when a name or shape does not belong to the model."""
+    train). Refused, with the tensor named, when a name or shape does not belong to the model (checked from the
+    header, before any tensor is read) or when the rule's parameters are not all there."""
     own = dict(model.named_parameters())
+    name_of = Path(path).name
     with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            if name not in own or own[name].shape != t.shape:
-                raise SnapshotError(f"{Path(path).name}: tensor {name} {tuple(t.shape)} is not one of this model's")
+        names = list(f.keys())
+        for name in names:
+            shape = tuple(f.get_slice(name).get_shape())
+            if name not in own or tuple(own[name].shape) != shape:
+                raise SnapshotError(f"{name_of}: tensor {name} {shape} is not one of this model's")
+        missing = [n for n in own if ".pruning." in n and n not in names]
+        if missing:
+            raise SnapshotError(f"{name_of} lacks the rule's {', '.join(missing[:3])}"
+                                f"{' ...' if len(missing) > 3 else ''}: not a snapshot of this run")
+        for name in names:
             with torch.no_grad():
-                own[name].copy_(t.to(own[name].dtype))
+                own[name].copy_(f.get_tensor(name).to(own[name].dtype))
+
+
+def snapshot_names(path: str | Path) -> set[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return set(f.keys())

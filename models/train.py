@@ -375,14 +375,12 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                             betas=(tc.beta1, tc.beta2), fused=dev.type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
     state_path, log_path = out / STATE, out / LOG
+    snapshot_at = set(snapshots.snapshot_steps(tc.steps, tc.alpha_steps, tc.snapshots))
+    if snapshot_at:   # (before anything is deleted: a refusal loses nothing)
+        snapshots.check_size(trainable, len(snapshot_at))
     if overwrite and main_proc:  # start over: nothing of the replaced model or run is kept
         for name in (STATE, *MODEL_FILES):
             (out / name).unlink(missing_ok=True)
-        for old in (out / snapshots.DIR).glob("*.safetensors"):
-            old.unlink()
-    snapshot_at = set(snapshots.snapshot_steps(tc.steps, tc.alpha_steps, tc.snapshots))
-    if snapshot_at:
-        snapshots.check_size(trainable, tc.snapshots)
     start, tokens_seen, elapsed = 0, 0, 0.0
     if state_path.exists():
         meta = load_state(state_path, model, opt)
@@ -391,9 +389,10 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         start, tokens_seen, elapsed = meta["step"], meta["tokens_seen"], meta["elapsed_s"]
         if main_proc:
             log.info("resuming %s from step %d", out, start)
-    if main_proc:  # the curve keeps exactly the steps the state has seen
+    if main_proc:  # the curve and the snapshots keep exactly the steps the state has seen
         lines = log_path.read_text().splitlines() if log_path.exists() and start else []
         log_path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start))
+        snapshots.clear(out, after=start if start else -1)   # (another run's, or past the state: written again)
 
     fwd = model
     if tc.compile and dev.type == "cuda":

@@ -63,7 +63,7 @@ def test_corpus_statistics_equal_a_direct_count(method, budget, monkeypatch):
         got = stats[table].set_index(by).sort_index()
         direct = want.groupby(by)["share"].agg(["mean", "size"]).sort_index()
         np.testing.assert_allclose(got["drop_rate"], direct["mean"], rtol=1e-6, err_msg=table)
-        assert (got["tokens"] == direct["size"]).all(), table
+        assert (got["rows"] == direct["size"]).all(), table
         per_layer = 1 if "layer" in by else model.config.n_layers   # occurrences: tokens, not (layer, token) rows
         assert (got["occurrences"] * per_layer == direct["size"]).all(), table
         assert (got["windows"] == want.groupby(by)["window"].nunique().sort_index()).all(), table
@@ -159,7 +159,7 @@ def test_the_command_writes_parquet_and_figures_and_resumes(tmp_path, text_sourc
                                                            f"corpus_layers_{run}", f"corpus_position_{run}",
                                                            f"corpus_tokens_{run}"}   # the page's figures
     pos = report["stats"]["pos"]
-    assert set(pos["run"]) == set(c.index) - {"dense"} and (pos["tokens"] > 0).all()
+    assert set(pos["run"]) == set(c.index) - {"dense"} and (pos["rows"] > 0).all()
     assert (pos.groupby("run")["occurrences"].sum() == 6 * 31).all()   # 6 windows x 31 tokens (the last left out)
     spec = out / "corpus_curve_own.json"
     assert [m["name"] for m in json.loads(spec.read_text())["models"]] == ["base", "mha-1024-pruned"]
@@ -185,6 +185,15 @@ def test_the_command_writes_parquet_and_figures_and_resumes(tmp_path, text_sourc
     (text_source / "doc0.txt").write_text("a different text " * 200)
     assert command.main(args_for(tmp_path / "other", text_source, parts)) == 2
     assert "sources" in capsys.readouterr().err
+
+    # parts computed on another device, or parts with no protocol at all, are refused too
+    protocol = json.loads((parts / "protocol.json").read_text())
+    (parts / "protocol.json").write_text(json.dumps(protocol | {"precision": {"device": "cuda", "dtype": "float32"}}))
+    assert command.main(args_for(tmp_path / "other2", text_source, parts)) == 2
+    assert "precision" in capsys.readouterr().err
+    (parts / "protocol.json").unlink()
+    assert command.main(args_for(tmp_path / "other2", text_source, parts)) == 2
+    assert "no protocol.json" in capsys.readouterr().err
 
     # a report rewritten by halves (a table replaced after its manifest) is refused by the reader
     pd.DataFrame(report["stats"]["pos"]).head(3).to_parquet(out / "stats_pos.parquet")
@@ -249,3 +258,21 @@ def test_the_corpus_page_draws_a_report_and_says_what_is_wrong_with_a_bad_one(sm
     monkeypatch.setenv("MIXSCOPE_CORPUS_DIRS", str(small_report / "nothing here"))
     at = AppTest.from_file(page, default_timeout=120).run()
     assert not at.exception and "No corpus report" in at.info[0].value
+
+
+def test_in_serve_mode_the_corpus_page_names_no_server_path(small_report, monkeypatch):
+    """A shared server's users see a report as <corpus N>/its place, and neither the roots, the command (its paths)
+    nor the 'looked in' message."""
+    from streamlit.testing.v1 import AppTest
+    page = str(Path(__file__).resolve().parent.parent / "app" / "views" / "8_Corpus.py")
+    monkeypatch.setenv("MIXSCOPE_CORPUS_DIRS", str(small_report))
+    monkeypatch.setenv("MIXSCOPE_SERVE", "1")
+    at = AppTest.from_file(page, default_timeout=120).run()
+    assert not at.exception
+    box = at.sidebar.selectbox(key="corpus_report")
+    assert "<corpus 1>/small" in box.options and all(o.startswith("<corpus 1>/") for o in box.options)
+    shown = " ".join([c.value for c in at.caption] + [m.value for m in at.markdown])
+    assert str(small_report) not in shown and "--base" not in shown
+    monkeypatch.setenv("MIXSCOPE_CORPUS_DIRS", str(small_report / "nothing here"))
+    at = AppTest.from_file(page, default_timeout=120).run()
+    assert str(small_report) not in at.info[0].value

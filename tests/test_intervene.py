@@ -116,6 +116,23 @@ def test_patching_equals_the_blocks_run_by_hand_with_the_donors_states(mixer, ex
     assert not torch.equal(run.logprobs[positions[0]:], own.logprobs[positions[0]:])
 
 
+@pytest.mark.parametrize("mixer, extra", CASES)
+def test_patching_the_pruned_states_into_the_twin(mixer, extra):
+    """The other direction: the twin given its own states changes nothing; given the pruned model's states at every
+    position entering layer L, it is the pruned model with every token kept from layer L on (the rule off there)."""
+    model = pruned(mixer, extra)
+    layer = 2
+    twin = intervene.twin_run(model, IDS)
+    assert (twin.dropped_at < 0).all()
+    own = intervene.patched(model, IDS, layer, list(range(T)), intervene.residuals(model, IDS, layer, rule=False),
+                            rule=False)
+    assert torch.equal(own.hidden, twin.hidden)
+    run = intervene.patched(model, IDS, layer, list(range(T)), intervene.residuals(model, IDS, layer), rule=False)
+    kept_on = intervene.forced(model, IDS, [Force(layer, j, keep=True, onward=True) for j in range(T - 1)])
+    torch.testing.assert_close(run.logprobs, kept_on.logprobs, rtol=0, atol=1e-10)
+    assert not torch.allclose(run.logprobs, twin.logprobs, atol=1e-6)
+
+
 def test_head_kl_is_the_kl_of_the_whole_distributions():
     model = pruned(*CASES[0])
     a = intervene.forced(model, IDS)
@@ -170,6 +187,12 @@ def test_the_command_writes_what_changed_and_refuses_to_overwrite(tmp_path, caps
              str(tmp_path / "p")]
     assert command.main(patch) == 0
     assert json.loads((tmp_path / "p" / "summary.json").read_text())["from"] == 10
+    into = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert command.main(patch[:-1] + [str(tmp_path / "q"), "--into", "dense"]) == 0
+    other = json.loads((tmp_path / "q" / "summary.json").read_text())
+    assert other["settings"]["into"] == "dense" and other["ppl_from_before"] != into["ppl_from_before"]
+    assert command.main(patch[:-1] + [str(tmp_path / "r"), "--into", "dense", "--donor", model]) == 2
+    assert "leave out --donor" in capsys.readouterr().err
     dense = [str(models_root() / "mha"), "--text", str(tmp_path / "t.txt"), "--layer", "0", "--keep", "1", "--out",
              str(tmp_path / "d")]
     assert command.main(dense) == 2 and "does not prune" in capsys.readouterr().err

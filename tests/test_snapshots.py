@@ -32,29 +32,51 @@ def pruned_config(tmp_path, data_dir, **train):   # noqa: F811
 
 def test_snapshot_steps():
     assert snapshots.snapshot_steps(100, None, 4) == [0, 25, 50, 75, 100]
-    assert snapshots.snapshot_steps(100, 40, 2) == [0, 20, 40]      # along the alpha schedule, not past it
-    assert snapshots.snapshot_steps(3, None, 8) == [0, 1, 2, 3]     # no step twice
+    assert snapshots.snapshot_steps(100, 40, 2) == [0, 20, 40, 100]   # along the alpha schedule, and the end
+    assert snapshots.snapshot_steps(3, None, 8) == [0, 1, 2, 3]        # no step twice
     assert snapshots.snapshot_steps(100, None, 0) == []
+    snaps = [{"step": i} for i in range(50)]
+    kept = snapshots.keep_evenly(snaps, 8)
+    assert len(kept) == 8 and kept[0]["step"] == 0 and kept[-1]["step"] == 49
 
 
-def test_a_run_snapshots_along_the_schedule_and_resumes(tmp_path, data_dir):   # noqa: F811
+def tensors(snaps) -> list[dict]:
+    return [load_file(str(s["path"])) for s in snaps]
+
+
+def test_a_run_snapshots_along_the_schedule_and_resumes_to_the_same_snapshots(tmp_path, data_dir):   # noqa: F811
     cfg = pruned_config(tmp_path, data_dir, snapshots=3)
-    out = tmp_path / "m"
-    assert train(cfg, out, progress=False, stop_after=3)["status"] == "interrupted"
-    assert [s["step"] for s in snapshots.listing(out)] == [0, 2]
-    first = (out / "snapshots" / "step_000000.safetensors").read_bytes()
-    train(cfg, out, progress=False)
-    snaps = snapshots.listing(out)
+    whole = tmp_path / "whole"
+    train(cfg, whole, progress=False)
+    snaps = snapshots.listing(whole)
     assert [s["step"] for s in snaps] == [0, 2, 4, 6]
-    assert (out / "snapshots" / "step_000000.safetensors").read_bytes() == first   # kept, not rewritten
     for s in snaps:
         assert s["alpha"] == pytest.approx(alpha_schedule(s["step"], 6, 1.0, 8.0))
-    final = load_model_dir(out).model.state_dict()
+    final = load_model_dir(whole).model.state_dict()
     last = load_file(str(snaps[-1]["path"]))
     assert set(last) == {k for k in final if ".pruning." in k}                 # the rule alone: the base is frozen
     assert all(torch.equal(last[k], final[k]) for k in last)
     start = load_file(str(snaps[0]["path"]))
     assert any(not torch.equal(start[k], last[k]) for k in last)               # the rule moved
+
+    # stopped after step 3 (state at 3), with a snapshot past the state left behind (as a kill between a snapshot
+    # and the next checkpoint leaves one): the resumed run writes it again on its own path
+    out = tmp_path / "resumed"
+    assert train(cfg, out, progress=False, stop_after=3)["status"] == "interrupted"
+    assert [s["step"] for s in snapshots.listing(out)] == [0, 2]
+    snapshots.save(out, {k: v + 1 for k, v in last.items()}, 4, {"alpha": 0.0})
+    train(cfg, out, progress=False)
+    again = snapshots.listing(out)
+    assert [s["step"] for s in again] == [0, 2, 4, 6]
+    for a, b in zip(tensors(snaps), tensors(again)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_fresh_run_does_not_keep_another_runs_snapshots(tmp_path, data_dir):   # noqa: F811
+    out = tmp_path / "m"
+    snapshots.save(out, {"blocks.0.mixer.pruning.beta": torch.zeros(())}, 5, {"alpha": 1.0})
+    train(pruned_config(tmp_path, data_dir, snapshots=1), out, progress=False)
+    assert [s["step"] for s in snapshots.listing(out)] == [0, 6]
 
 
 def test_replaying_a_snapshot_equals_the_model_built_by_hand(tmp_path, data_dir):   # noqa: F811
@@ -87,11 +109,19 @@ def test_replaying_a_snapshot_equals_the_model_built_by_hand(tmp_path, data_dir)
 def test_a_snapshot_of_another_model_is_refused(tmp_path, data_dir):   # noqa: F811
     out = tmp_path / "m"
     train(pruned_config(tmp_path, data_dir, snapshots=1), out, progress=False)
-    bad = snapshots.save(tmp_path / "other", {"blocks.0.mixer.pruning.beta": torch.zeros(3)}, 0, {"alpha": 1.0})
+    model = load_model_dir(out).model
+    rule = {k: v.detach() for k, v in model.named_parameters() if ".pruning." in k}
+    wrong = dict(rule) | {"blocks.0.mixer.pruning.beta": torch.zeros(3)}
     with pytest.raises(snapshots.SnapshotError, match="not one of this model's"):
-        snapshots.load_into(load_model_dir(out).model, bad)
+        snapshots.load_into(model, snapshots.save(tmp_path / "a", wrong, 0, {"alpha": 1.0}))
+    short = {k: v for k, v in rule.items() if not k.startswith("blocks.1.")}
+    with pytest.raises(snapshots.SnapshotError, match="lacks the rule's"):
+        snapshots.load_into(model, snapshots.save(tmp_path / "b", short, 0, {"alpha": 1.0}))
     (out / "snapshots" / "step_000009.safetensors").write_bytes(b"not a safetensors file")
-    assert [s["step"] for s in snapshots.listing(out)] == [0, 6]   # a damaged file is left out
+    misnamed = snapshots.save(tmp_path / "c", rule, 3, {"alpha": 1.0})
+    misnamed.rename(out / "snapshots" / "step_000004.safetensors")            # its header says step 3
+    (out / "snapshots" / "step_000007.safetensors").symlink_to(snapshots.path_of(out, 6))   # a link
+    assert [s["step"] for s in snapshots.listing(out)] == [0, 6]   # damaged, misnamed, linked: left out
 
 
 def test_too_many_snapshots_of_a_whole_model_are_refused():

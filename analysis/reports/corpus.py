@@ -148,6 +148,8 @@ def check_protocol(parts: Path, protocol: dict) -> None:
     """Parts of another protocol (other models' weights, other windows' tokens, window size, sources, device or
     dtype) are refused, not mixed in; the code that computed each window is on its line (the manifest lists them)."""
     path = parts / "protocol.json"
+    if not path.is_file() and any(parts.glob("*/*/windows.jsonl")):
+        raise CorpusError(f"{parts} holds parts with no protocol.json: give another --parts, or remove that directory")
     if path.is_file():
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))

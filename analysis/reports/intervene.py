@@ -1,8 +1,9 @@
-"""Force the learned rule's decision about one token, or patch the dense twin's states into the pruned model, and
-write what changed downstream.
+"""Force the learned rule's decision about one token, or patch the dense twin's states into the pruned model (or the
+pruned model's into its twin, --into dense), and write what changed downstream.
 
     python -m analysis.reports.intervene MODEL_DIR --text FILE --layer L (--keep J | --drop J [--at N]) [--onward]
     python -m analysis.reports.intervene MODEL_DIR --text FILE --layer L --patch P [P ...] [--donor twin|DIR]
+        [--into pruned|dense]
         [--from S] [--window W] --out DIR [--force]
 
 Positions count tokens of the window (from --from, at most the Pruning page's 1,024 tokens or the model's context).
@@ -57,9 +58,13 @@ def run(args) -> dict:
             if tokenize(other.tokenizer, text).ids[args.start:args.start + size] != ids:
                 raise ExportError(f"{args.donor} tokenizes the text differently: patching needs the same tokens")
             donor = other.model
-        res = report.patch_outcome(model, ids, toks.labels, args.layer, args.patch, donor)
-        what = f"layer {args.layer}'s input at {', '.join(map(str, args.patch))} from {args.donor}"
-        settings = {"patch": args.patch, "donor": args.donor}
+        if args.into == "dense" and args.donor != "twin":
+            raise ExportError("--into dense patches the pruned model's states into its own twin: leave out --donor")
+        res = report.patch_outcome(model, ids, toks.labels, args.layer, args.patch, donor, args.into)
+        what = (f"the dense twin's layer {args.layer} input at {', '.join(map(str, args.patch))} from the pruned "
+                "model" if args.into == "dense" else
+                f"layer {args.layer}'s input at {', '.join(map(str, args.patch))} from {args.donor}")
+        settings = {"patch": args.patch, "donor": args.donor, "into": args.into}
     else:
         j, keep = (args.keep, True) if args.keep is not None else (args.drop, False)
         force = intervene.Force(args.layer, j, keep, None if keep else args.at, args.onward)
@@ -96,6 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--at", type=int, default=None, help="with --drop: the first query that no longer sees J")
     ap.add_argument("--onward", action="store_true", help="force every later layer too")
     ap.add_argument("--donor", default="twin", help="with --patch: 'twin' (rule off) or a dense model directory")
+    ap.add_argument("--into", choices=("pruned", "dense"), default="pruned",
+                    help="with --patch: the donor's states into the pruned model (default), or the pruned model's "
+                         "own states into its dense twin")
     ap.add_argument("--from", dest="start", type=int, default=0, help="the window's first token in the text")
     ap.add_argument("--window", type=int, default=None, help=f"tokens (default {budgets.PRUNING_VIEW}, at most the "
                                                              "model's context)")

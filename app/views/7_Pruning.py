@@ -141,14 +141,15 @@ def score_view(layer: int) -> None:
 
 @st.cache_data(max_entries=8, show_spinner="Running the model with the change, and without…")
 def cached_change(path: str, ids: tuple[int, ...], labels: tuple[str, ...], layer: int, force: tuple | None,
-                  patch: tuple[int, ...] | None):
-    """analysis.intervene.outcome of one forced decision (force: token, keep, at, onward) or one patch of the dense
-    twin's residual stream entering `layer` at `patch`: two forwards (three with the donor's)."""
+                  patch: tuple[int, ...] | None, into: str = "pruned"):
+    """analysis.intervene.outcome of one forced decision (force: token, keep, at, onward) or one patch of the
+    residual stream entering `layer` at `patch` (into "pruned": the dense twin's states into the pruned model;
+    "dense": the pruned model's into its twin): two forwards (three with the donor's)."""
     model = load(path).model
     with heavy.slot():
         if force is not None:
             return change.force_outcome(model, list(ids), list(labels), [intervene.Force(layer, *force)])
-        return change.patch_outcome(model, list(ids), list(labels), layer, list(patch), model)
+        return change.patch_outcome(model, list(ids), list(labels), layer, list(patch), model, into)
 
 
 @heavy.fragment
@@ -158,10 +159,13 @@ def what_if(layer: int) -> None:
     st.subheader(f"What if: force a decision at layer {layer}, or patch in the dense twin's states")
     if not st.toggle("Run a change (two more forwards)", key="prune_iv"):
         return
-    kind = st.radio("Change", ["force a decision", "patch the dense twin's states"], horizontal=True,
-                    key="prune_iv_kind")
+    kind = st.radio("Change", ["force a decision", "patch the dense twin's states", "patch into the dense twin"],
+                    horizontal=True, key="prune_iv_kind",
+                    help="Patch the dense twin's states: into the pruned model. Patch into the dense twin: the pruned "
+                         "model's states, into its twin (the same weights with the rule off).")
     c1, c2, c3 = st.columns(3)
     force = patch = None
+    into = "dense" if kind == "patch into the dense twin" else "pruned"
     if kind == "force a decision":
         j = int(c1.selectbox("Token", range(n - 1), key="prune_iv_token",
                              format_func=lambda i: f"{i}: {view.labels[i]!r}"))
@@ -176,10 +180,16 @@ def what_if(layer: int) -> None:
         width = int(c2.number_input("and the next", 0, 64, 0, key="prune_iv_width",
                                     help="positions after it, patched too"))
         patch = tuple(range(p, min(n, p + width + 1)))
-        c3.caption("Donor: the same weights with the rule off (nothing dropped), reading the same text.")
-        what = f"layer {layer}'s input at {p}{f'-{patch[-1]}' if len(patch) > 1 else ''} from the dense twin"
-        iv_settings = {"patch": list(patch), "donor": "twin"}
-    res = cached_change(path, ids, tuple(view.labels), layer, force, patch)
+        span = f"{p}{f'-{patch[-1]}' if len(patch) > 1 else ''}"
+        if into == "dense":
+            c3.caption("Into the dense twin (the same weights with the rule off): the pruned model's own states. The "
+                       "twin drops nothing, so no decision can change.")
+            what = f"the dense twin's layer {layer} input at {span} from the pruned model"
+        else:
+            c3.caption("Donor: the same weights with the rule off (nothing dropped), reading the same text.")
+            what = f"layer {layer}'s input at {span} from the dense twin"
+        iv_settings = {"patch": list(patch), "donor": "twin", "into": into}
+    res = cached_change(path, ids, tuple(view.labels), layer, force, patch, into)
     s = res["summary"]
     m = st.columns(4)
     m[0].metric(f"perplexity from position {s['from']}", f"{s['ppl_from_after']:.3f}",
@@ -217,21 +227,31 @@ def timeline_view() -> None:
     if not snaps:
         return
     st.subheader("How the rule came to be")
-    shown = snaps[:budgets.MAX_SNAPSHOTS]
-    more = f" (the first {len(shown)} of {len(snaps)})" if len(snaps) > len(shown) else ""
+    shown = snapshots.keep_evenly(snaps, budgets.MAX_SNAPSHOTS)
+    more = f" ({len(shown)} of {len(snaps)}, spread evenly)" if len(snaps) > len(shown) else ""
     if not st.toggle(f"Replay the training run's {len(shown)} snapshots{more} on this window ({len(shown)} forwards)",
                      key="prune_timeline"):
         return
     bar, parts = st.progress(0.0, text="replaying the snapshots…"), []
     for k, snap in enumerate(shown):   # (each cached: a second visit, or another window's return, is instant)
-        parts.append(cached_snapshot(path, ids, tuple(tags), tuple(view.labels), snap["path"].name,
-                                     snap["path"].stat().st_mtime))
+        try:
+            parts.append(cached_snapshot(path, ids, tuple(tags), tuple(view.labels), snap["path"].name,
+                                         snap["path"].stat().st_mtime))
+        except (snapshots.SnapshotError, OSError) as e:   # (a model directory a user added may hold anything)
+            st.warning(access.public(f"left out: {e}"))
         bar.progress((k + 1) / len(shown), text=f"snapshot {k + 1}/{len(shown)} (step {snap['step']})")
     bar.empty()
+    if not parts:
+        return
     res = timeline.join(parts)
     steps = res["steps"]
+
+    def name(i: int) -> str:
+        alpha = steps["alpha"][i]
+        return f"step {steps['step'][i]}" + (f" (alpha {alpha:.2f})" if alpha == alpha and alpha is not None else "")
+
     i = st.select_slider("Snapshot", list(range(len(steps))), len(steps) - 1, key="prune_timeline_at",
-                         format_func=lambda i: f"step {steps['step'][i]} (alpha {steps['alpha'][i]:.2f})")
+                         format_func=name)
     step = int(steps["step"][i])
     spec = settings | {"snapshot_step": step, "snapshots": [s["path"].name for s in shown]}
     fig = timeline.steps_figure(steps, step, "sparsity and the first tokens over training (this window)")

@@ -50,10 +50,13 @@ try:
     stamp = tuple((Path(chosen) / f).stat().st_mtime for f in corpus.REPORT_FILES)
     rep = cached_report(chosen, stamp)
 except (corpus.ReportError, OSError) as e:
-    st.error(access.public(str(e)))
+    st.error(access.public(str(e)) if not access.serving() else f"{names[chosen]} could not be read "
+             f"({type(e).__name__}): run its report again")
     st.stop()
 man, curves = rep["manifest"], rep["curves"]
 models = man["models"]
+if access.serving():   # the directories a report recorded (perhaps another machine's) are not shown
+    models = {k: {**v, "model_dir": k} if isinstance(v, dict) else v for k, v in models.items()}
 about = (f"windows of {man.get('window', '?')} tokens · precision {man.get('precision', {})} · "
          + " · ".join(f"{k}: {str(v.get('checkpoint_sha256') if isinstance(v, dict) else v)[:12]}"
                       for k, v in models.items()))

@@ -108,7 +108,8 @@ def _run(model, ids: list[int], cache, residual=None) -> Run:
     with evaluating(model):
         hidden = model(x, cache=cache, hidden_only=True, residual=residual).hidden[0]
     lp = head_logprobs(model, hidden[:-1], x[0, 1:])
-    return Run(hidden, lp, torch.stack([layer.dropped_at for layer in cache.layers]))
+    # [L, T]: a replay's layers keep one row per KV group ([R, T]); the twin's (nothing evicted) are all -1
+    return Run(hidden, lp, torch.stack([layer.dropped_at.reshape(-1, len(ids)).amax(0) for layer in cache.layers]))
 
 
 @torch.no_grad()   # (not inference_mode: callers compute on what comes back)
@@ -141,9 +142,11 @@ def residuals(model, ids: list[int], layer: int, rule: bool = True) -> torch.Ten
 
 
 @torch.no_grad()
-def patched(model, ids: list[int], layer: int, positions: list[int], donor: torch.Tensor) -> Run:
+def patched(model, ids: list[int], layer: int, positions: list[int], donor: torch.Tensor, rule: bool = True) -> Run:
     """The pruned model over ids with the residual stream entering block `layer` at `positions` replaced by the
-    donor's (a [T, d_m] from `residuals`, of the dense twin or the dense base); its rule runs on what follows."""
+    donor's (a [T, d_m] from `residuals`, of the dense twin or the dense base); its rule runs on what follows. With
+    rule False the same weights run with the rule off (the dense twin), so the pruned model's own states
+    (residuals(model, ...)) can be patched into its twin."""
     t = len(ids)
     if not 0 <= layer < model.config.n_layers:
         raise ValueError(f"layer {layer}: the model has layers 0-{model.config.n_layers - 1}")
@@ -160,4 +163,15 @@ def patched(model, ids: list[int], layer: int, positions: list[int], donor: torc
             x[0, at] = donor[at].to(x.dtype)
         return x
 
-    return _run(model, ids, Intervention([], model.config.n_layers), residual=patch)
+    return _run(model, ids, Intervention([], model.config.n_layers) if rule else _twin(model), residual=patch)
+
+
+def _twin(model):
+    from models.pruning.replay import Replay
+    return Replay(None, model.config.n_layers)   # (nothing evicted: the same weights with the rule off)
+
+
+@torch.no_grad()
+def twin_run(model, ids: list[int]) -> Run:
+    """The pruned model's dense twin over ids (the same weights, the rule off; nothing is dropped)."""
+    return _run(model, ids, _twin(model))
