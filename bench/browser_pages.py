@@ -35,7 +35,7 @@ BUSY = ("[data-testid='stStatusWidgetRunningIcon'], [data-testid='stSpinner'], [
         "[data-testid='stElementContainer'][data-stale='true']")
 # page url -> does it read a text
 PAGES = {"": False, "Generate": False, "Attention": True, "Heads": False, "Extractors": False, "Attribution": True,
-         "Compare": True, "Pruning": True}
+         "Compare": True, "Pruning": True, "Corpus": False}   # (Corpus reads a report: docs/corpus_smollm2)
 # Installed in every page before it loads: on each change to the page, notes whether it is busy (no title drawn
 # yet, running, a spinner or a progress bar) or has a plotly figure not yet drawn, and the last moment it was
 # (Date.now(): the host's clock, which the harness shares). The harness reads that four times a second: polling
