@@ -49,4 +49,6 @@ if len(good):
     if good["test ppl"].notna().any():
         fig = efficiency_figure(good)
         st.plotly_chart(fig, width="stretch")
-        export_buttons(fig, good, "zoo_efficiency", settings={"models": list(good["model"])})
+        drawn = table[table["error"].isna() & table["test ppl"].notna()]   # (each named with its weights' hash)
+        export_buttons(fig, good, "zoo_efficiency", dict(zip(drawn["model"], drawn["path"])),
+                       settings={"models": list(good["model"])})

@@ -11,13 +11,25 @@ from streamlit.testing.v1 import AppTest
 from analysis import render, style
 from analysis.export import figure_bytes
 from tests.test_corpus import small_report  # noqa: F401 (a fixture)
+from tests.test_train_eval import data_dir  # noqa: F401 (a fixture)
+
+
+@pytest.fixture(scope="module")
+def snapshot_run(tmp_path_factory, data_dir):   # noqa: F811
+    from models.train import train
+    from tests.test_snapshots import pruned_config
+    root = tmp_path_factory.mktemp("snapshot_run")
+    train(pruned_config(root, data_dir, snapshots=2), root / "models" / "run", progress=False)
+    return root / "models"
 
 VIEWS = Path(__file__).resolve().parent.parent / "app" / "views"
-# (page, model): together every figure kind the pages export, in their default views
-PAGES = [("1_Generate.py", "mha-1024-pruned"), ("2_Attention.py", "mha"), ("2_Attention.py", "she"),
-         ("3_Heads.py", "mha"), ("3_Heads.py", "mhe-mul"), ("4_Extractors.py", "we"), ("5_Attribution.py", "mha"),
+# (page, model): together every figure kind the pages export (Generate on a pruned and on a dense model: its two
+# branches; Pruning's off-by-default views and its timeline)
+PAGES = [("Models.py", None), ("1_Generate.py", "mha-1024-pruned"), ("1_Generate.py", "mha"),
+         ("2_Attention.py", "mha"), ("2_Attention.py", "she"), ("3_Heads.py", "mha"), ("3_Heads.py", "mhe-mul"),
+         ("4_Extractors.py", "we"), ("5_Attribution.py", "mha"),
          ("6_Compare.py", "mha"), ("7_Pruning.py", "mha-1024-pruned"), ("7_Pruning.py+views", "mha-1024-pruned"),
-         ("8_Corpus.py", None)]
+         ("7_Pruning.py+timeline", "run"), ("8_Corpus.py", None)]
 
 
 def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict]]:
@@ -32,13 +44,19 @@ def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict
         return real(fig, table, name, model_dir, text, settings, key, precision)
 
     monkeypatch.setattr(app.common, "export_buttons", catch)
-    at = AppTest.from_file(str(VIEWS / page), default_timeout=300)
+    at = AppTest.from_file(str(VIEWS.parent / page if page == "Models.py" else VIEWS / page), default_timeout=300)
     at.session_state["model"] = model
     at.run()
     if page == "1_Generate.py":   # its figures come after a generation
         at.number_input(key="gen_n").set_value(12)
         at.checkbox(key="gen_greedy").set_value(True)
         at.button(key="gen_go").click().run()
+    if extra == "timeline":   # a run with snapshots (MIXSCOPE_MODELS: the fixture's): the replay, at its first
+        at.toggle(key="prune_timeline").set_value(True).run()
+        at.select_slider(key="prune_timeline_at").set_value(0).run()
+        names = [name for name, *_ in caught]
+        assert {"pruning_timeline", "pruning_timeline_layers", "pruning_timeline_pos"} <= set(names)
+        assert [how["settings"]["snapshot_step"] for name, _, how in caught if name == "pruning_timeline"][-1] == 0
     if extra == "views":   # Pruning's views that are off by default: the scores, a side by side, every policy
         at.toggle(key="prune_scores").set_value(True)
         at.selectbox(key="prune_compare").set_value("tova")
@@ -63,6 +81,8 @@ def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch,
     from app.common import sidecar_json
     if page == "8_Corpus.py":   # a small report of the zoo's pruned MHA (tests/test_corpus.py)
         monkeypatch.setenv("MIXSCOPE_CORPUS_DIRS", str(request.getfixturevalue("small_report")))
+    if page.endswith("+timeline"):   # a small pruned run with snapshots (tests/test_snapshots.py)
+        monkeypatch.setenv("MIXSCOPE_MODELS", str(request.getfixturevalue("snapshot_run")))
     figures = exported(monkeypatch, page, model)
     assert figures, f"{page} on {model} exported no figure"
     for name, fig, how in figures:
@@ -71,13 +91,18 @@ def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch,
         meta = json.loads(path.read_text())
         for key in ("checkpoint_sha256", "code", "text_sha256", "settings", "precision", "versions"):
             assert key in meta, (name, key)
-        # every model the figure draws is named with its weights' hash (a figure of two models names both)
+        # every model the figure draws is named with its weights' hash (a figure of two models names both, the
+        # zoo's figure every model it plots)
         dirs = how["model_dir"] if isinstance(how["model_dir"], dict) else {"model": how["model_dir"]}
-        assert [m["name"] for m in meta["models"]] == [str(k) for k in dirs], name
+        assert dirs and [m["name"] for m in meta["models"]] == [str(k) for k in dirs], name
         assert all(m["checkpoint_sha256"] for m in meta["models"]), name
         assert meta["checkpoint_sha256"] == meta["models"][0]["checkpoint_sha256"], name
         again = render.load_figure(path)
         assert json.loads(again.to_json()) == json.loads(fig.to_json()), name
+    if page == "1_Generate.py" and model == "mha":   # a dense model's generation: its per-token latency
+        assert {n for n, *_ in figures} == {"generation_latency"}
+    if page == "Models.py":
+        assert {n for n, *_ in figures} == {"zoo_efficiency"} and len(figures[0][2]["model_dir"]) >= 10
     if page == "8_Corpus.py":   # each figure names the report's models as it recorded them, with their hashes
         run = "mha-1024-pruned_own"
         assert {n for n, *_ in figures} == {"corpus_curve_own", f"corpus_pos_layer_{run}", f"corpus_layers_{run}",
