@@ -309,7 +309,7 @@ def window_ids_sha256(windows: list[list[int]]) -> str:
 def run(args) -> int:
     from analysis import export
     from analysis.export import model_entry
-    from models.checkpoint import code_version, load_model_dir
+    from models.checkpoint import load_model_dir
     from models.device import resolve
 
     formats = [f for f in args.formats.split(",") if f]
@@ -382,7 +382,7 @@ def run(args) -> int:
     command = "python -m analysis.reports.corpus " + " ".join(argv_of(args))
     manifest = {"command": command, "window": args.window, "sources": specs, "models": models,
                 "runs": plan, "policies": names, "budgets": sizes, "resamples": args.resamples,
-                "precision": precision, "computed_by": commits, "code": code_version(),
+                "precision": precision, "computed_by": commits, "code": export.code_version(),   # (as it started)
                 "created": pd.Timestamp.now("UTC").isoformat(timespec="seconds"),
                 "files": {f: corpus.file_sha256(out / f) for f in tables}}   # (read_report checks the tables)
     write_atomic(out / "report.md", lambda p: p.write_text(report_md(command, manifest, curves, stats),
