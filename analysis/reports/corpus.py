@@ -312,6 +312,7 @@ def run(args) -> int:
     from models.checkpoint import load_model_dir
     from models.device import resolve
 
+    started = export.code_version()   # (read now, before this run writes anything into the checkout)
     formats = [f for f in args.formats.split(",") if f]
     unknown = sorted(set(formats) - set(export.FORMATS))
     if unknown:
@@ -382,7 +383,7 @@ def run(args) -> int:
     command = "python -m analysis.reports.corpus " + " ".join(argv_of(args))
     manifest = {"command": command, "window": args.window, "sources": specs, "models": models,
                 "runs": plan, "policies": names, "budgets": sizes, "resamples": args.resamples,
-                "precision": precision, "computed_by": commits, "code": export.code_version(),   # (as it started)
+                "precision": precision, "computed_by": commits, "code": started,
                 "created": pd.Timestamp.now("UTC").isoformat(timespec="seconds"),
                 "files": {f: corpus.file_sha256(out / f) for f in tables}}   # (read_report checks the tables)
     write_atomic(out / "report.md", lambda p: p.write_text(report_md(command, manifest, curves, stats),
