@@ -49,10 +49,9 @@ def tex(label: str) -> str:
     return out
 
 
-def _centred(trace) -> bool:
-    """A heatmap drawn around a value (zmid set, or a range symmetric about 0): it keeps a diverging scale."""
-    return trace.zmid is not None or (trace.zmin is not None and trace.zmax is not None and trace.zmin == -trace.zmax
-                                      and trace.zmax > 0)
+def _centred(mid, lo, hi) -> bool:
+    """A colour scale drawn around a value (its mid set, or a range symmetric about 0): it keeps a diverging scale."""
+    return mid is not None or (lo is not None and hi is not None and lo == -hi and hi > 0)
 
 
 DASHES = ["solid", "dash", "dot", "dashdot"]            # lines past the 8th colour: the colours again, dashed
@@ -117,7 +116,7 @@ def recolour(fig: go.Figure) -> None:
             if own:
                 t.colorscale = [[v, c if _neutral(_rgb(c)) else _nearest_hue(_rgb(c))] for v, c in scale]
             else:
-                t.colorscale = DIVERGING if _centred(t) else SEQUENTIAL
+                t.colorscale = DIVERGING if _centred(t.zmid, t.zmin, t.zmax) else SEQUENTIAL
             continue
         if t.type not in ("scatter", "scattergl", "bar"):
             continue
@@ -126,8 +125,8 @@ def recolour(fig: go.Figure) -> None:
             if len(points) and all(_rgb(c) for c in points):    # colours that say something (a sign): their hues
                 t.marker.color = [c if _neutral(_rgb(c)) else _nearest_hue(_rgb(c)) for c in points]
             elif t.marker.colorscale is not None:                # values on a scale: as a heatmap's
-                signed = t.marker.cmin is not None and t.marker.cmax is not None and t.marker.cmin == -t.marker.cmax
-                t.marker.colorscale = DIVERGING if t.marker.cmid is not None or signed else SEQUENTIAL
+                m = t.marker
+                t.marker.colorscale = DIVERGING if _centred(m.cmid, m.cmin, m.cmax) else SEQUENTIAL
             continue
         given = (t.line.color if t.type != "bar" and t.line is not None else None) or points
         rgb = _rgb(given)

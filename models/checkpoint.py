@@ -68,7 +68,7 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write) -> None:
     """Write via a temporary file and rename, so an interrupted save never leaves half a file."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
@@ -103,10 +103,10 @@ def save_model_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
         card["weights_dtype"] = weights_dtype
     if only is None:  # a full model: a base.json left from an earlier delta here would make loading overlay a base
         (out / "base.json").unlink(missing_ok=True)
-    _write_atomic(out / CONFIG, lambda p: model.config.save(p))
-    _write_atomic(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _write_atomic(out / TOKENIZER, lambda p: tokenizer.save(str(p)))
-    _write_atomic(out / CARD,
+    write_atomic(out / CONFIG, lambda p: model.config.save(p))
+    write_atomic(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    write_atomic(out / TOKENIZER, lambda p: tokenizer.save(str(p)))
+    write_atomic(out / CARD,
                   lambda p: p.write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8"))
     return out
 
@@ -126,7 +126,7 @@ def save_delta_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     sha = file_sha256(where / WEIGHTS)
     # an imported registry base's
     pin = read_json(where / CARD).get("wheel_sha256") if (where / CARD).is_file() else None
-    _write_atomic(out / delta.BASE, lambda p: delta.write_base_spec(p, base_source, sha, replaces, pin))
+    write_atomic(out / delta.BASE, lambda p: delta.write_base_spec(p, base_source, sha, replaces, pin))
     return save_model_dir(out, model, tokenizer, dict(card or {}) | {"base": base_source}, only=set(keep))
 
 

@@ -10,7 +10,6 @@ it has and writes the rest.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -56,12 +55,11 @@ def path_of(model_dir: str | Path, step: int) -> Path:
 
 def save(model_dir: str | Path, params: dict[str, torch.Tensor], step: int, meta: dict) -> Path:
     """The tensors (written whole, then renamed: a stop leaves no half file) with step and meta in the header."""
+    from models.checkpoint import write_atomic
     path = path_of(model_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in params.items()}
-    save_file(tensors, str(tmp), metadata={"snapshot": json.dumps({"step": step, **meta})})
-    os.replace(tmp, path)
+    write_atomic(path, lambda p: save_file(tensors, str(p), metadata={"snapshot": json.dumps({"step": step, **meta})}))
     return path
 
 
@@ -84,27 +82,32 @@ def _alpha(value) -> float | None:
 
 
 def listing(model_dir: str | Path) -> list[dict]:
-    """The snapshots a model directory holds, by step: {"step", "alpha", "tokens_seen", "path"}. Left out: a file
-    that is not a regular file inside the directory (a link out of it, a FIFO), one over MAX_FILE_BYTES, one whose
-    header cannot be read or whose step is not its name's (a model directory a browser user added is untrusted)."""
+    """The snapshots a model directory holds, by step (entry of each step_*.safetensors, those it leaves out
+    skipped)."""
     root = Path(model_dir) / DIR
     if not root.is_dir():
         return []
-    inside = root.resolve()
-    found = []
-    for path in sorted(root.glob("step_*.safetensors")):
-        try:
-            real = path.resolve()
-            if real.parent != inside or not real.is_file() or real.stat().st_size > MAX_FILE_BYTES:
-                continue
-            with safe_open(str(real), framework="pt") as f:
-                meta = json.loads((f.metadata() or {}).get("snapshot", "null"))
-        except Exception:   # safetensors raises its own error types for a damaged header
-            continue
-        if isinstance(meta, dict) and isinstance(meta.get("step"), int) and path == path_of(model_dir, meta["step"]):
-            found.append({"step": meta["step"], "alpha": _alpha(meta.get("alpha")),
-                          "tokens_seen": meta.get("tokens_seen"), "path": path})
-    return sorted(found, key=lambda s: s["step"])
+    found = [entry(model_dir, path) for path in sorted(root.glob("step_*.safetensors"))]
+    return sorted((s for s in found if s is not None), key=lambda s: s["step"])
+
+
+def entry(model_dir: str | Path, path: Path) -> dict | None:
+    """{"step", "alpha", "tokens_seen", "path"} of one snapshot file, or None for a file that is not a regular file
+    inside the directory (a link out of it, a FIFO), one over MAX_FILE_BYTES, one whose header cannot be read or
+    whose step is not its name's (a model directory a browser user added is untrusted)."""
+    try:
+        real = path.resolve()
+        if real.parent != (Path(model_dir) / DIR).resolve() or not real.is_file() \
+                or real.stat().st_size > MAX_FILE_BYTES:
+            return None
+        with safe_open(str(real), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("snapshot", "null"))
+    except Exception:   # safetensors raises its own error types for a damaged header
+        return None
+    if isinstance(meta, dict) and isinstance(meta.get("step"), int) and path == path_of(model_dir, meta["step"]):
+        return {"step": meta["step"], "alpha": _alpha(meta.get("alpha")), "tokens_seen": meta.get("tokens_seen"),
+                "path": path}
+    return None
 
 
 def load_into(model: torch.nn.Module, path: str | Path) -> None:

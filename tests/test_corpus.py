@@ -121,7 +121,11 @@ def test_the_curve_pools_perplexity_and_pairs_the_windows():
 
 @pytest.fixture
 def text_source(tmp_path):
-    src = tmp_path / "texts"
+    return write_texts(tmp_path / "texts")
+
+
+def write_texts(src: Path) -> Path:
+    """Three short documents of a user's own corpus."""
     src.mkdir()
     words = "the harbour was quiet and the bridge stood over the river while ships came in slowly . ".split()
     for i in range(3):
@@ -226,12 +230,7 @@ def test_a_dense_model_given_as_pruned_and_a_missing_source_are_refused(tmp_path
 def small_report(tmp_path_factory):
     """A report of the zoo's pruned MHA and its dense base on three short texts (what the page reads)."""
     root = tmp_path_factory.mktemp("corpus")
-    src = root / "texts"
-    src.mkdir()
-    words = "the harbour was quiet and the bridge stood over the river while ships came in slowly . ".split()
-    for i in range(3):
-        (src / f"doc{i}.txt").write_text(" ".join(words[(i + k) % len(words)] for k in range(400)))
-    assert command.main(args_for(root / "reports" / "small", src)) == 0
+    assert command.main(args_for(root / "reports" / "small", write_texts(root / "texts"))) == 0
     return root / "reports"
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -33,7 +32,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from analysis import budgets, corpus, pruning
-from analysis.reports.matched import SOURCE_NAME, Windows, source_windows
+from analysis.reports.matched import SOURCE_NAME, Windows, cut_windows, source_windows
+from models.checkpoint import write_atomic
 from models.data.corpus import DataError
 from models.pruning import policies
 
@@ -65,11 +65,9 @@ def text_windows(path: Path, tokenizer, window: int, count: int | None) -> list[
         data = f.read_bytes()
         text = decode_upload(f.name, data, max_chars=len(data))   # (the app's checks: UTF-8 text, not binary)
         ids += tokenizer.encode(text).ids + ([eos] if eos is not None else [])
-    n = len(ids) // window
-    if n < 1:
+    if len(ids) < window:
         raise CorpusError(f"{path} has {len(ids)} tokens, fewer than one {window}-token window")
-    picks = range(n) if count is None else np.unique(np.linspace(0, n - 1, min(count, n)).round().astype(int))
-    return [ids[i * window:(i + 1) * window] for i in picks]
+    return cut_windows(ids, window, count)
 
 
 def windows_of(spec: str, tokenizer, window: int, count: int | None) -> list[list[int]]:
@@ -78,7 +76,7 @@ def windows_of(spec: str, tokenizer, window: int, count: int | None) -> list[lis
         if not where.exists():
             raise CorpusError(f"{spec} not found")
         return text_windows(where, tokenizer, window, count)
-    return source_windows(spec, window, count if count is not None else 10 ** 9)
+    return source_windows(spec, window, count)
 
 
 # ---- runs --------------------------------------------------------------------------------------------------------
@@ -129,9 +127,7 @@ def write_window(part_dir: Path, w: int, rows: pd.DataFrame, metrics: dict) -> N
     """The rows first (written whole, then renamed), then the line that says the window is done (and which code
     computed it)."""
     part_dir.mkdir(parents=True, exist_ok=True)
-    tmp = part_dir / f".{w:05d}.parquet.tmp"
-    rows.to_parquet(tmp, index=False)
-    os.replace(tmp, part_dir / f"{w:05d}.parquet")
+    write_atomic(part_dir / f"{w:05d}.parquet", lambda p: rows.to_parquet(p, index=False))
     log = part_dir / "windows.jsonl"
     cut = log.is_file() and log.stat().st_size and not log.read_bytes().endswith(b"\n")   # a line a stop cut short
     with open(log, "a", encoding="utf-8") as f:
@@ -160,9 +156,7 @@ def check_protocol(parts: Path, protocol: dict) -> None:
             raise CorpusError(f"{parts} holds parts of another protocol (it differs in {', '.join(differ)}): "
                               "give another --parts, or remove that directory")
     parts.mkdir(parents=True, exist_ok=True)
-    tmp = parts / ".protocol.json.tmp"
-    tmp.write_text(json.dumps(protocol, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, lambda p: p.write_text(json.dumps(protocol, indent=1), encoding="utf-8"))
 
 
 def run_all(args, sources: dict[str, list[list[int]]], plan: list[dict], parts: Path) -> None:
@@ -292,12 +286,6 @@ def main(argv=None) -> int:
     except (CorpusError, budgets.OverBudget, DataError, ExportError, corpus.ReportError, ValueError) as e:
         print(f"corpus: {e}", file=sys.stderr)
         return 2
-
-
-def write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def window_ids_sha256(windows: list[list[int]]) -> str:

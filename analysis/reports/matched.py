@@ -99,17 +99,22 @@ class Windows:
         return np.array(self.nll), np.array(self.tokens), np.array(self.hidden)
 
 
-def source_windows(spec: str, window: int, count: int) -> list[list[int]]:
+def source_windows(spec: str, window: int, count: int | None) -> list[list[int]]:
     """DIR:SPLIT (a split of a data directory) or DIR:all (all its splits joined, for a source no run trained
-    on): `count` windows spread evenly over the tokens (fewer when the text is short)."""
+    on): `count` windows spread evenly over the tokens (fewer when the text is short; None: every window)."""
     data, _, split = spec.rpartition(":")
     if not data or split not in (*SPLITS, "all"):
         raise ValueError(f"a source is DIR:SPLIT with SPLIT one of {', '.join(SPLITS)} or all, got {spec!r}")
     tokens = np.concatenate([load_tokens(data, s) for s in (SPLITS if split == "all" else (split,))])
-    n = len(tokens) // window
-    if n < 1:
+    if len(tokens) < window:
         raise ValueError(f"{spec} has fewer than {window} tokens")
-    picks = np.unique(np.linspace(0, n - 1, min(count, n)).round().astype(int))
+    return cut_windows(tokens, window, count)
+
+
+def cut_windows(tokens, window: int, count: int | None) -> list[list[int]]:
+    """Consecutive windows of `window` tokens (at least one must fit), `count` of them spread evenly (None: all)."""
+    n = len(tokens) // window
+    picks = range(n) if count is None else np.unique(np.linspace(0, n - 1, min(count, n)).round().astype(int))
     return [[int(t) for t in tokens[i * window:(i + 1) * window]] for i in picks]
 
 

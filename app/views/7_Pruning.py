@@ -215,7 +215,9 @@ def what_if(layer: int) -> None:
 @st.cache_data(max_entries=64, show_spinner=False)
 def cached_snapshot(path: str, ids: tuple[int, ...], tags: tuple[str, ...], labels: tuple[str, ...], name: str,
                     stamp: float):
-    snap = next(s for s in snapshots.listing(path) if s["path"].name == name)
+    snap = snapshots.entry(path, Path(path) / snapshots.DIR / name)   # (one header read, not the whole listing)
+    if snap is None:
+        raise snapshots.SnapshotError(f"{name} is gone or no longer a snapshot of this run")
     with heavy.slot():
         return timeline.at_snapshot(load(path).model, snap, list(ids), list(tags), list(labels))
 

@@ -124,7 +124,6 @@ def residuals(model, ids: list[int], layer: int, rule: bool = True) -> torch.Ten
     """The residual stream entering block `layer` [T, d_m]: of the model as it runs (rule True) or, for a pruned
     model, of the same weights with the rule off (its dense twin)."""
     from models.transformer import evaluating
-    from models.pruning.replay import Replay
 
     kept = {}
 
@@ -135,7 +134,7 @@ def residuals(model, ids: list[int], layer: int, rule: bool = True) -> torch.Ten
 
     model.check_fits(len(ids))
     x = torch.tensor([ids], device=model.wte.weight.device)
-    cache = None if rule else Replay(None, model.config.n_layers)
+    cache = None if rule else _twin(model)
     with evaluating(model):
         model(x, cache=cache, hidden_only=True, residual=keep)
     return kept["x"]
