@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis import bootstrap
+
 
 TABLES = ("layer", "pos_layer", "pos", "position", "token")   # the statistics a report keeps, stats_<table>.parquet
 REPORT_FILES = ("corpus.json", "curves.parquet", *(f"stats_{t}.parquet" for t in TABLES))
@@ -52,12 +54,6 @@ def window_rows(keeps: np.ndarray, ids: list[int], tags: list[str]) -> pd.DataFr
                          "drop_share": share.reshape(-1).astype(np.float32)})
 
 
-def resample_weights(n_windows: int, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
-    """[resamples, n_windows]: how many times each window is drawn in each bootstrap resample."""
-    draws = np.random.default_rng(seed).integers(0, n_windows, size=(resamples, n_windows))
-    return np.stack([np.bincount(d, minlength=n_windows) for d in draws]).astype(np.float64)
-
-
 GROUPS = {"layer": ["layer"], "pos_layer": ["pos", "layer"], "pos": ["pos"], "position": ["bucket"],
           "token": ["token_id"]}
 MIN_WINDOWS = 5   # a group seen in fewer windows gets no interval (resamples would mostly miss it or repeat one)
@@ -89,7 +85,7 @@ def propensity(sums: pd.DataFrame, by: list[str], resamples: int = RESAMPLES, se
     wide = sums.pivot_table(index="window", columns=by, values=["sum", "size", "occurrences"], aggfunc="sum",
                             fill_value=0, observed=True)
     total, size = wide["sum"].to_numpy(np.float64), wide["size"].to_numpy(np.float64)
-    w = resample_weights(len(wide), resamples, seed)
+    w = bootstrap.counts(len(wide), resamples, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         rates = (w @ total) / (w @ size)   # [resamples, groups]
         lo, hi = np.nanpercentile(rates, [2.5, 97.5], axis=0)
@@ -127,14 +123,13 @@ def curve(metrics: pd.DataFrame, dense: str = "dense", late: bool = False, resam
     if dense not in set(m["run"]):
         raise ValueError(f"the curve needs the dense run {dense!r} on the same windows")
     ref = m[m["run"] == dense]
-    w = resample_weights(len(ref), resamples, seed)
+    w = bootstrap.counts(len(ref), resamples, seed)
     dnll = ref[f"nll{sfx}"].to_numpy()
     rows = []
     for run, g in m.groupby("run", sort=False):
         nll, tok, hid = (g[f"{k}{sfx}"].to_numpy(np.float64) for k in ("nll", "tokens", "hidden"))
-        cost = np.exp((nll.sum() - dnll.sum()) / tok.sum()) - 1
-        boot = np.exp((w @ nll - w @ dnll) / (w @ tok)) - 1
-        lo, hi = np.percentile(boot, [2.5, 97.5])
+        cost = bootstrap.cost(nll.sum(), dnll.sum(), tok.sum())
+        lo, hi = bootstrap.interval(bootstrap.cost(w @ nll, w @ dnll, w @ tok))
         rows.append({"run": run, "family": g["family"].iloc[0], "budget": g["budget"].iloc[0],
                      "windows": len(g), "tokens": int(tok.sum()), "sparsity": float(hid.sum() / tok.sum()),
                      "perplexity": float(np.exp(nll.sum() / tok.sum())), "cost": float(cost),

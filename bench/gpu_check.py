@@ -191,11 +191,11 @@ def main(argv=None) -> int:
     else:
         report["decode_vs_hf"] = {"skipped": "assets/models/smollm2-135m is missing (gpu_check.sh imports it from "
                                               "the wheel's parts under .pack/, see docs/gpu.md)"}
-    for c in ("mha", "mha-pruned"):  # where a pruned training step's time goes, beside a dense one's
-        report[f"train_profile_{c}"] = run_module(results / f"train_profile_{c}_{name}.json",
-                                                  "bench.train_step_profile",
-                                                  "--config", f"configs/gpu/{c}.json", "--alphas", "1.02,2",
-                                                  "--steps", "3", "--batch", "8", "--device", "cuda")
+    # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense: target >= 0.5)
+    report["train_profile"] = run_module(results / f"train_step_profile_mha-pruned_{name}.json",
+                                         "bench.train_step_profile",
+                                         "--config", "configs/gpu/mha-pruned.json", "--alphas", "1.02,2,8",
+                                         "--steps", "3", "--batch", "8", "--device", "cuda")
     if not args.skip_bench:
         report["bench"] = run_bench(results, name, (trained + shipped)[:4])
         ok &= report["bench"]["exit_code"] == 0

@@ -7,10 +7,16 @@ Builds the model of the config with random weights (the cost does not depend on 
 run freezes, and times forward + backward + AdamW on random tokens at each alpha of the schedule (the alpha-sigmoid
 takes a different path below 1.05, at 2, and elsewhere), then lists the operators that took the most time in the
 last step (torch.profiler). Threads: torch's setting, reported.
+
+A config that prunes is timed beside its dense twin in the same run: the same model without the rule, every
+parameter training (what a dense run of it does; under freeze_base the pruned run trains the rule alone, still
+back-propagating through every layer). Each pruned row carries vs_dense, its tokens/s over the twin's (issue
+target: >= 0.5).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -44,6 +50,34 @@ def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[f
     return out
 
 
+def build(cfg, freeze_base: bool, dev):
+    """The model of cfg with random weights, what the run trains set trainable, and its optimizer."""
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).to(dev).train()
+    set_trainable_params(model, trainable_params(model, freeze_base))
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+
+
+def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict:
+    """Median step time and the top operators of one model at one alpha (None: a dense model)."""
+    if alpha is not None:
+        model.set_alpha(alpha)
+    step_times(model, opt, x, y, gamma, pairs, 1)  # warm-up
+    times = step_times(model, opt, x, y, gamma, pairs, args.steps)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    with profile(activities=acts) as prof:
+        step_times(model, opt, x, y, gamma, pairs, 1)
+    key = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"  # where the time is
+    top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
+           for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:args.top]]
+    step = statistics.median(times)
+    label = "dense twin" if alpha is None else f"alpha {alpha:g}"
+    print(f"{label}: {step:.2f} s/step ({x.shape[0]} x {x.shape[1]} tokens); top: "
+          + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
+    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step,
+            "tokens_per_s": x.numel() / step, "top_ops": top}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.train_step_profile")
     ap.add_argument("--config", required=True)
@@ -56,31 +90,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     cfg, tc, _ = load_run_config(args.config)
-    torch.manual_seed(0)
-    model = DecoderLM(cfg).to(dev).train()
-    set_trainable_params(model, trainable_params(model, tc.freeze_base))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     b = args.batch or tc.batch_size
-    x = torch.randint(0, cfg.vocab_size, (b, cfg.context), device=dev)
-    y = torch.randint(0, cfg.vocab_size, (b, cfg.context), device=dev)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
+    y = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
     pairs = pair_count(cfg.n_layers, cfg.context)
     rows = []
-    for alpha in [float(a) for a in args.alphas.split(",")]:
-        model.set_alpha(alpha)
-        step_times(model, opt, x, y, tc.gamma, pairs, 1)  # warm-up
-        times = step_times(model, opt, x, y, tc.gamma, pairs, args.steps)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            step_times(model, opt, x, y, tc.gamma, pairs, 1)
-        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"  # where the time is
-        top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
-               for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:args.top]]
-        rows.append({"alpha": alpha, "step_s": statistics.median(times),
-                     "tokens_per_s": b * cfg.context / statistics.median(times), "top_ops": top})
-        print(f"alpha {alpha:g}: {statistics.median(times):.2f} s/step ({b} x {cfg.context} tokens); top: "
-              + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
+    if cfg.prune:  # the dense twin first, then freed: one model in memory at a time
+        dense = dataclasses.replace(cfg, prune=False, prune_distance=False, prune_sinks=0)
+        rows.append(profile_row(*build(dense, False, dev), None, x, y, tc.gamma, pairs, args))
+    model, opt = build(cfg, tc.freeze_base, dev)
+    for alpha in [float(a) for a in args.alphas.split(",")] if cfg.prune else [None]:
+        rows.append(profile_row(model, opt, alpha, x, y, tc.gamma, pairs, args))
+        if cfg.prune:
+            rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+              "threads": torch.get_num_threads(),
               "device": device_name(dev), "torch": torch.__version__,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
     if args.json:

@@ -40,8 +40,11 @@ def test_train_step_profile_runs(tmp_path):
     assert train_step_profile.main(["--config", str(cfg), "--alphas", "1,1.02,4", "--steps", "1",
                                     "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert ([r["alpha"] for r in res["rows"]] == [1.0, 1.02, 4.0]
+    assert ([(r["model"], r["alpha"]) for r in res["rows"]] == [("dense", None), ("pruned", 1.0), ("pruned", 1.02),
+                                                               ("pruned", 4.0)]
             and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"]))
+    dense = res["rows"][0]["tokens_per_s"]
+    assert all(r["vs_dense"] == r["tokens_per_s"] / dense for r in res["rows"][1:])  # the twin of the same run
     assert res["trainable_params"] == 2 * (2 * 16 * 4 + 1)   # the base is frozen: pruning alone
 
 

@@ -119,6 +119,21 @@ def test_the_curve_pools_perplexity_and_pairs_the_windows():
     assert c.loc["a", "cost_lo"] == pytest.approx(c.loc["a", "cost_hi"]) == pytest.approx(np.exp(0.2) - 1)
 
 
+def test_both_reports_draw_the_same_windows_and_pool_the_same_cost():
+    """analysis.bootstrap: the corpus report's counts are the matched report's draws (one seed, the same windows),
+    and a resample's cost pooled from counts equals the cost of its drawn windows' sums."""
+    from analysis import bootstrap
+    idx, w = bootstrap.draws(7, 40, seed=3), bootstrap.counts(7, 40, seed=3)
+    assert np.array_equal(w, np.stack([np.bincount(d, minlength=7) for d in idx])) and (w.sum(1) == 7).all()
+    rng = np.random.default_rng(0)
+    nll, dnll, tok = rng.uniform(50, 60, 7), rng.uniform(40, 50, 7), rng.integers(20, 30, 7).astype(float)
+    by_idx = bootstrap.cost(nll[idx].sum(-1), dnll[idx].sum(-1), tok[idx].sum(-1))
+    np.testing.assert_allclose(bootstrap.cost(w @ nll, w @ dnll, w @ tok), by_idx, rtol=1e-12)
+    assert bootstrap.cost(nll.sum(), dnll.sum(), tok.sum()) == pytest.approx(np.exp((nll - dnll).sum() / tok.sum()) - 1)
+    lo, hi = bootstrap.interval(by_idx)
+    assert lo == np.percentile(by_idx, 2.5) and hi == np.percentile(by_idx, 97.5)
+
+
 @pytest.fixture
 def text_source(tmp_path):
     return write_texts(tmp_path / "texts")

@@ -234,9 +234,10 @@ def test_drop_records():
     assert step.tolist() == [[2, 3, -1, -1]] and dropped.tolist() == [[True, True, False, False]]
 
 
-@pytest.mark.parametrize("alpha", [1.02, 1.5, 3.0, 8.0])
+@pytest.mark.parametrize("alpha", [1.001, 1.02, 1.049, 1.05, 1.5, 3.0, 8.0])
 def test_alpha_sigmoid_float32_agrees_with_float64(alpha):
-    x = torch.randn(1000, dtype=torch.float64) * 2 / (alpha - 1)
+    # spread over the saturation range, and over the sigmoid's (alpha near 1 saturates far out, at 1/(alpha-1))
+    x = torch.randn(2000, dtype=torch.float64) * torch.tensor([2 / (alpha - 1), 30.0], dtype=torch.float64).repeat(1000)
     exact = alpha_sigmoid(x, alpha)
     torch.testing.assert_close(alpha_sigmoid(x.float(), alpha).double(), exact, atol=2e-6, rtol=0)          # table
     torch.testing.assert_close(alpha_sigmoid(x.float(), alpha, exact=True).double(), exact, atol=2e-6, rtol=0)
@@ -245,6 +246,26 @@ def test_alpha_sigmoid_float32_agrees_with_float64(alpha):
     alpha_sigmoid(xd, alpha).sum().backward()
     assert torch.isfinite(xf.grad).all()
     torch.testing.assert_close(xf.grad.double(), xd.grad, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("alpha", [1.001, 1.02, 1.049])
+def test_alpha_sigmoid_table_near_one_keeps_log_i(alpha):
+    """Near alpha = 1 the table ends where sigma falls under log I's floor (1e-40), far before sigma saturates at
+    1/(alpha-1): inside, log sigma is within 1e-4 of the float64 value wherever sigma > 1e-12; past the ends both
+    floor alike (the table holds sigma(-R) there, within 1 % of the floor, and exactly 1 at the top)."""
+    from models.pruning.alpha_sigmoid import table_range
+    from models.pruning.interaction import LOG_FLOOR
+    r = table_range(alpha)
+    assert r < 1 / (alpha - 1)
+    x = torch.linspace(-2 * r, 2 * r, 40_001, dtype=torch.float32).double()
+    exact = alpha_sigmoid(x, alpha)
+    got = alpha_sigmoid(x.float(), alpha).double()
+    above = exact > 1e-12
+    torch.testing.assert_close(got[above].log(), exact[above].log(), atol=1e-4, rtol=0)
+    out = x.abs() > r
+    floored = [v[out].clamp_min(LOG_FLOOR).log() for v in (got, exact)]
+    torch.testing.assert_close(floored[0], floored[1], atol=0.01, rtol=0)
+    assert torch.all(got[x > r] == 1)
 
 
 def test_calibration_gives_small_inputs_the_spread_the_paper_init_assumes():

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from analysis import pruning
+from analysis import bootstrap, pruning
 from analysis.budgets import OverBudget, check_dirs, report_window_bytes
 from models.checkpoint import code_version, file_sha256, load_model_dir
 from models.data.corpus import DataError, load_tokens
@@ -122,7 +122,7 @@ def cost(method: Windows, dense: Windows, idx: np.ndarray, late: bool) -> np.nda
     """Perplexity relative to the dense base, pooled over the windows idx ([R, W] resamples or [W]) -> [R] or []."""
     nll, tok, _ = method.arrays(late)
     dnll, _, _ = dense.arrays(late)
-    return np.exp((nll[idx].sum(-1) - dnll[idx].sum(-1)) / tok[idx].sum(-1)) - 1
+    return bootstrap.cost(nll[idx].sum(-1), dnll[idx].sum(-1), tok[idx].sum(-1))
 
 
 def pooled_sparsity(method: Windows, late: bool) -> float:
@@ -131,31 +131,22 @@ def pooled_sparsity(method: Windows, late: bool) -> float:
     return float(hidden.sum() / tok.sum())
 
 
-def bootstrap(n_windows: int, resamples: int = 2000, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, n_windows, size=(resamples, n_windows))
-
-
-def interval(x: np.ndarray) -> tuple[float, float]:
-    lo, hi = np.percentile(x, [2.5, 97.5])
-    return float(lo), float(hi)
-
-
 def summary(runs: dict[str, Windows], dense: str, match: str, late: bool, resamples: int = 2000) -> list[dict]:
     """One row per method: sparsity, perplexity cost vs the dense run with its interval, and (for methods other than
     `match`) the paired difference cost(method) - cost(match) with its interval: above 0, `match` costs less."""
     n = len(runs[dense].tokens)
-    idx, every = bootstrap(n, resamples), np.arange(n)
+    idx, every = bootstrap.draws(n, resamples), np.arange(n)
     base = runs[dense]
     _, tok, _ = base.arrays(late)
     rows = []
     for name, run in runs.items():
         row = {"method": name, "sparsity": pooled_sparsity(run, late), "tokens": int(tok.sum()), "windows": n,
                "perplexity": float(np.exp(run.arrays(late)[0].sum() / tok.sum())),
-               "cost": float(cost(run, base, every, late)), "cost_ci": interval(cost(run, base, idx, late))}
+               "cost": float(cost(run, base, every, late)), "cost_ci": bootstrap.interval(cost(run, base, idx, late))}
         if name not in (dense, match):
             diff = cost(run, base, idx, late) - cost(runs[match], base, idx, late)
             row["vs_match"] = float(cost(run, base, every, late) - cost(runs[match], base, every, late))
-            row["vs_match_ci"] = interval(diff)
+            row["vs_match_ci"] = bootstrap.interval(diff)
             row["wins"] = int(sum(float(cost(run, base, np.array([i]), late))
                                   > float(cost(runs[match], base, np.array([i]), late))
                                   for i in range(n)))
