@@ -104,6 +104,18 @@ def describe(force: Force, labels: list[str]) -> str:
             f"{' and after' if force.onward else ''}")
 
 
+def describe_patch(layer: int, positions: list[int], into: str = "pruned", donor: str = "the dense twin",
+                   site: str = "residual") -> str:
+    """One patch in words, as the page's and the command's figure titles read."""
+    p = sorted(set(positions))
+    span = (f"{p[0]}-{p[-1]}" if p == list(range(p[0], p[-1] + 1)) else ", ".join(map(str, p))) if len(p) > 1 \
+        else str(p[0])
+    states = "input" if site == "residual" else "attention output"
+    if into == "dense":
+        return f"the dense twin's layer {layer} {states} at {span} from the pruned model"
+    return f"layer {layer}'s {states} at {span} from {donor}"
+
+
 def force_outcome(model, ids: list[int], labels: list[str], forces: list[Force]) -> dict:
     """outcome of the model's own forward against the one with `forces` (two forwards)."""
     from models.pruning import intervene
@@ -112,18 +124,21 @@ def force_outcome(model, ids: list[int], labels: list[str], forces: list[Force])
 
 
 def patch_outcome(model, ids: list[int], labels: list[str], layer: int, positions: list[int], donor,
-                  into: str = "pruned") -> dict:
-    """outcome of a forward against the same forward with the residual stream entering `layer` at `positions`
-    patched; three forwards. into "pruned": the model's own forward, patched with the donor model's states with its
-    rule off (the model itself: its dense twin). into "dense": the dense twin's forward (the rule off), patched with
-    the pruned model's own states (donor must be the model itself)."""
+                  into: str = "pruned", site: str = "residual") -> dict:
+    """outcome of a forward against the same forward with layer `layer`'s states at `site` patched at `positions`
+    (site "residual": the stream entering the block; "mixer": the block's token mixer output); three forwards.
+    into "pruned": the model's own forward, patched with the donor model's states with its rule off (the model
+    itself: its dense twin). into "dense": the dense twin's forward (the rule off), patched with the pruned model's
+    own states (donor must be the model itself)."""
     from models.pruning import intervene
     if into == "dense":
         if donor is not model:
             raise ValueError("the pruned model's states go into its own dense twin: the donor is the model itself")
         before = intervene.twin_run(model, ids)
-        after = intervene.patched(model, ids, layer, positions, intervene.residuals(model, ids, layer), rule=False)
+        after = intervene.patched(model, ids, layer, positions, intervene.residuals(model, ids, layer, site=site),
+                                  rule=False, site=site)
     else:
         before = intervene.forced(model, ids)
-        after = intervene.patched(model, ids, layer, positions, intervene.residuals(donor, ids, layer, rule=False))
+        after = intervene.patched(model, ids, layer, positions,
+                                  intervene.residuals(donor, ids, layer, rule=False, site=site), site=site)
     return outcome(model, before, after, labels, first_affected(positions=positions))

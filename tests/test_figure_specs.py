@@ -65,13 +65,15 @@ def exported(monkeypatch, page: str, model: str) -> list[tuple[str, object, dict
         at.selectbox(key="prune_iv_token").set_value(3)
         at.radio(key="prune_iv_keep").set_value("dropped").run()
         at.radio(key="prune_iv_kind").set_value("patch the dense twin's states").run()
+        at.radio(key="prune_iv_site").set_value("its attention output").run()
         at.radio(key="prune_iv_kind").set_value("patch into the dense twin").run()
         names = {name for name, *_ in caught}
         assert {"pruning_scores", "pruning_score_terms", "pruning_soft_keep", "pruning_disagreement",
                 "pruning_pos_profile", "pruning_pos_profile_all"} <= names
         what_if = [how["settings"] for name, _, how in caught if name == "pruning_what_if"]
-        assert {"token": 3, "keep": False, "at": 4, "onward": False}.items() <= what_if[-3].items()
-        assert what_if[-2]["donor"] == "twin" and what_if[-2]["into"] == "pruned" and what_if[-1]["into"] == "dense"
+        assert {"token": 3, "keep": False, "at": 4, "onward": False}.items() <= what_if[-4].items()
+        assert what_if[-3]["donor"] == "twin" and what_if[-3]["into"] == "pruned" and what_if[-3]["site"] == "residual"
+        assert what_if[-2]["site"] == "mixer" and what_if[-1]["into"] == "dense" and what_if[-1]["site"] == "mixer"
     assert not at.exception, at.exception
     return caught
 

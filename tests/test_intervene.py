@@ -133,6 +133,41 @@ def test_patching_the_pruned_states_into_the_twin(mixer, extra):
     assert not torch.allclose(run.logprobs, twin.logprobs, atol=1e-6)
 
 
+@pytest.mark.parametrize("mixer, extra", CASES)
+def test_patching_a_mixer_output_equals_the_blocks_run_by_hand(mixer, extra):
+    """site "mixer": the block's attention output is replaced at the positions, the rest of the block (its input,
+    the residual sum, the feed-forward) is the model's own; the donor's outputs are the twin's at that layer.
+    And at layer 0, whose input both share, patching every position's attention output from the twin equals
+    patching layer 1's input from the twin."""
+    model = pruned(mixer, extra)
+    layer, positions = 1, [20, 30]
+    own = intervene.forced(model, IDS)
+    mine = intervene.residuals(model, IDS, layer, site="mixer")
+    assert torch.equal(intervene.patched(model, IDS, layer, positions, mine, site="mixer").hidden, own.hidden)
+    donor = intervene.residuals(model, IDS, layer, rule=False, site="mixer")
+    assert not torch.allclose(donor[positions], mine[positions])
+    run = intervene.patched(model, IDS, layer, positions, donor, site="mixer")
+    with torch.no_grad():
+        pos = torch.arange(T)
+        x = model.wte(torch.tensor([IDS])) + (0 if model.wpe is None else model.wpe(pos))
+        for i, block in enumerate(model.blocks):
+            h = block.mixer(block.ln_1(x), None, None, pos)
+            if i == layer:
+                h[0, positions] = donor[positions]
+            x = x + h
+            x = x + block.ffn(block.ln_2(x))
+        lp = target_logprobs((model.ln_f(x) @ model.output_weight().t())[0, :-1], torch.tensor(IDS[1:]))
+    torch.testing.assert_close(run.logprobs, lp, rtol=0, atol=1e-12)
+    assert torch.equal(run.logprobs[:positions[0]], own.logprobs[:positions[0]])
+    every = list(range(T))
+    at_mixer = intervene.patched(model, IDS, 0, every, intervene.residuals(model, IDS, 0, rule=False, site="mixer"),
+                                 site="mixer")
+    at_input = intervene.patched(model, IDS, 1, every, intervene.residuals(model, IDS, 1, rule=False))
+    torch.testing.assert_close(at_mixer.logprobs, at_input.logprobs, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="'residual' stream"):
+        intervene.residuals(model, IDS, 0, site="ffn")
+
+
 def test_head_kl_is_the_kl_of_the_whole_distributions():
     model = pruned(*CASES[0])
     a = intervene.forced(model, IDS)
@@ -191,6 +226,10 @@ def test_the_command_writes_what_changed_and_refuses_to_overwrite(tmp_path, caps
     assert command.main(patch[:-1] + [str(tmp_path / "q"), "--into", "dense"]) == 0
     other = json.loads((tmp_path / "q" / "summary.json").read_text())
     assert other["settings"]["into"] == "dense" and other["ppl_from_before"] != into["ppl_from_before"]
+    assert command.main(patch[:-1] + [str(tmp_path / "m"), "--site", "mixer"]) == 0
+    mixer = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert mixer["settings"]["site"] == "mixer" and "attention output at 10, 12" in mixer["change"]
+    assert mixer["ppl_from_after"] != into["ppl_from_after"]   # another site, another change
     assert command.main(patch[:-1] + [str(tmp_path / "r"), "--into", "dense", "--donor", model]) == 2
     assert "leave out --donor" in capsys.readouterr().err
     dense = [str(models_root() / "mha"), "--text", str(tmp_path / "t.txt"), "--layer", "0", "--keep", "1", "--out",

@@ -3,7 +3,7 @@ pruned model's into its twin, --into dense), and write what changed downstream.
 
     python -m analysis.reports.intervene MODEL_DIR --text FILE --layer L (--keep J | --drop J [--at N]) [--onward]
     python -m analysis.reports.intervene MODEL_DIR --text FILE --layer L --patch P [P ...] [--donor twin|DIR]
-        [--into pruned|dense]
+        [--into pruned|dense] [--site residual|mixer]
         [--from S] [--window W] --out DIR [--force]
 
 Positions count tokens of the window (from --from, at most the Pruning page's 1,024 tokens or the model's context).
@@ -60,11 +60,10 @@ def run(args) -> dict:
             donor = other.model
         if args.into == "dense" and args.donor != "twin":
             raise ExportError("--into dense patches the pruned model's states into its own twin: leave out --donor")
-        res = report.patch_outcome(model, ids, toks.labels, args.layer, args.patch, donor, args.into)
-        what = (f"the dense twin's layer {args.layer} input at {', '.join(map(str, args.patch))} from the pruned "
-                "model" if args.into == "dense" else
-                f"layer {args.layer}'s input at {', '.join(map(str, args.patch))} from {args.donor}")
-        settings = {"patch": args.patch, "donor": args.donor, "into": args.into}
+        res = report.patch_outcome(model, ids, toks.labels, args.layer, args.patch, donor, args.into, args.site)
+        what = report.describe_patch(args.layer, args.patch, args.into,
+                                     "the dense twin" if args.donor == "twin" else args.donor, args.site)
+        settings = {"patch": args.patch, "donor": args.donor, "into": args.into, "site": args.site}
     else:
         j, keep = (args.keep, True) if args.keep is not None else (args.drop, False)
         force = intervene.Force(args.layer, j, keep, None if keep else args.at, args.onward)
@@ -104,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--into", choices=("pruned", "dense"), default="pruned",
                     help="with --patch: the donor's states into the pruned model (default), or the pruned model's "
                          "own states into its dense twin")
+    ap.add_argument("--site", choices=intervene.SITES, default="residual",
+                    help="with --patch: the residual stream entering the layer (default), or its token mixer's "
+                         "output (the attention alone)")
     ap.add_argument("--from", dest="start", type=int, default=0, help="the window's first token in the text")
     ap.add_argument("--window", type=int, default=None, help=f"tokens (default {budgets.PRUNING_VIEW}, at most the "
                                                              "model's context)")

@@ -141,15 +141,15 @@ def score_view(layer: int) -> None:
 
 @st.cache_data(max_entries=8, show_spinner="Running the model with the change, and without…")
 def cached_change(path: str, ids: tuple[int, ...], labels: tuple[str, ...], layer: int, force: tuple | None,
-                  patch: tuple[int, ...] | None, into: str = "pruned"):
-    """analysis.intervene.outcome of one forced decision (force: token, keep, at, onward) or one patch of the
-    residual stream entering `layer` at `patch` (into "pruned": the dense twin's states into the pruned model;
-    "dense": the pruned model's into its twin): two forwards (three with the donor's)."""
+                  patch: tuple[int, ...] | None, into: str = "pruned", site: str = "residual"):
+    """analysis.intervene.outcome of one forced decision (force: token, keep, at, onward) or one patch of `layer`'s
+    states at `site` (its input or its mixer output) at `patch` (into "pruned": the dense twin's states into the
+    pruned model; "dense": the pruned model's into its twin): two forwards (three with the donor's)."""
     model = load(path).model
     with heavy.slot():
         if force is not None:
             return change.force_outcome(model, list(ids), list(labels), [intervene.Force(layer, *force)])
-        return change.patch_outcome(model, list(ids), list(labels), layer, list(patch), model, into)
+        return change.patch_outcome(model, list(ids), list(labels), layer, list(patch), model, into, site)
 
 
 @heavy.fragment
@@ -165,6 +165,7 @@ def what_if(layer: int) -> None:
                          "model's states, into its twin (the same weights with the rule off).")
     c1, c2, c3 = st.columns(3)
     force = patch = None
+    site = "residual"
     into = "dense" if kind == "patch into the dense twin" else "pruned"
     if kind == "force a decision":
         j = int(c1.selectbox("Token", range(n - 1), key="prune_iv_token",
@@ -180,16 +181,19 @@ def what_if(layer: int) -> None:
         width = int(c2.number_input("and the next", 0, 64, 0, key="prune_iv_width",
                                     help="positions after it, patched too"))
         patch = tuple(range(p, min(n, p + width + 1)))
-        span = f"{p}{f'-{patch[-1]}' if len(patch) > 1 else ''}"
+        site = "mixer" if c3.radio("Patch", ["the layer's input", "its attention output"], horizontal=True,
+                                   key="prune_iv_site",
+                                   help="The layer's input: the residual stream entering the block. Its attention "
+                                        "output: what the block's attention adds, before the residual sum; the rest "
+                                        "of the block is the model's own.") == "its attention output" else "residual"
         if into == "dense":
             c3.caption("Into the dense twin (the same weights with the rule off): the pruned model's own states. The "
                        "twin drops nothing, so no decision can change.")
-            what = f"the dense twin's layer {layer} input at {span} from the pruned model"
         else:
             c3.caption("Donor: the same weights with the rule off (nothing dropped), reading the same text.")
-            what = f"layer {layer}'s input at {span} from the dense twin"
-        iv_settings = {"patch": list(patch), "donor": "twin", "into": into}
-    res = cached_change(path, ids, tuple(view.labels), layer, force, patch, into)
+        what = change.describe_patch(layer, list(patch), into, site=site)
+        iv_settings = {"patch": list(patch), "donor": "twin", "into": into, "site": site}
+    res = cached_change(path, ids, tuple(view.labels), layer, force, patch, into, site)
     s = res["summary"]
     m = st.columns(4)
     m[0].metric(f"perplexity from position {s['from']}", f"{s['ppl_from_after']:.3f}",

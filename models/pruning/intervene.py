@@ -7,12 +7,14 @@ later layer's decisions, are recomputed on the hidden states the change produced
 change later drops. With nothing forced the forward is the model's own; with every token kept at every layer it is
 the same weights with the rule off.
 
-Patching replaces the residual stream entering one block at chosen positions by a donor run's (the dense twin: the
-same weights with the rule off, or the dense base a delta was trained from), so the pruned model continues from the
-donor's states there.
+Patching replaces, at chosen positions, one layer's states by a donor run's (the dense twin: the same weights with the
+rule off, or the dense base a delta was trained from). Two sites: the residual stream entering the block (the pruned
+model continues from the donor's states there), or the token mixer's output in the block (before any adapter and
+the residual add: what that layer's attention alone contributed, everything else the model's own).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -119,36 +121,62 @@ def forced(model, ids: list[int], forces: list[Force] = ()) -> Run:
     return _run(model, ids, Intervention(list(forces), model.config.n_layers))
 
 
+SITES = ("residual", "mixer")   # what a patch replaces: the block's input, or its token mixer's output
+
+
+@contextmanager
+def _mixer_output(model, layer: int, fn):
+    """fn(output [B,T,d_m]) -> the output block `layer`'s token mixer hands on, for the forwards run inside."""
+    handle = model.blocks[layer].mixer.register_forward_hook(lambda module, args, out: fn(out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _check_site(model, layer: int, site: str) -> None:
+    if site not in SITES:
+        raise ValueError(f"site {site!r}: patch the 'residual' stream entering a block or its 'mixer' output")
+    if not 0 <= layer < model.config.n_layers:
+        raise ValueError(f"layer {layer}: the model has layers 0-{model.config.n_layers - 1}")
+
+
 @torch.no_grad()
-def residuals(model, ids: list[int], layer: int, rule: bool = True) -> torch.Tensor:
-    """The residual stream entering block `layer` [T, d_m]: of the model as it runs (rule True) or, for a pruned
-    model, of the same weights with the rule off (its dense twin)."""
+def residuals(model, ids: list[int], layer: int, rule: bool = True, site: str = "residual") -> torch.Tensor:
+    """One layer's states [T, d_m] at `site`: the residual stream entering block `layer`, or that block's token mixer
+    output; of the model as it runs (rule True) or, for a pruned model, of the same weights with the rule off (its
+    dense twin)."""
     from models.transformer import evaluating
 
+    _check_site(model, layer, site)
     kept = {}
 
-    def keep(i, x):
-        if i == layer:
-            kept["x"] = x[0].clone()
+    def keep(x):
+        kept["x"] = x[0].clone()
         return x
 
     model.check_fits(len(ids))
     x = torch.tensor([ids], device=model.wte.weight.device)
     cache = None if rule else _twin(model)
     with evaluating(model):
-        model(x, cache=cache, hidden_only=True, residual=keep)
+        if site == "mixer":
+            with _mixer_output(model, layer, keep):
+                model(x, cache=cache, hidden_only=True)
+        else:
+            model(x, cache=cache, hidden_only=True, residual=lambda i, h: keep(h) if i == layer else h)
     return kept["x"]
 
 
 @torch.no_grad()
-def patched(model, ids: list[int], layer: int, positions: list[int], donor: torch.Tensor, rule: bool = True) -> Run:
-    """The pruned model over ids with the residual stream entering block `layer` at `positions` replaced by the
-    donor's (a [T, d_m] from `residuals`, of the dense twin or the dense base); its rule runs on what follows. With
-    rule False the same weights run with the rule off (the dense twin), so the pruned model's own states
-    (residuals(model, ...)) can be patched into its twin."""
+def patched(model, ids: list[int], layer: int, positions: list[int], donor: torch.Tensor, rule: bool = True,
+            site: str = "residual") -> Run:
+    """The pruned model over ids with layer `layer`'s states at `site` (the residual stream entering the block, or the
+    block's mixer output) replaced at `positions` by the donor's (a [T, d_m] from `residuals`, of the dense twin or
+    the dense base, at the same site); its rule runs on what follows. With rule False the same weights run with the
+    rule off (the dense twin), so the pruned model's own states (residuals(model, ...)) can be patched into its
+    twin."""
     t = len(ids)
-    if not 0 <= layer < model.config.n_layers:
-        raise ValueError(f"layer {layer}: the model has layers 0-{model.config.n_layers - 1}")
+    _check_site(model, layer, site)
     if not positions or any(not 0 <= p < t for p in positions):
         raise ValueError(f"positions must be within the text (0-{t - 1})")
     if tuple(donor.shape) != (t, model.config.d_model):
@@ -156,13 +184,16 @@ def patched(model, ids: list[int], layer: int, positions: list[int], donor: torc
                          "must read the same text with the same width")
     at = torch.tensor(sorted(set(positions)), device=donor.device)
 
-    def patch(i, x):
-        if i == layer:
-            x = x.clone()
-            x[0, at] = donor[at].to(x.dtype)
+    def patch(x):
+        x = x.clone()
+        x[0, at] = donor[at].to(x.dtype)
         return x
 
-    return _run(model, ids, Intervention([], model.config.n_layers) if rule else _twin(model), residual=patch)
+    cache = Intervention([], model.config.n_layers) if rule else _twin(model)
+    if site == "mixer":
+        with _mixer_output(model, layer, patch):
+            return _run(model, ids, cache)
+    return _run(model, ids, cache, residual=lambda i, x: patch(x) if i == layer else x)
 
 
 def _twin(model):
