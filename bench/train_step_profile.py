@@ -5,18 +5,20 @@
 
 Builds the model of the config with random weights (the cost does not depend on their values), freezes what the
 run freezes, and times forward + backward + AdamW on random tokens at each alpha of the schedule (the alpha-sigmoid
-takes a different path below 1.05, at 2, and elsewhere), then lists the operators that took the most time in the
-last step (torch.profiler). Threads: torch's setting, reported.
+takes a closed form at 1 and 2 and an interpolated table elsewhere), then lists the operators that took the most
+time in the last step (torch.profiler). As in training, where alpha moves every step, each timed step rebuilds the
+alpha-sigmoid's table. Threads: torch's setting, reported.
 
 A config that prunes is timed beside its dense twin in the same run: the same model without the rule, every
-parameter training (what a dense run of it does; under freeze_base the pruned run trains the rule alone, still
-back-propagating through every layer). Each pruned row carries vs_dense, its tokens/s over the twin's (issue
-target: >= 0.5).
+parameter training (what a dense run of it does). Each pruned row carries vs_dense, its tokens/s over the twin's
+(issue target: >= 0.5), and each row its trainable and rule parameters. Under freeze_base the pruned run trains
+the rule alone while its twin trains everything, so vs_dense there is not the rule's overhead (the JSON says so).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -33,10 +35,16 @@ from models.train import load_run_config
 from models.transformer import DecoderLM
 
 
+def table_cache():
+    # (models.pruning exports the function alpha_sigmoid under its module's name)
+    return importlib.import_module("models.pruning.alpha_sigmoid")._table
+
+
 def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[float]:
     out = []
     cuda = x.is_cuda
     for _ in range(steps):
+        table_cache().cache_clear()   # training's alpha moves every step: a new table each step
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as models.train runs on a GPU
             res = model(x, targets=y)
@@ -74,8 +82,12 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
     label = "dense twin" if alpha is None else f"alpha {alpha:g}"
     print(f"{label}: {step:.2f} s/step ({x.shape[0]} x {x.shape[1]} tokens); top: "
           + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
+    rule = sum(p.numel() for b in model.blocks if getattr(b.mixer, "pruning", None) is not None
+               for p in b.mixer.pruning.parameters())
     return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step,
-            "tokens_per_s": x.numel() / step, "top_ops": top}
+            "tokens_per_s": x.numel() / step, "trainable_params": sum(p.numel() for p in model.parameters()
+                                                                      if p.requires_grad),
+            "rule_params": rule, "top_ops": top}
 
 
 def main(argv=None) -> int:
@@ -107,6 +119,9 @@ def main(argv=None) -> int:
     result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "threads": torch.get_num_threads(),
+              **({"vs_dense_note": "the pruned run trains the rule alone (freeze_base), its dense twin every "
+                                  "parameter: vs_dense is not the rule's overhead"} if cfg.prune and tc.freeze_base
+                 else {}),
               "device": device_name(dev), "torch": torch.__version__,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
     if args.json:

@@ -43,8 +43,11 @@ def test_train_step_profile_runs(tmp_path):
     assert ([(r["model"], r["alpha"]) for r in res["rows"]] == [("dense", None), ("pruned", 1.0), ("pruned", 1.02),
                                                                ("pruned", 4.0)]
             and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"]))
-    dense = res["rows"][0]["tokens_per_s"]
-    assert all(r["vs_dense"] == r["tokens_per_s"] / dense for r in res["rows"][1:])  # the twin of the same run
+    twin, rule = res["rows"][0], 2 * (2 * 16 * 4 + 1)
+    assert twin["rule_params"] == 0 and twin["trainable_params"] > rule        # dense, every parameter training
+    assert all(r["rule_params"] == r["trainable_params"] == rule for r in res["rows"][1:])
+    assert all(r["vs_dense"] == r["tokens_per_s"] / twin["tokens_per_s"] for r in res["rows"][1:])
+    assert "not the rule's overhead" in res["vs_dense_note"]                   # freeze_base: not like for like
     assert res["trainable_params"] == 2 * (2 * 16 * 4 + 1)   # the base is frozen: pruning alone
 
 

@@ -234,18 +234,35 @@ def test_drop_records():
     assert step.tolist() == [[2, 3, -1, -1]] and dropped.tolist() == [[True, True, False, False]]
 
 
-@pytest.mark.parametrize("alpha", [1.001, 1.02, 1.049, 1.05, 1.5, 3.0, 8.0])
+@pytest.mark.parametrize("alpha", [1.001, 1.02, 1.049, 1.05, 1.5, 1.85, 3.0, 8.0])
 def test_alpha_sigmoid_float32_agrees_with_float64(alpha):
     # spread over the saturation range, and over the sigmoid's (alpha near 1 saturates far out, at 1/(alpha-1))
     x = torch.randn(2000, dtype=torch.float64) * torch.tensor([2 / (alpha - 1), 30.0], dtype=torch.float64).repeat(1000)
     exact = alpha_sigmoid(x, alpha)
-    torch.testing.assert_close(alpha_sigmoid(x.float(), alpha).double(), exact, atol=2e-6, rtol=0)          # table
+    torch.testing.assert_close(alpha_sigmoid(x.float(), alpha).double(), exact, atol=3e-6, rtol=0)          # table
     torch.testing.assert_close(alpha_sigmoid(x.float(), alpha, exact=True).double(), exact, atol=2e-6, rtol=0)
     xf, xd = x.float().requires_grad_(True), x.clone().requires_grad_(True)
     alpha_sigmoid(xf, alpha).sum().backward()
     alpha_sigmoid(xd, alpha).sum().backward()
     assert torch.isfinite(xf.grad).all()
     torch.testing.assert_close(xf.grad.double(), xd.grad, atol=2e-3, rtol=2e-3)
+
+
+def test_alpha_sigmoid_tails_centre_and_nan_against_independent_values():
+    """Checks that do not go through the bisection: next to alpha = 1 the exact path's log sigma is the logistic's
+    (log sigma(x) = -softplus(-x)) deep into the tail, where bisecting sigma itself stopped at 2^-55 (log -38);
+    sigma(0) = 1/2 at any alpha, large ones included (where a difference of expm1 terms cancelled); a NaN score
+    comes back NaN from both paths instead of indexing the table out of range."""
+    x = torch.tensor([-90.0, -60.0, -20.0, -1.0, 0.0, 1.0, 20.0], dtype=torch.float64)
+    # (1e-5 relative: the alpha-sigmoid leaves the logistic by about (alpha - 1) x^2 / 2 in log, 4e-4 at x = -90)
+    want = torch.nn.functional.logsigmoid(x)
+    torch.testing.assert_close(alpha_sigmoid(x, 1 + 1e-7).log(), want, atol=1e-7, rtol=1e-5)
+    for alpha in (1.001, 3.0, 8.0, 20.0, 50.0):
+        assert abs(float(alpha_sigmoid(torch.zeros(1, dtype=torch.float64), alpha)) - 0.5) < 1e-15
+    nan = torch.tensor([float("nan"), 0.5])
+    for alpha in (1.02, 1.5, 8.0):
+        for got in (alpha_sigmoid(nan, alpha), alpha_sigmoid(nan.double(), alpha)):
+            assert got[0].isnan() and got[1].isfinite()
 
 
 @pytest.mark.parametrize("alpha", [1.001, 1.02, 1.049])

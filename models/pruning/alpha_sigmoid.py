@@ -13,10 +13,14 @@ import torch
 
 
 def _f_log(t: torch.Tensor, alpha: float) -> torch.Tensor:
-    """The x at which the alpha-sigmoid equals p = e^t (its inverse, (p^(a-1) - (1-p)^(a-1)) / (a-1)), written
-    with expm1 so that nothing cancels near alpha = 1."""
+    """The x at which the alpha-sigmoid equals p = e^t (its inverse, (p^(a-1) - (1-p)^(a-1)) / (a-1)). Below
+    alpha 2 with expm1, so nothing cancels near alpha = 1; from 2 on with the powers themselves, since there both
+    expm1 terms sit near -1 and their difference near x = 0 would cancel (3e-4 off at alpha 50)."""
     a1 = alpha - 1.0
-    return (torch.expm1(a1 * t) - torch.expm1(a1 * torch.log1p(-torch.exp(t)))) / a1
+    log_rest = torch.log1p(-torch.exp(t))
+    if alpha < 2:
+        return (torch.expm1(a1 * t) - torch.expm1(a1 * log_rest)) / a1
+    return (torch.exp(a1 * t) - torch.exp(a1 * log_rest)) / a1
 
 
 class _AlphaSigmoid(torch.autograd.Function):
@@ -38,8 +42,11 @@ class _AlphaSigmoid(torch.autograd.Function):
             mid = 0.5 * (lo + hi)
             below = _f_log(mid, alpha) < target
             lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-        q = torch.where(target <= -lim, torch.zeros_like(xd), (0.5 * (lo + hi)).exp())
+        # 0 at saturation, and below the smallest normal q the bracket can hold (float32 near alpha 1: x < -85)
+        under = (target <= -lim) | (target < _f_log(torch.tensor(math.log(tiny), dtype=work), alpha))
+        q = torch.where(under, torch.zeros_like(xd), (0.5 * (lo + hi)).exp())
         p = torch.where(xd > 0, 1 - q, q)
+        p = torch.where(xd.isnan(), xd, p)   # a NaN score stays NaN (training reports the divergence)
         ctx.alpha = alpha
         ctx.save_for_backward(q, x)
         return p.to(x.dtype)
@@ -60,7 +67,7 @@ def derivative(q: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 TABLE_POINTS = 8193
-TABLE_STEP = 0.005  # widest grid spacing: linear interpolation then errs by about h^2 / 8 max|sigma''| < 1e-6
+TABLE_STEP = 0.005  # widest grid spacing; linear interpolation errs by at most ~2e-6, next to saturation
 P_FLOOR = 1e-40     # below it a value changes nothing: log I floors there (interaction.LOG_FLOOR)
 
 
@@ -79,10 +86,10 @@ def _table(alpha: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     in float32. Built on `device` itself: alpha moves every training step, and a host-built table would cost
     each GPU step a host bisection and a copy."""
     lim = table_range(alpha)
-    points = max(TABLE_POINTS, 2 * math.ceil(lim / TABLE_STEP) + 1)  # odd: x = 0 is a grid point
+    points = max(TABLE_POINTS, 2 * math.ceil(lim / TABLE_STEP) + 1)  # odd: the grid is symmetric about 0
     x = torch.linspace(-lim, lim, points, dtype=torch.float64, device=device)
     p = _AlphaSigmoid.apply(x, alpha)
-    d = derivative(torch.minimum(p, p.flip(0)), x, alpha)  # the grid is symmetric: p(-x) = 1 - p(x), unrounded
+    d = derivative(torch.minimum(p, p.flip(0)), x, alpha)  # p(-x) = 1 - p(x), unrounded (grid symmetric to 1e-14)
     return p.float(), d.float()
 
 
@@ -91,11 +98,13 @@ def _lerp_table(table: torch.Tensor, x: torch.Tensor, lim: float) -> torch.Tenso
     float32 keeps x's own precision near 0, where sigma is steepest (from the left end, x + lim rounds to the
     ulp of lim: up to 2e-6 off at alpha = 1.001)."""
     half = (table.shape[0] - 1) // 2
-    u = x.float().clamp(-lim, lim) * (half / lim)
+    x = x.float()
+    nan = x.isnan()
+    u = x.nan_to_num(0.0).clamp(-lim, lim) * (half / lim)   # (a NaN would index out of range: NaN comes back below)
     i0 = u.floor().clamp(-half, half - 1)
     w = u - i0
     i0 = i0.long() + half
-    return table[i0] * (1 - w) + table[i0 + 1] * w
+    return torch.where(nan, x, table[i0] * (1 - w) + table[i0 + 1] * w)
 
 
 class _AlphaSigmoidTable(torch.autograd.Function):
@@ -123,7 +132,7 @@ def alpha_sigmoid(x: torch.Tensor, alpha: float, exact: bool | None = None) -> t
     """argmax_{p in [0,1]} p x + H_alpha(p) (Tsallis entropy): the sigmoid at alpha = 1, clip((x+1)/2) at
     alpha = 2, saturating at +-1/(alpha-1) for alpha > 1, the step 1[x > 0] at alpha = inf.
     exact=None: bisection for float64 inputs, the interpolated table otherwise (every alpha: below 1.05 the
-    float64 bisection over a [B,T,T] score tensor made a training step 3.4x slower, bench.train_step_profile)."""
+    float64 bisection over a [B,T,T] score tensor made a training step over 3x slower, bench.train_step_profile)."""
     if alpha < 1:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
     if alpha == 1:
