@@ -306,7 +306,9 @@ def test_distillation_trains_the_rule_terms_against_the_frozen_base(tmp_path, da
     assert all(float(state[f"blocks.{i}.mixer.pruning.lam"]) != 0.0 for i in range(2))
     assert tuned.config.prune_sinks == 2 and card["train"]["distill"] is True
     entries = [e for e in curve(tmp_path / "p") if e["kind"] == "train"]
-    assert all(e["kl"] >= 0 and math.isfinite(e["kl"]) for e in entries)
+    # the rule starts keeping almost everything, so the KL is ~1e-7: float32 rounding of its sum over the vocabulary
+    # can land just below 0 (a full run on a clean clone saw it), never further than rounding
+    assert all(e["kl"] > -1e-5 and math.isfinite(e["kl"]) for e in entries)
     raw["train"]["freeze_base"] = False
     (tmp_path / "bad.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="distill learns a pruning rule"):
