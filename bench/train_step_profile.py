@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import statistics
 import sys
@@ -30,21 +29,17 @@ from torch.profiler import ProfilerActivity, profile
 
 from models.adapters import set_trainable_params, trainable_params
 from models.pruning import pair_count, sparsity_loss
+from models.pruning.alpha_sigmoid import _table as alpha_table
 from models.device import describe as device_name
 from models.train import load_run_config
 from models.transformer import DecoderLM
-
-
-def table_cache():
-    # (models.pruning exports the function alpha_sigmoid under its module's name)
-    return importlib.import_module("models.pruning.alpha_sigmoid")._table
 
 
 def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[float]:
     out = []
     cuda = x.is_cuda
     for _ in range(steps):
-        table_cache().cache_clear()   # training's alpha moves every step: a new table each step
+        alpha_table.cache_clear()   # training's alpha moves every step: a new table each step
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as models.train runs on a GPU
             res = model(x, targets=y)

@@ -2,6 +2,7 @@
 blocks with residuals, final LN, output head tied to the token embedding (nanoGPT's shape)."""
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,8 +65,12 @@ class Block(nn.Module):
             if cfg.adapter != "compacter++":
                 self.adapter_mixer = make()
 
-    def forward(self, x, cache=None, record=None, positions=None):
+    def forward(self, x, cache=None, record=None, positions=None, mixer_out=None):
+        """mixer_out: a function h -> h given the token mixer's output [B,T,d_m] (before any adapter and the residual
+        sum), whose return goes on instead (DecoderLM.forward's mixer_out, for one block)."""
         h = self.mixer(self.ln_1(x), cache, record, positions)
+        if mixer_out is not None:
+            h = mixer_out(h)
         if self.adapter_mixer is not None:
             h = self.adapter_mixer(h)
         x = x + self.drop(h)
@@ -165,7 +170,7 @@ class DecoderLM(nn.Module):
                 diagnostics: bool = False, positions: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
                 last_only: bool = False, attention_maps: bool = True, hidden_only: bool = False,
-                residual=None) -> ModelOutput:
+                residual=None, mixer_out=None) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
         there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
         and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and
@@ -175,8 +180,9 @@ class DecoderLM(nn.Module):
         LayerRecord comes back in ModelOutput.diagnostics (attention_maps=False: without the attention
         probabilities). hidden_only: the final-norm states in ModelOutput.hidden and no logits (the caller applies
         output_weight a chunk of positions at a time: models.scoring.head_logprobs). residual: a function (i, x)
-        -> x given the residual stream [B,T,d_m] entering block i, whose return enters it instead (activation
-        patching reads and replaces it there: models.pruning.intervene; no hook is put on the model, which app
+        -> x given the residual stream [B,T,d_m] entering block i, whose return enters it instead; mixer_out: a
+        function (i, h) -> h given block i's token mixer output, whose return the block goes on with (activation
+        patching reads and replaces them there: models.pruning.intervene; no hook is put on the model, which app
         sessions share)."""
         b, t = idx.shape
         if isinstance(cache, CompactDecodeCache):
@@ -205,7 +211,8 @@ class DecoderLM(nn.Module):
         for i, block in enumerate(self.blocks):
             if residual is not None:
                 x = residual(i, x)
-            x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions)
+            x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions,
+                      None if mixer_out is None else functools.partial(mixer_out, i))
         if isinstance(cache, DecodeCache) and cache.cursor is not None:
             if fixed:
                 cache.cursor.add_(1)  # the host's count is the caller's (a replayed graph runs no Python)

@@ -68,7 +68,7 @@ def derivative(q: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
 
 TABLE_POINTS = 8193
 TABLE_STEP = 0.005  # widest grid spacing; linear interpolation errs by at most ~2e-6, next to saturation
-P_FLOOR = 1e-40     # below it a value changes nothing: log I floors there (interaction.LOG_FLOOR)
+P_FLOOR = 1e-40     # log I's floor (papers.md; interaction.LOG_FLOOR): below it a value changes nothing
 
 
 def table_range(alpha: float) -> float:
@@ -109,7 +109,7 @@ def _lerp_table(table: torch.Tensor, x: torch.Tensor, lim: float) -> torch.Tenso
 
 class _AlphaSigmoidTable(torch.autograd.Function):
     """Training speed: sigma_alpha by linear interpolation in an exact table (alpha is one number per
-    step), its derivative likewise; about 1e-6 from the exact value. Past the table's ends sigma is 0 or 1
+    step), its derivative likewise; within about 2e-6 of the exact value. Past the table's ends sigma is 0 or 1
     and its derivative 0 (within P_FLOOR near alpha = 1)."""
 
     @staticmethod

@@ -24,14 +24,14 @@ import math
 import torch
 from torch import nn
 
-from models.pruning.alpha_sigmoid import alpha_sigmoid
+from models.pruning.alpha_sigmoid import P_FLOOR, alpha_sigmoid
 
 # The rule's precision, whatever the model's: its parameters, Q_int / K_int (and the K_int a cache keeps) and the
 # scores x_{n,j} are float32 at least (float64 in a float64 model), never bf16 / fp16, so a bf16 model's full
 # forward and its decode paths compare the same numbers (a drop is permanent: one near-zero score rounded two ways
 # cascades). 2dr+2 parameters and r-wide products a layer: cheap next to attention.
 HALF = (torch.bfloat16, torch.float16)
-LOG_FLOOR = 1e-40  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
+LOG_FLOOR = P_FLOOR  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
 # lambda of a window init: large enough that a content spread of 1 changes a key's life by a factor of e^(1/4)
 # (0.78-1.28x), not by e, so the start is close to the window; small enough that training can move it
 WINDOW_LAMBDA = 4.0

@@ -14,7 +14,6 @@ the residual add: what that layer's attention alone contributed, everything else
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,14 +100,14 @@ class Run:
     dropped_at: torch.Tensor
 
 
-def _run(model, ids: list[int], cache, residual=None) -> Run:
+def _run(model, ids: list[int], cache, **patch) -> Run:
     from models.scoring import head_logprobs
     from models.transformer import evaluating   # (models.transformer imports the mixers, which import this package)
 
     model.check_fits(len(ids))
     x = torch.tensor([ids], device=model.wte.weight.device)
     with evaluating(model):
-        hidden = model(x, cache=cache, hidden_only=True, residual=residual).hidden[0]
+        hidden = model(x, cache=cache, hidden_only=True, **patch).hidden[0]
     lp = head_logprobs(model, hidden[:-1], x[0, 1:])
     # [L, T]: a replay's layers keep one row per KV group ([R, T]); the twin's (nothing evicted) are all -1
     return Run(hidden, lp, torch.stack([layer.dropped_at.reshape(-1, len(ids)).amax(0) for layer in cache.layers]))
@@ -121,17 +120,14 @@ def forced(model, ids: list[int], forces: list[Force] = ()) -> Run:
     return _run(model, ids, Intervention(list(forces), model.config.n_layers))
 
 
-SITES = ("residual", "mixer")   # what a patch replaces: the block's input, or its token mixer's output
+# what a patch replaces: the block's input, or its token mixer's output; each the DecoderLM.forward argument that
+# hands it over (no hook: app sessions share the model)
+SITES = {"residual": "residual", "mixer": "mixer_out"}
 
 
-@contextmanager
-def _mixer_output(model, layer: int, fn):
-    """fn(output [B,T,d_m]) -> the output block `layer`'s token mixer hands on, for the forwards run inside."""
-    handle = model.blocks[layer].mixer.register_forward_hook(lambda module, args, out: fn(out))
-    try:
-        yield
-    finally:
-        handle.remove()
+def _at(site: str, layer: int, fn) -> dict:
+    """The DecoderLM.forward argument that applies fn to layer `layer`'s states at `site` and passes the rest on."""
+    return {SITES[site]: lambda i, h: fn(h) if i == layer else h}
 
 
 def _check_site(model, layer: int, site: str) -> None:
@@ -159,11 +155,7 @@ def residuals(model, ids: list[int], layer: int, rule: bool = True, site: str = 
     x = torch.tensor([ids], device=model.wte.weight.device)
     cache = None if rule else _twin(model)
     with evaluating(model):
-        if site == "mixer":
-            with _mixer_output(model, layer, keep):
-                model(x, cache=cache, hidden_only=True)
-        else:
-            model(x, cache=cache, hidden_only=True, residual=lambda i, h: keep(h) if i == layer else h)
+        model(x, cache=cache, hidden_only=True, **_at(site, layer, keep))
     return kept["x"]
 
 
@@ -190,10 +182,7 @@ def patched(model, ids: list[int], layer: int, positions: list[int], donor: torc
         return x
 
     cache = Intervention([], model.config.n_layers) if rule else _twin(model)
-    if site == "mixer":
-        with _mixer_output(model, layer, patch):
-            return _run(model, ids, cache)
-    return _run(model, ids, cache, residual=lambda i, x: patch(x) if i == layer else x)
+    return _run(model, ids, cache, **_at(site, layer, patch))
 
 
 def _twin(model):
