@@ -121,11 +121,13 @@ def generate_one(model_dir: str, tokens: int = 64) -> dict:
     first_s = time.perf_counter() - t0
     res = generate(loaded.model, prompt, tokens, greedy=True)
     cfg = loaded.config
-    # generate() decodes pruned models over the static cache (the compacted cache is kernels.bench's end-to-end row)
-    want = "lag_conv" if cfg.mixer in ("me", "we", "he") else "attention"
-    took_triton = res.kernel_paths.get(want) == "triton" and bool(kernels.TRITON)
+    # generate() decodes a pruned model over the compacted cache, its steps through the fused pruning kernel
+    want = ["lag_conv"] if cfg.mixer in ("me", "we", "he") else ["attention"]
+    want += ["compact_decode"] if cfg.prune else []
+    took_triton = all(res.kernel_paths.get(op) == "triton" for op in want) and bool(kernels.TRITON)
     return {"model": model_dir, "mixer": cfg.mixer, "pruned": cfg.prune, "device": str(loaded.model.wte.weight.device),
             "dtype": str(loaded.model.wte.weight.dtype), "kernel_paths": res.kernel_paths, "triton_taken": took_triton,
+            "cache": res.cache_kind, "graphs": res.graphs,
             "new_tokens": len(res.new_ids), "first_call_s": first_s, "prefill_ms": res.prefill_s * 1e3,
             "tokens_per_s": res.decode_tokens_per_s, "perplexity_of_output": res.perplexity,
             "text": loaded.tokenizer.decode(res.new_ids)[:200]}

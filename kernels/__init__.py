@@ -119,9 +119,10 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
     return out, None
 
 
-def compact_decode(q, k, v, *, scale: float, prune: dict, **maps):
-    """One decode step over the compacted pruning cache: (out, keep). See kernels.reference.decode."""
-    return _run("compact_decode", q, reference.decode, q, k, v, scale=scale, prune=prune, **maps)
+def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, **maps):
+    """One decode step over the compacted pruning cache: (out, keep). See kernels.reference.decode. lengths [B]
+    (fixed shapes): row b reads slots [0, lengths[b]) only, and keeps none after them."""
+    return _run("compact_decode", q, reference.decode, q, k, v, scale=scale, prune=prune, lengths=lengths, **maps)
 
 
 def lag_conv(x, w, start: int = 0):

@@ -97,8 +97,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     padding row (valid False) drops nothing and attends to every used slot. Returns out,
     or (out, keep [B,S]: the live mask after this query) with prune.
     """
-    if prune is not None and prune["valid"] is None and bias is None and lengths is None:
-        return _decode_all_real(q, k, v, scale, prune, maps)
+    if prune is not None and prune["valid"] is None and bias is None:
+        return _decode_all_real(q, k, v, scale, prune, maps, lengths)
     b, s = q.shape[0], k.shape[2]
     allowed = torch.ones(b, s, dtype=torch.bool, device=q.device)
     if lengths is not None:
@@ -124,10 +124,10 @@ def _with_distance(x, prune, pos, q_pos):
     return x if not lam else x + distance_term(torch.tensor(lam, dtype=x.dtype, device=x.device), pos, q_pos)
 
 
-def _decode_all_real(q, k, v, scale, prune, maps):
+def _decode_all_real(q, k, v, scale, prune, maps, lengths=None):
     """decode() when every row is real, in as few operations as the rule allows (the CPU decode step is
     bound by their count): every live slot's position precedes the query's, so the slots attended are
-    exactly the ones kept."""
+    exactly the ones kept (and none from lengths[b] on)."""
     q_int = prune["q_int"][:, None, :]
     beta = (torch.full((), prune["beta"], dtype=q_int.dtype, device=q_int.device) if isinstance(prune["beta"], float)
             else prune["beta"])
@@ -135,6 +135,8 @@ def _decode_all_real(q, k, v, scale, prune, maps):
     x = torch.baddbmm(beta, q_int, prune["k_int"].transpose(1, 2), alpha=q_int.shape[-1] ** -0.5)[:, 0]
     x = _with_distance(x, prune, prune["pos"], prune["q_pos"][:, None])
     keep = prune["live"] & survives(x, prune["pos"], prune["q_pos"][:, None], sinks=prune.get("sinks", 0))
+    if lengths is not None:
+        keep = keep & (torch.arange(k.shape[2], device=k.device) < lengths[:, None])
     if maps:
         mask = torch.where(keep, 0.0, float("-inf")).to(q.dtype)[:, None, None]  # [B,1,1,S]
         return attention(q, k, v, scale=scale, bias=mask, causal=False, **maps)[0], keep

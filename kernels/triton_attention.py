@@ -125,10 +125,14 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     b = (pid // G).to(tl.int64)  # 64-bit offsets: b x G x S x D passes 2^31 at batch 64, 32k context
     g = pid % G
     length = S
+    chunk = split_len
     if HAS_LENS:
+        # the splits share what this row holds, not the buffer: a preallocated cache filled to a tenth keeps
+        # every program busy (the length is on the device, so the split is placed here, not at launch)
         length = tl.load(LENS + b)
-    start = split * split_len
-    end = tl.minimum(start + split_len, length)
+        chunk = tl.cdiv(tl.cdiv(length, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
     offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_mask, d_mask = offs_r < R, offs_d < D
@@ -321,7 +325,8 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         qpos = prune["q_pos"].to(torch.int32).contiguous()
         valid = (torch.ones(q.shape[0], dtype=torch.int8, device=q.device) if prune["valid"] is None  # all real
                  else prune["valid"].to(torch.int8).contiguous())
-        live_out = torch.empty_like(live)
+        # the kernel writes keep up to each row's length; with lengths, the slots after it keep nothing
+        live_out = torch.empty_like(live) if lengths is None else torch.zeros_like(live)
         ri = qi.shape[-1]
         pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), ri, ri ** -0.5,
               float(prune["beta"]), float(prune.get("lam", 0.0)), int(prune.get("sinks", 0)))

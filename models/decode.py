@@ -35,7 +35,10 @@ class Decoder:
     capacity (it grows by doubling). ragged (compacted only): every call carries a padding mask, even when all
     rows take part (the path where rows may differ in length and sit steps out: generate_batch); otherwise a
     step of all rows takes the decode fast path. count_seen: the compacted cache counts, per decode query, the
-    share of its earlier tokens it attended over (scoring's sparsity)."""
+    share of its earlier tokens it attended over (scoring's sparsity). fixed: after the prompt, one-token steps
+    keep every shape and ask the host nothing (the static cache: DecodeCache.fix_shapes; the compacted one:
+    CompactDecodeCache.fix_shapes, compacting or growing between steps); graphs: those steps replayed from a
+    CUDA graph (models.graphs)."""
 
     def __init__(self, model, batch: int = 1, state: str = "static", policy=None, capacity: int | None = None,
                  ragged: bool = False, count_seen: bool = False, fixed: bool = False, graphs: bool = False):
@@ -48,17 +51,18 @@ class Decoder:
         self.model, self.kind, self.policy, self.batch, self.ragged = model, state, policy, batch, ragged
         self.device = model.wte.weight.device
         self.fixed, self._captured = fixed or graphs, None
-        why = self.fixed and graphs_module.refusal(model, state)
+        why = self.fixed and (graphs_module.refusal(model, state, policy)
+                              or ragged and "fixed-shape decode takes rows of one length (not ragged)")
         if why:
             raise ValueError(why)
         if graphs:
             if self.device.type != "cuda":
                 raise ValueError("CUDA graphs need the model on a CUDA device")
             capacity = graphs_module.capacity_bucket(capacity or model.config.context, model.config.context)
-            self._captured = graphs_module.checkout(model, batch, capacity)
+            self._captured = graphs_module.checkout(model, batch, capacity, state)
             self.state = self._captured.state
         elif state == "compacted":
-            self.state = model.new_compact_cache(batch=batch, capacity=capacity or 16, policy=policy)
+            self.state = model.new_compact_cache(batch=batch, capacity=capacity or 16, policy=policy, fixed=self.fixed)
             if count_seen:
                 for layer in self.state.layers:
                     layer.seen = torch.zeros(layer.batch, device=self.device)  # a row per group, if per group
@@ -75,7 +79,14 @@ class Decoder:
         Positions are kept on the device: a step copies nothing from the host."""
         t = idx.shape[1]
         with kernels.record_paths() as paths:  # per call: interleaved decoders must not share a recorder
-            if self.kind == "compacted":
+            if self.kind == "compacted" and self.state.next_pos is not None:  # fixed shapes (DecoderLM.forward)
+                if t == 1:  # positions and slots from the device; the host's count follows
+                    out = self.model(idx, cache=self.state, last_only=last_only)
+                    self.state.advance(1)
+                else:
+                    pos = self.state.next_pos + torch.arange(t, device=self.device)
+                    out = self.model(idx, cache=self.state, positions=pos, last_only=last_only)
+            elif self.kind == "compacted":
                 pos = self._next + torch.arange(t, device=self.device)
                 out = self.model(idx, cache=self.state, positions=pos, valid=valid, last_only=last_only)
                 self._next = self._next + (t if valid is None else valid.long().sum(1, keepdim=True))
@@ -111,8 +122,10 @@ class Decoder:
             valid = torch.arange(width, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
         logits = self._call(idx, valid, last_only=last_only and valid is None)
         self.lengths = lens
-        if self.fixed:
+        if self.fixed and self.kind == "static":
             self.state.fix_shapes()
+        elif self.fixed and self.state.next_pos is None:  # (a pooled cache already follows: DecoderLM.forward)
+            self.state.fix_shapes(self._next)
         if last_only and valid is not None:
             return logits[torch.arange(self.batch, device=self.device), torch.tensor(lens, device=self.device) - 1]
         return logits[:, -1] if last_only else logits
@@ -133,8 +146,12 @@ class Decoder:
         elif not all(rows):
             raise ValueError("rows that sit a step out need a ragged decoder (the compacted cache)")
         tokens = tokens.to(self.device).view(self.batch, 1)
+        if self.fixed and self.kind == "compacted" and self.state.next_pos is not None:
+            # the step asks the host nothing: the context check, compaction and growth happen here, before it
+            self.model.check_fits(max(self.lengths) + 1, "positions")
+            self.state.make_room()
         if self._captured is not None:
-            if self.lengths[0] + 1 > self.state.capacity:
+            if self.kind == "static" and self.lengths[0] + 1 > self.state.capacity:
                 raise ValueError(f"cache full: {self.lengths[0]} + 1 positions exceed capacity {self.state.capacity}")
             logits, replayed = self._captured.step(self.model, tokens,
                                                    lambda tok: self._call(tok, None, last_only=True)[:, 0])

@@ -169,7 +169,7 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
         own = dense
 
     if graphs is None:
-        graphs = device.type == "cuda" and graphs_module.refusal(model, kind) is None
+        graphs = device.type == "cuda" and graphs_module.refusal(model, kind, policy) is None
     info["graphs"] = bool(graphs)
 
     with evaluating(model):

@@ -1,6 +1,8 @@
 """Decode steps replayed from a CUDA graph (gpt-fast's answer to per-token launch overhead, without
 torch.compile): over a static-shape cache (models.cache.DecodeCache.fix_shapes) a one-token step launches the
 same kernels on the same buffers every time, so it is captured once and replayed for the price of one launch.
+The compacted cache of context pruning keeps its shapes too (models.pruning.compact_cache, fixed=True): it
+compacts in place between steps, and only its growth (new buffers) asks for a new capture.
 
 A captured step belongs to its cache's buffers and to the weights it read, so the two live together in a
 `Captured` entry, kept per model, batch, capacity bucket, weights and kernel choice, and reused by the next
@@ -21,10 +23,13 @@ WARMUP_STEPS = 2  # eager steps before capture: Triton compiles, cuBLAS picks it
 MAX_FREE = 2      # entries kept per key once given back
 
 
-def refusal(model, state: str) -> str | None:
-    """Why this model's decode cannot keep static shapes (None: it can)."""
-    if state != "static":
-        return "static-shape decode runs over the static cache (the compacted cache changes shape as it evicts)"
+def refusal(model, state: str, policy=None) -> str | None:
+    """Why this model's decode cannot keep static shapes over `state` ("static" or "compacted") (None: it can)."""
+    if policy is not None:
+        return (f"static-shape decode serves the learned rule or a dense model; an eviction policy "
+                f"({policy.method}) decodes eagerly")
+    if state not in ("static", "compacted"):
+        return f"static-shape decode runs over the static or the compacted cache, not {state!r}"
     for block in model.blocks:
         m = block.mixer
         if not hasattr(m, "kv_shared"):
@@ -44,24 +49,36 @@ def capacity_bucket(need: int, context: int) -> int:
 
 
 class Captured:
-    """A cache with fixed shapes and, once captured, the graph of one decode step over it."""
+    """A cache with fixed shapes and, once captured, the graph of one decode step over it. The compacted
+    cache compacts in place between steps; when it grows (new buffers), the step is captured again."""
 
-    def __init__(self, model, batch: int, capacity: int):
+    def __init__(self, model, batch: int, capacity: int, kind: str = "static"):
         with torch.inference_mode(False), torch.no_grad():  # plain tensors: reset() may run outside inference mode
-            self.state = model.new_cache(batch=batch, capacity=capacity)
-        self.batch = batch
+            if kind == "static":
+                self.state = model.new_cache(batch=batch, capacity=capacity)
+            else:
+                self.state = model.new_compact_cache(batch=batch, capacity=capacity, fixed=True)
+        self.batch, self.kind = batch, kind
+        self.allocations = self._allocations()  # the buffers the graph was captured over
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tokens: torch.Tensor | None = None   # the graph's input [B,1]
         self.logits: torch.Tensor | None = None   # the graph's output [B,1,V]
         self.paths: dict[str, str] = {}
         self.warm = 0
         self.failed: str | None = None           # why capture failed: this entry decodes eagerly
+        self.recaptures = 0
+
+    def _allocations(self) -> int:
+        return getattr(self.state, "allocations", 0)  # the static cache never reallocates
 
     def step(self, model, tokens: torch.Tensor, eager) -> tuple[torch.Tensor, bool]:
         """One token per row (tokens [B,1]) -> (logits [B,V], replayed). eager(tokens) runs the step without a
         graph (and counts it on the host); a replay is counted by the caller."""
         if self.failed is not None:
             return eager(tokens), False
+        if self.graph is not None and self._allocations() != self.allocations:  # the cache grew: capture again
+            self.graph, self.logits, self.warm = None, None, 0
+            self.recaptures += 1
         if self.graph is None and self.warm < WARMUP_STEPS:
             # on the caller's stream: the pooled side streams are left to the (locked) capture alone
             self.warm += 1
@@ -89,7 +106,7 @@ class Captured:
             self.failed = f"{type(e).__name__}: {e}"[:300]
             self.logits = None
             return False
-        self.graph, self.paths = graph, dict(paths)
+        self.graph, self.paths, self.allocations = graph, dict(paths), self._allocations()
         return True
 
 
@@ -105,10 +122,10 @@ def _weights(model) -> tuple:
             os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
 
 
-def checkout(model, batch: int, capacity: int) -> Captured:
-    """A free entry for (model, batch, capacity), emptied, or a new one."""
+def checkout(model, batch: int, capacity: int, kind: str = "static") -> Captured:
+    """A free entry for (model, batch, capacity, cache kind), emptied, or a new one."""
     weights = _weights(model)
-    key = (batch, capacity, weights)
+    key = (batch, capacity, weights, kind)
     with _lock:
         kept = _free.setdefault(model, {})
         for stale in [k for k in kept if k[2] != weights]:  # captured over weights that have moved since
@@ -116,7 +133,7 @@ def checkout(model, batch: int, capacity: int) -> Captured:
         entries = kept.get(key, [])
         entry = entries.pop() if entries else None
     if entry is None:
-        entry = Captured(model, batch, capacity)
+        entry = Captured(model, batch, capacity, kind)
     else:
         with torch.no_grad():
             entry.state.reset()

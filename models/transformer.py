@@ -139,11 +139,13 @@ class DecoderLM(nn.Module):
         p = self.wte.weight
         return DecodeCache([b.mixer.new_cache(batch, capacity, p.dtype, p.device) for b in self.blocks])
 
-    def new_compact_cache(self, batch: int = 1, capacity: int = 16, policy=None) -> CompactDecodeCache:
+    def new_compact_cache(self, batch: int = 1, capacity: int = 16, policy=None,
+                          fixed: bool = False) -> CompactDecodeCache:
         """The compacted cache (context pruning's data structure; rows may have different lengths). Attention
         mixers only: an Extractor's state is a window of past inputs indexed by lag, which slots cannot hold.
         policy: a heuristic eviction policy (models.pruning.policies); on a model with learned pruning the policy
-        decides instead of the rule (its own weights, the rule off, as models.pruning.replay runs it)."""
+        decides instead of the rule (its own weights, the rule off, as models.pruning.replay runs it). fixed: compaction
+        in place and no shrinking, so that fix_shapes() can make the decode steps keep their shapes (models.graphs)."""
         if not self.blocks[0].mixer.decodes_compacted:
             raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: "
                              "an Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
@@ -163,7 +165,8 @@ class DecoderLM(nn.Module):
             if g > 1:
                 spec = {name: (1, *shape[1:]) for name, shape in spec.items()}
             layers.append(CompactCache(spec, batch * g, capacity, p.dtype, p.device, policy,
-                                       b.mixer.pruning.decode_constants() if learned else None, groups=g))
+                                       b.mixer.pruning.decode_constants() if learned else None, groups=g,
+                                       fixed=fixed))
         return CompactDecodeCache(layers)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
@@ -185,10 +188,17 @@ class DecoderLM(nn.Module):
         patching reads and replaces them there: models.pruning.intervene; no hook is put on the model, which app
         sessions share)."""
         b, t = idx.shape
+        compact_fixed = False
         if isinstance(cache, CompactDecodeCache):
-            if positions is None:
+            # a fixed-shape step (CompactDecodeCache.fix_shapes): positions from the device, no host check (the
+            # caller, models.decode.Decoder, keeps the count and checks the context)
+            compact_fixed = cache.next_pos is not None and t == 1 and valid is None and not diagnostics
+            if compact_fixed:
+                positions = cache.next_pos.clone()
+            elif positions is None:
                 raise ValueError("the compacted cache needs positions [B,T] for the new tokens")
-            self.check_fits(int(positions.max() if valid is None else positions[valid].max()) + 1, "positions")
+            else:
+                self.check_fits(int(positions.max() if valid is None else positions[valid].max()) + 1, "positions")
             for layer in cache.layers:
                 layer.q_pos, layer.valid = positions, valid
             positions = positions.clamp(0, self.config.context - 1)
@@ -213,6 +223,12 @@ class DecoderLM(nn.Module):
                 x = residual(i, x)
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions,
                       None if mixer_out is None else functools.partial(mixer_out, i))
+        if compact_fixed:
+            cache.next_pos.add_(1)
+        elif isinstance(cache, CompactDecodeCache) and cache.next_pos is not None:
+            if valid is not None:
+                raise ValueError("a fixed-shape compacted cache takes rows of one length (no padding)")
+            cache.fix_shapes(cache.layers[0].q_pos[:, -1:] + 1)  # several tokens counted on the host: follow
         if isinstance(cache, DecodeCache) and cache.cursor is not None:
             if fixed:
                 cache.cursor.add_(1)  # the host's count is the caller's (a replayed graph runs no Python)

@@ -291,3 +291,42 @@ def test_cuda_graph_decode_equals_eager_decode(overrides):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
         assert live_got == live_want
     graphs.release(model)
+
+
+@pytest.mark.parametrize("overrides", [dict(mixer="mha", prune=True), dict(mixer="mha"),
+                                       dict(mixer="gqa", n_kv_heads=2, positions="rope", prune=True,
+                                            prune_distance=True)],
+                         ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_cuda_graph_compacted_decode_equals_eager_decode(overrides):
+    """The compacted cache's fixed-shape steps replayed from a graph: the same logits, drops and live counts as
+    the same steps run eagerly (the same kernels, so equal up to rounding) and as the dynamic compacted cache;
+    a cache that grows past its bucket (256 slots) is captured again; a pooled entry serves the second prompt."""
+    from models import graphs
+    from models.decode import Decoder
+    model = DecoderLM(tiny_config(**overrides, context=320)).to(DEV).eval()
+    randomize(model, std=0.3)
+    for block in model.blocks if model.config.prune else ():
+        block.mixer.pruning.beta.data.fill_(0.0)
+    torch.manual_seed(0)
+    for prompt_len in (5, 9):
+        idx = torch.randint(0, 61, (2, 300), device=DEV)
+        runs = {}
+        for mode, kw in (("dynamic", dict(capacity=16)), ("fixed", dict(capacity=256, fixed=True)),
+                         ("graphs", dict(capacity=20, graphs=True))):
+            dec = Decoder(model, 2, "compacted", **kw)
+            with torch.inference_mode():
+                out = [dec.prefill(idx[:, :prompt_len].tolist())]
+                drops = dec.new_drops()
+                for i in range(prompt_len, 300):
+                    out.append(dec.step(idx[:, i]))
+                    drops += dec.new_drops()
+            recaptured = dec._captured.recaptures if dec._captured is not None else None
+            runs[mode] = (torch.stack(out, 1), sorted(drops), dec.live(1), recaptured, dec.graph_failed)
+            dec.close()
+        assert runs["graphs"][4] is None
+        assert torch.allclose(runs["graphs"][0], runs["fixed"][0], atol=1e-5, rtol=1e-5)
+        assert runs["graphs"][1:3] == runs["fixed"][1:3]
+        assert torch.allclose(runs["graphs"][0], runs["dynamic"][0], atol=1e-4, rtol=1e-4)
+        if not model.config.prune:  # 300 positions, nothing dropped: the 256 slots doubled once
+            assert runs["graphs"][3] == 1 and runs["graphs"][2] == runs["dynamic"][2]
+    graphs.release(model)

@@ -128,21 +128,23 @@ def decode(mixer, cache, x, q, k, v):
     else:
         q_int, k_int = None, False
     cache.append(mixer.cache_entries(x, k, v, k_int), q_pos)
-    past = cache.view()
+    if cache.cursor is None:
+        past, live, pos, lengths = cache.view(), cache.live[:, :cache.end], cache.pos[:, :cache.end], None
+    else:  # fixed shapes: the whole buffers, each row read up to the device-side cursor
+        past, live, pos, lengths = cache.buffers, cache.live, cache.pos, cache.cursor.expand(q.shape[0])
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
-    live = cache.live[:, :cache.end]
     if cache.policy is not None:
         return policy_decode(mixer, cache, q, kk, vv, q_pos)
     if mixer.pruning is None:  # a dense or fixed-pattern model on the compacted cache
         allowed = live
         if mixer.pattern != "dense":
-            allowed = allowed & pattern_allows(q_pos, cache.pos[:, :cache.end], mixer.pattern, mixer.pattern_k)
+            allowed = allowed & pattern_allows(q_pos, pos, mixer.pattern, mixer.pattern_k)
         cache.count_seen(allowed)
-        return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False)
+        return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False, lengths=lengths)
     prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": c["beta"], "live": live,
-             "pos": cache.pos[:, :cache.end], "q_pos": q_pos[:, 0], "valid": None, "lam": c["lam"], "sinks": c["sinks"]}
-    o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, **mixer.head_maps())
+             "pos": pos, "q_pos": q_pos[:, 0], "valid": None, "lam": c["lam"], "sinks": c["sinks"]}
+    o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, lengths=lengths, **mixer.head_maps())
     cache.count_seen(keep)
     cache.update_kept(keep, q_pos, every=ALIGN)
     return mixer.output(o)

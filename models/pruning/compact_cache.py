@@ -10,6 +10,13 @@ A decode step (one new token per row, every row real) takes a fast path with no 
 token goes into slot `end` of every row, each dropped slot notes the position of the query that dropped it in
 `trig` (on the device), and whether to compact is asked only every ALIGN steps. The notes are collected into
 `drops` (one host transfer) when asked for, and before slots are reused or compacted away.
+
+Fixed shapes (`fixed=True`, then `fix_shapes()` after the prompt; models.graphs replays such steps from a CUDA
+graph): a decode step writes at a device-side `cursor`, attends over the whole buffers with the kernel stopping
+at the cursor, and asks the host nothing; compaction moves the live slots to the front of the same buffers (their
+addresses, which a captured graph holds, never change) and is asked for by the caller between steps
+(`make_room`, `maybe_compact`); the buffers only grow, by doubling, which a captured graph must follow
+(`allocations` counts it).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
 
 class CompactCache:
     def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device, policy=None,
-                 rule_constants: dict | None = None, groups: int = 1):
+                 rule_constants: dict | None = None, groups: int = 1, fixed: bool = False):
         # groups > 1 (a per-KV-group policy): `batch` rows are (batch row, group) pairs, row b * groups + g, each
         # holding its own slots of one group's K/V (models.backends.compacted.by_group)
         self.batch, self.device, self.groups = batch, device, groups
@@ -55,6 +62,8 @@ class CompactCache:
         self.valid: torch.Tensor | None = None
         # the learned rule's decode constants (ContextPruning.decode_constants), held here, never on the model
         self.rule_constants = rule_constants
+        # fixed shapes: compaction in place, capacity never shrinks; `cursor` (the device's `end`) set by fix_shapes
+        self.fixed, self.cursor, self.allocations = fixed, None, 0
 
     def attend(self, mixer, x, q, k, v, record):
         """The attention backend over this cache (models.backends.compacted)."""
@@ -66,6 +75,7 @@ class CompactCache:
         return int(self.pos.max()) + 1 if self.end else 0
 
     def _resize(self, capacity: int) -> None:
+        self.allocations += 1
         keep = min(self.end, capacity)
         for n, buf in self.buffers.items():
             new = torch.zeros(*buf.shape[:-2], capacity, buf.shape[-1], dtype=buf.dtype, device=buf.device)
@@ -92,6 +102,8 @@ class CompactCache:
     def append(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor) -> None:
         """A decode step with every row real: the new token ([B, *lead, 1, w] per name) goes into slot `end`
         of each row. Nothing here waits for the device."""
+        if self.cursor is not None:
+            return self._append_at_cursor(new, q_pos)
         if self.end == self.capacity:
             self._resize(self.capacity * 2)
         e = self.end
@@ -100,6 +112,33 @@ class CompactCache:
         self.live[:, e:e + 1] = True
         self.pos[:, e:e + 1] = q_pos
         self.end = e + 1
+
+    def _append_at_cursor(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor) -> None:
+        """append() with fixed shapes: slot `cursor` (on the device) of every row; the host's `end` is moved on by
+        the caller (advance), since a replayed graph runs no Python."""
+        if self.end >= self.capacity:  # host counts only: make_room() before the step keeps one slot free
+            raise RuntimeError(f"compacted cache full ({self.capacity} slots): make_room() before a fixed-shape step")
+        c = self.cursor
+        for n, value in new.items():
+            buf = self.buffers[n]
+            buf.index_copy_(buf.dim() - 2, c, value)
+        self.live.index_fill_(1, c, True)
+        self.pos.index_copy_(1, c, q_pos)
+        c.add_(1)
+
+    def fix_shapes(self) -> None:
+        """From here on a one-token step of every row writes at the device-side cursor (= end) and reads the
+        buffers up to it: nothing in the step depends on the host."""
+        if not self.fixed:
+            raise ValueError("fix_shapes() needs a cache built with fixed=True (compaction in place)")
+        if self.cursor is None:
+            with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
+                self.cursor = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.cursor.fill_(self.end)
+
+    def view_fixed(self) -> dict[str, torch.Tensor]:
+        """Fixed shapes: the whole buffers (slots from the cursor on are not live and are never read)."""
+        return self.buffers
 
     def insert(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Write each valid new token ([B, *lead, T, w] per name) into a free slot of its own row (valid None:
@@ -138,12 +177,14 @@ class CompactCache:
     def update_live(self, keep_last: torch.Tensor, trigger: torch.Tensor, every: int = 1) -> None:
         """keep_last [B, end]: what each row keeps after its newest token; trigger [B, end]: the position
         of the query that dropped each slot. Notes the drops on the device, then compacts if worth it, asking
-        only every `every` calls (the question waits for the device)."""
+        only every `every` calls (the question waits for the device). A fixed-shape cache compacts in place, so
+        never here, while the calling step still reads the buffers: its caller asks between steps (make_room)."""
         was = self.live[:, :self.end]
         gone = was & ~keep_last
         self.trig[:, :self.end] = torch.where(gone, trigger, self.trig[:, :self.end])
         self.live[:, :self.end] = was & keep_last
-        self._check_every(every)
+        if not self.fixed:
+            self._check_every(every)
 
     def _check_every(self, every: int) -> None:
         self.steps_since_check += 1
@@ -159,19 +200,28 @@ class CompactCache:
 
     def update_kept(self, keep: torch.Tensor, q_pos: torch.Tensor, every: int = 1) -> None:
         """update_live for a decode step whose keep [B, end] is already within the live slots and whose
-        queries q_pos [B, 1] dropped whatever went (two fewer operations per layer and step)."""
+        queries q_pos [B, 1] dropped whatever went (two fewer operations per layer and step). With fixed shapes
+        keep covers every slot and the caller asks about compaction (a graph's step cannot)."""
+        if self.cursor is not None:
+            self.trig.copy_(torch.where(self.live ^ keep, q_pos, self.trig))
+            self.live.copy_(keep)
+            return
         trig = self.trig[:, :self.end]
         trig.copy_(torch.where(self.live[:, :self.end] ^ keep, q_pos, trig))
         self.live[:, :self.end] = keep
         self._check_every(every)
 
-    def maybe_compact(self) -> None:
+    def maybe_compact(self, most: int | None = None, below: float = COMPACT_BELOW) -> None:
+        """Compact when the fullest row's live count (`most`, read here when not given) is under `below` of the
+        padded length in use."""
         self.steps_since_check = 0
         if self.end == 0:
             return
-        most = int(self.live[:, :self.end].sum(1).max())
-        if most >= COMPACT_BELOW * self.end:
+        most = int(self.live[:, :self.end].sum(1).max()) if most is None else most
+        if most >= below * self.end:
             return
+        if self.fixed:
+            return self._compact_in_place(most)
         self.flush()  # dropped slots are about to go
         # stable gather of each row's live slots to the front, into new tensors, never in place: the step
         # that triggered this still attends over views of the old buffers
@@ -190,6 +240,31 @@ class CompactCache:
         self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
         self.compactions += 1
 
+    def _compact_in_place(self, most: int) -> None:
+        """maybe_compact() with fixed shapes: each row's live slots, in order, to the front of the same buffers;
+        the slots after them emptied; the capacity kept."""
+        self.flush()
+        order = _first(self.live[:, :self.end])[:, :most]                          # [B, most]
+        for n, buf in self.buffers.items():
+            moved = buf[..., :self.end, :].movedim(-2, 1)
+            idx = order.view(*order.shape, *([1] * (moved.dim() - 2))).expand(-1, -1, *moved.shape[2:])
+            buf[..., :most, :] = torch.gather(moved, 1, idx).movedim(1, -2)       # gathered first: no overlap
+        live = torch.gather(self.live[:, :self.end], 1, order)
+        pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~live, -1)
+        self.live.fill_(False)
+        self.pos.fill_(-1)
+        self.trig.fill_(-1)
+        self.live[:, :most], self.pos[:, :most] = live, pos
+        for t in self.slot_state.values():  # [B, S, *extra]
+            idx = order.view(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
+            kept = torch.gather(t[:, :self.end], 1, idx)
+            t.zero_()
+            t[:, :most] = kept
+        self.end = most
+        if self.cursor is not None:
+            self.cursor.fill_(most)
+        self.compactions += 1
+
     def nbytes(self) -> int:
         """Bytes allocated for the state now (buffers at their capacity, live mask, positions)."""
         return (sum(b.numel() * b.element_size() for b in self.buffers.values())
@@ -205,6 +280,66 @@ class CompactCache:
 class CompactDecodeCache:
     def __init__(self, layers: list[CompactCache]):
         self.layers = layers
+        self.next_pos: torch.Tensor | None = None  # fixed shapes: each row's next position [B,1], on the device
+        self.steps = 0  # fixed-shape steps since the last compaction check
+
+    @property
+    def fixed(self) -> bool:
+        return self.layers[0].fixed
+
+    @property
+    def allocations(self) -> int:
+        """How often a layer's buffers were reallocated: a captured step is stale once this moves."""
+        return sum(layer.allocations for layer in self.layers)
+
+    def fix_shapes(self, next_pos: torch.Tensor) -> None:
+        """After a call of several tokens (the prompt): one-token steps of every row keep their shapes from here
+        (next_pos [B,1]: each row's next position; held on the device and moved on by the step itself)."""
+        if any(layer.policy is not None for layer in self.layers):
+            raise ValueError("fixed-shape decode serves the learned rule or a dense model, not an eviction policy")
+        for layer in self.layers:
+            layer.fix_shapes()
+        if self.next_pos is None:
+            with torch.inference_mode(False):
+                self.next_pos = torch.zeros_like(next_pos, dtype=torch.long)
+        self.next_pos.copy_(next_pos)
+        self.steps = 0
+
+    def advance(self, t: int = 1) -> None:
+        """The host's count, after a fixed-shape step (t = 1) that the device already counted."""
+        for layer in self.layers:
+            layer.end += t
+        self.steps += t
+
+    def make_room(self) -> None:
+        """Before a fixed-shape step (which asks the host nothing): every ALIGN steps, each layer compacts if
+        worth it (one transfer for all layers); a full layer compacts under COMPACT_BELOW live, else doubles
+        (a reallocation: a captured graph must be captured again)."""
+        full = [layer.end >= layer.capacity for layer in self.layers]
+        if self.steps < ALIGN and not any(full):
+            return
+        self.steps = 0
+        most = torch.stack([layer.live[:, :max(layer.end, 1)].sum(1).max() for layer in self.layers]).tolist()
+        for layer, m in zip(self.layers, most):
+            layer.maybe_compact(int(m))
+            if layer.end >= layer.capacity:
+                layer._resize(layer.capacity * 2)
+
+    def reset(self) -> None:
+        """Empty again for the next generation (fixed shapes: the buffers and their addresses are kept)."""
+        for layer in self.layers:
+            layer.live.fill_(False)
+            layer.pos.fill_(-1)
+            layer.trig.fill_(-1)
+            for t in layer.slot_state.values():
+                t.zero_()
+            layer.end, layer.compactions, layer.steps_since_check, layer.drops = 0, 0, 0, []
+            layer.seen = None
+            if layer.cursor is not None:
+                layer.cursor.zero_()
+        if self.next_pos is not None:
+            self.next_pos.zero_()
+        self.steps = 0
 
     @property
     def length(self) -> int:

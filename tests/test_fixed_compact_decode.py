@@ -1,0 +1,169 @@
+"""The compacted cache with fixed shapes (models.pruning.compact_cache, fixed=True; models.graphs captures its
+steps on a GPU): a decode step writes at a device-side cursor and reads the buffers up to it, compaction moves
+the live slots to the front of the same buffers between steps, and the buffers only grow. On the CPU: it
+decodes what the dynamic compacted cache decodes (logits, every drop and its trigger, live counts) through
+compactions and growth, for the learned rule and for dense models on the compacted cache, on fresh random
+weights; nothing after the cursor is read; the kernels' `lengths` keep nothing after it."""
+import pytest
+import torch
+
+import kernels
+from models import graphs
+from models.decode import Decoder
+from models.pruning import policies
+from tests.helpers import randomize, tiny_config
+from models.transformer import DecoderLM
+
+CONFIGS = [dict(mixer="mha", prune=True), dict(mixer="mha", prune=True, prune_distance=True, prune_sinks=2),
+           dict(mixer="gqa", n_kv_heads=2, positions="rope", prune=True), dict(mixer="mhe-mul", prune=True),
+           dict(mixer="mqa"), dict(mixer="mha")]
+
+
+def model_for(overrides: dict, seed: int) -> DecoderLM:
+    model = DecoderLM(tiny_config(context=96, **overrides)).double().eval()
+    randomize(model, std=0.3, seed=seed)
+    for block in model.blocks if model.config.prune else ():
+        block.mixer.pruning.beta.data.fill_(0.0)  # a random beta may keep everything: some drop, some stay
+    return model
+
+
+def run(model, idx, n_prompt: int, fixed: bool, noise: bool = False):
+    dec = Decoder(model, idx.shape[0], "compacted", capacity=16, fixed=fixed)
+    if noise:  # what a reused cache left in its buffers after the cursor must change nothing
+        for layer in dec.state.layers:
+            for buf in layer.buffers.values():
+                buf.normal_(0, 50.0)
+    drops = []
+    with torch.inference_mode():
+        out = [dec.prefill(idx[:, :n_prompt].tolist(), last_only=False)]
+        drops += dec.new_drops()
+        for i in range(n_prompt, idx.shape[1]):
+            out.append(dec.step(idx[:, i])[:, None])
+            drops += dec.new_drops()
+    return torch.cat(out, 1), sorted(drops), dec
+
+
+@pytest.mark.parametrize("overrides", CONFIGS, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_fixed_shapes_decode_what_the_compacted_cache_decodes(overrides):
+    seed = int(torch.randint(0, 10_000, ()))
+    model = model_for(overrides, seed)
+    idx = torch.randint(0, 61, (2, 90))
+    got, got_drops, fixed = run(model, idx, 7, fixed=True, noise=True)
+    want, want_drops, plain = run(model, idx, 7, fixed=False)
+    assert torch.allclose(got, want, atol=1e-10, rtol=0), f"seed {seed}"
+    assert got_drops == want_drops, f"seed {seed}"
+    assert fixed.live(0) == plain.live(0) and fixed.live(1) == plain.live(1)
+    layers = fixed.state.layers
+    assert all(int(layer.cursor) == layer.end for layer in layers)
+    if not overrides.get("prune"):
+        assert fixed.state.allocations > 0     # 16 slots to begin with, nothing dropped: it grew
+    else:
+        assert len(got_drops) > 0 and sum(layer.compactions for layer in layers) > 0, f"seed {seed}"
+        for layer in layers:  # compacted in place: nothing after `end`, the live slots in position order
+            n = layer.end
+            assert n < 90 and not bool(layer.live[:, n:].any()) and bool((layer.pos[:, n:] == -1).all())
+            pos = layer.pos[:, :layer.end].masked_fill(~layer.live[:, :layer.end], -1)
+            for row in pos:
+                seen = row[row >= 0]
+                assert torch.equal(seen, seen.sort().values)
+
+
+def test_extend_after_the_prompt_then_steps_again():
+    """A call of several tokens between fixed-shape steps takes the dynamic path and the cursors follow it."""
+    model = model_for(CONFIGS[0], seed=5)
+    idx = torch.randint(0, 61, (2, 60))
+    want, want_drops, _ = run(model, idx, 7, fixed=False)
+    dec = Decoder(model, 2, "compacted", capacity=16, fixed=True)
+    drops = []
+    with torch.inference_mode():
+        out = [dec.prefill(idx[:, :7].tolist(), last_only=False)]
+        out += [dec.step(idx[:, i])[:, None] for i in range(7, 30)]
+        out.append(dec.extend(idx[:, 30:40]))
+        out += [dec.step(idx[:, i])[:, None] for i in range(40, 60)]
+        drops = dec.new_drops()
+    assert torch.allclose(torch.cat(out, 1), want, atol=1e-10, rtol=0)
+    assert sorted(drops) == want_drops
+    assert int(dec.state.next_pos[0]) == 60
+
+
+def test_compact_decode_lengths_keep_nothing_after_them(monkeypatch):
+    """kernels.compact_decode with `lengths`: the slots from lengths[b] on are neither read nor kept (garbage
+    there, even live bits, changes nothing), on the reference and on the Triton kernel (interpreter)."""
+    b, h, s, d, r, n = 2, 4, 48, 16, 8, 20
+    q = torch.randn(b, h, 1, d)
+    k, v = torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    pos = torch.arange(s).expand(b, -1).contiguous()
+    live = torch.rand(b, s) < 0.8
+    prune = {"q_int": torch.randn(b, r), "k_int": torch.randn(b, s, r), "beta": 0.1, "live": live, "pos": pos,
+             "q_pos": torch.full((b,), n - 1), "valid": None, "lam": 0.3, "sinks": 1}
+    cut = {**prune, "k_int": prune["k_int"][:, :n], "live": live[:, :n], "pos": pos[:, :n]}
+    want, want_keep = kernels.reference.decode(q, k[:, :, :n], v[:, :, :n], scale=0.25, prune=cut)
+    lengths = torch.full((b,), n)
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("MIXSCOPE_KERNELS", path)
+        got, keep = kernels.compact_decode(q, k, v, scale=0.25, prune=prune, lengths=lengths)
+        assert torch.allclose(got, want, atol=2e-5), path
+        assert torch.equal(keep[:, :n], want_keep) and not bool(keep[:, n:].any()), path
+    from kernels import triton_attention
+    for block_n, n_split in ((16, 3), (16, 2), (32, 1)):  # the splits share the rows' lengths, not the buffer
+        got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=prune, lengths=lengths, block_n=block_n,
+                                            n_split=n_split)
+        assert torch.allclose(got, want, atol=2e-5) and torch.equal(keep[:, :n], want_keep), (block_n, n_split)
+
+
+@pytest.mark.parametrize("block_n,n_split", [(16, 4), (16, 6), (64, 1)])
+def test_decode_splits_follow_each_rows_length(block_n, n_split):
+    """With `lengths`, the decode kernel's splits divide each row's filled part (rows of 1, 17, 50 and 96 of
+    96 slots, GQA), equal to the reference over each row's own slots."""
+    from kernels import triton_attention
+    b, h, g, s, d = 4, 4, 2, 96, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    lengths = torch.tensor([1, 17, 50, 96])
+    got = triton_attention.decode(q, k, v, scale=0.25, lengths=lengths, block_n=block_n, n_split=n_split)
+    for r, n in enumerate(lengths.tolist()):
+        want = kernels.reference.attention(q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n], scale=0.25,
+                                           causal=False)[0]
+        assert torch.allclose(got[r:r + 1], want, atol=2e-5), (r, n)
+
+
+def test_fixed_shapes_are_refused_under_a_policy_and_for_ragged_rows():
+    model = model_for(dict(mixer="mha"), seed=1)
+    with pytest.raises(ValueError, match="eviction policy"):
+        Decoder(model, 1, "compacted", policy=policies.make("streaming", 8), fixed=True)
+    with pytest.raises(ValueError, match="ragged"):
+        Decoder(model, 2, "compacted", ragged=True, fixed=True)
+
+
+def test_the_pool_hands_out_emptied_compacted_entries():
+    model = model_for(CONFIGS[0], seed=2)
+    entry = graphs.checkout(model, 1, 32, "compacted")
+    dec_state = entry.state
+    with torch.inference_mode():
+        dec_state.layers[0].live[:, :3] = True
+        dec_state.layers[0].pos[:, :3] = torch.arange(3)
+        dec_state.layers[0].end = 3
+        dec_state.fix_shapes(torch.tensor([[3]]))
+    graphs.give_back(model, entry)
+    again = graphs.checkout(model, 1, 32, "compacted")
+    assert again is entry
+    layer = again.state.layers[0]
+    assert layer.end == 0 and int(layer.cursor) == 0 and not bool(layer.live.any()) and int(again.state.next_pos) == 0
+    assert graphs.checkout(model, 1, 32, "static") is not entry   # another kind, another entry
+    graphs.release(model)
+
+
+def test_the_triton_decode_kernel_takes_the_fixed_shape_path(monkeypatch):
+    """The whole fixed-shape decode through the Triton kernels (interpreter), against the dynamic cache on the
+    reference: the kernel reads each row up to the cursor and keeps nothing after it."""
+    model = DecoderLM(tiny_config("mha", context=96, prune=True, prune_distance=True)).eval()
+    randomize(model, std=0.3, seed=7)
+    for block in model.blocks:
+        block.mixer.pruning.beta.data.fill_(0.0)
+    idx = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(7))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    want, want_drops, _ = run(model, idx, 5, fixed=False)
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    got, got_drops, dec = run(model, idx, 5, fixed=True, noise=True)
+    assert dec.kernel_paths.get("compact_decode") == "triton"
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert got_drops == want_drops and len(want_drops) > 0
