@@ -56,11 +56,12 @@ test-all: $(STAMP) chromium
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# On a machine with an NVIDIA GPU (at most 10 minutes on one H100): GPU tests, kernel benchmark, bf16 training,
-# generation through the app's loader; results in bench/results/*_<gpu>.json. Uses .venv or python3, whichever
-# has a CUDA torch and triton (PYTHON=... to choose).
+# On a machine with an NVIDIA GPU: GPU tests, kernel benchmark, bf16 training, generation through the app's loader,
+# CUDA-graph decode, the app's pages; results in bench/results/*_<gpu>.json. Uses .venv or python3, whichever has a
+# CUDA torch and triton (PYTHON=... to choose). Split over calls of at most 10 minutes (docs/gpu.md):
+# make gpu-check ARGS="--only tests,train,generate --runs runs/gpu-check"
 gpu-check:
-	bash bench/gpu_check.sh
+	bash bench/gpu_check.sh $(ARGS)
 
 # Training targets write under runs/ and never into assets/: `make ship RUN=runs/zoo/mha NAME=mha` copies a
 # finished run there, and refuses when assets/models/NAME already exists.

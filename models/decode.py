@@ -81,6 +81,7 @@ class Decoder:
         with kernels.record_paths() as paths:  # per call: interleaved decoders must not share a recorder
             if self.kind == "compacted" and self.state.next_pos is not None:  # fixed shapes (DecoderLM.forward)
                 if t == 1:  # positions and slots from the device; the host's count follows
+                    self.before_fixed_step()
                     out = self.model(idx, cache=self.state, last_only=last_only)
                     self.state.advance(1)
                 else:
@@ -94,8 +95,19 @@ class Decoder:
                 out = self.model(idx, cache=self.state, last_only=last_only)
                 if self.state.cursor is not None and t == 1:
                     self.state.advance(1)
+        if self.fixed:  # from the first call on (a prefill, or an extend), one-token steps keep their shapes
+            if self.kind == "static" and self.state.cursor is None:
+                self.state.fix_shapes()
+            elif self.kind == "compacted" and self.state.next_pos is None:
+                self.state.fix_shapes(self._next)
         self.kernel_paths.update(paths)
         return out.logits
+
+    def before_fixed_step(self) -> None:
+        """What a fixed-shape compacted step cannot ask the host, asked before it: the context check, and
+        whether a layer should compact or grow."""
+        self.model.check_fits(max(self.lengths) + 1, "positions")
+        self.state.make_room()
 
     def prefill(self, prompts: Sequence[Sequence[int]], last_only: bool = True) -> torch.Tensor:
         """Each row's prompt in one call (rows of different lengths: ragged, padded at the end). A policy that
@@ -122,10 +134,6 @@ class Decoder:
             valid = torch.arange(width, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
         logits = self._call(idx, valid, last_only=last_only and valid is None)
         self.lengths = lens
-        if self.fixed and self.kind == "static":
-            self.state.fix_shapes()
-        elif self.fixed and self.state.next_pos is None:  # (a pooled cache already follows: DecoderLM.forward)
-            self.state.fix_shapes(self._next)
         if last_only and valid is not None:
             return logits[torch.arange(self.batch, device=self.device), torch.tensor(lens, device=self.device) - 1]
         return logits[:, -1] if last_only else logits
@@ -146,10 +154,8 @@ class Decoder:
         elif not all(rows):
             raise ValueError("rows that sit a step out need a ragged decoder (the compacted cache)")
         tokens = tokens.to(self.device).view(self.batch, 1)
-        if self.fixed and self.kind == "compacted" and self.state.next_pos is not None:
-            # the step asks the host nothing: the context check, compaction and growth happen here, before it
-            self.model.check_fits(max(self.lengths) + 1, "positions")
-            self.state.make_room()
+        if self._captured is not None and self.kind == "compacted" and self.state.next_pos is not None:
+            self.before_fixed_step()  # (a replay runs no Python; an eager step asks again, which costs nothing)
         if self._captured is not None:
             if self.kind == "static" and self.lengths[0] + 1 > self.state.capacity:
                 raise ValueError(f"cache full: {self.lengths[0]} + 1 positions exceed capacity {self.state.capacity}")

@@ -141,7 +141,8 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
     kind and the stop reason as they become known. policy: a heuristic eviction policy
     (models.pruning.policies) over the compacted cache, for any softmax model without a fixed pattern (a pruned
     one with its learned rule off). graphs: replay each decode step from a CUDA graph (models.graphs); None
-    (default): wherever it can (a CUDA device, the static cache, dense attention); info["graphs"] says.
+    (default): wherever it can (a CUDA device, dense attention, no eviction policy; either cache, the compacted
+    one then never shrinking its buffers); info["graphs"] says.
     """
     context = model.config.context
     prompt = [int(t) for t in prompt_ids]

@@ -6,6 +6,7 @@ compactions and growth, for the learned rule and for dense models on the compact
 weights; nothing after the cursor is read; the kernels' `lengths` keep nothing after it."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from models import graphs
@@ -167,3 +168,103 @@ def test_the_triton_decode_kernel_takes_the_fixed_shape_path(monkeypatch):
     assert dec.kernel_paths.get("compact_decode") == "triton"
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert got_drops == want_drops and len(want_drops) > 0
+
+
+def test_a_pooled_cache_grown_in_inference_mode_is_reset_outside_it_and_decodes_again():
+    """The app decodes under inference mode; the cache grows there; the pool resets it from anywhere and the
+    next generation over it decodes what a fresh cache decodes."""
+    model = model_for(dict(mixer="mha"), seed=8)  # dense: nothing dropped, so 16 slots must grow
+    idx = torch.randint(0, 61, (1, 50), generator=torch.Generator().manual_seed(8))
+    first = Decoder(model, 1, "compacted", capacity=16, fixed=True)
+    with torch.inference_mode():
+        first.prefill([idx[0, :30].tolist()])
+        for i in range(30, 50):
+            first.step(idx[:, i])
+    assert first.state.allocations > 0
+    state = first.state
+    state.reset()  # outside inference mode, as graphs.checkout does
+    assert all(layer.end == 0 and not bool(layer.live.any()) for layer in state.layers)
+    again = Decoder(model, 1, "compacted", capacity=16, fixed=True)
+    again.state = state  # (what graphs.checkout hands a decoder: the emptied cache)
+    other = idx.flip(1)
+    want, want_drops, _ = run(model, other, 6, fixed=False)
+    with torch.inference_mode():
+        got = [again.prefill(other[:, :6].tolist(), last_only=False)]
+        got += [again.step(other[:, i])[:, None] for i in range(6, 50)]
+    assert torch.allclose(torch.cat(got, 1), want, atol=1e-10, rtol=0)
+
+
+def test_one_token_extends_and_a_decoder_started_by_extend_keep_fixed_shapes():
+    """extend() of one token is a fixed-shape step too (room made, context checked), and a decoder whose first
+    call is extend() (no prefill) fixes its shapes after it, as the static cache's does."""
+    model = model_for(CONFIGS[0], seed=9)
+    idx = torch.randint(0, 61, (2, 96), generator=torch.Generator().manual_seed(9))
+    want, want_drops, _ = run(model, idx, 5, fixed=False)
+    for kind in ("compacted", "static"):
+        dec = Decoder(model, 2, kind, capacity=16 if kind == "compacted" else None, fixed=True)
+        with torch.inference_mode():
+            out = [dec.extend(idx[:, :5])]
+            assert (dec.state.next_pos if kind == "compacted" else dec.state.cursor) is not None
+            out += [dec.extend(idx[:, i:i + 1]) for i in range(5, 96)]
+            with pytest.raises(ValueError, match="context window"):
+                dec.extend(idx[:, :1])
+        assert torch.allclose(torch.cat(out, 1), want, atol=1e-10, rtol=0), kind
+        if kind == "compacted":
+            assert sorted(dec.new_drops()) == want_drops
+            # 16 slots to begin with: room was made before one-token extends (a full cache would have refused)
+            assert dec.state.allocations + sum(layer.compactions for layer in dec.state.layers) > 0
+
+
+class HostReads(TorchDispatchMode):
+    """Every aten op run inside, by name and argument shapes; the ones that read a device value on the host."""
+    READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+             "aten.item.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.reads = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args
+                       if isinstance(a, (torch.Tensor, int, float, bool)))
+        self.ops.append((str(func), shapes))
+        if str(func) in self.READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overrides,kind", [(CONFIGS[1], "compacted"), (CONFIGS[2], "compacted"),
+                                            (dict(mixer="mha"), "compacted"), (CONFIGS[0], "static")],
+                         ids=["mha-distance-sinks", "gqa-rope", "dense-on-compacted", "static-pruned"])
+def test_a_fixed_shape_step_reads_nothing_on_the_host_and_repeats_its_ops(overrides, kind):
+    """What a CUDA graph needs of a step: no device value read on the host, and the same ops on the same
+    shapes at every step until the cache reallocates (then the step is captured again)."""
+    model = model_for(overrides, seed=10)
+    idx = torch.randint(0, 61, (2, 90), generator=torch.Generator().manual_seed(10))
+    dec = Decoder(model, 2, kind, capacity=16 if kind == "compacted" else None, fixed=True)
+    seen = {}
+    with torch.inference_mode():
+        dec.prefill(idx[:, :7].tolist())
+        for i in range(7, 90):
+            if kind == "compacted":
+                dec.before_fixed_step()
+            epoch = getattr(dec.state, "allocations", 0)
+            token = idx[:, i:i + 1]
+            with HostReads() as rec:
+                dec.model(token, cache=dec.state, last_only=True)
+            dec.state.advance(1)
+            dec.lengths = [n + 1 for n in dec.lengths]
+            assert rec.reads == [], f"step {i} reads on the host: {rec.reads}"
+            assert seen.setdefault(epoch, rec.ops) == rec.ops, f"step {i}: other ops than the epoch's first step"
+    if kind == "compacted" and not model.config.prune:
+        assert len(seen) > 1  # it grew: a new epoch, a new capture
+
+
+def test_the_reference_keeps_nothing_after_lengths_on_its_general_path():
+    b, h, s, d, r = 2, 2, 12, 8, 4
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    prune = {"q_int": torch.randn(b, r), "k_int": torch.randn(b, s, r), "beta": 5.0,
+             "live": torch.ones(b, s, dtype=torch.bool), "pos": torch.arange(s).expand(b, -1),
+             "q_pos": torch.full((b,), 5), "valid": torch.tensor([True, False])}
+    _, keep = kernels.reference.decode(q, k, v, scale=0.3, prune=prune, lengths=torch.tensor([6, 6]))
+    assert bool(keep[:, :6].all()) and not bool(keep[:, 6:].any())

@@ -75,6 +75,12 @@ class CompactCache:
         return int(self.pos.max()) + 1 if self.end else 0
 
     def _resize(self, capacity: int) -> None:
+        if self.fixed:  # plain tensors, even when grown in inference mode: a pooled cache is reset outside it
+            with torch.inference_mode(False), torch.no_grad():
+                return self._reallocate(capacity)
+        self._reallocate(capacity)
+
+    def _reallocate(self, capacity: int) -> None:
         self.allocations += 1
         keep = min(self.end, capacity)
         for n, buf in self.buffers.items():
@@ -313,8 +319,9 @@ class CompactDecodeCache:
 
     def make_room(self) -> None:
         """Before a fixed-shape step (which asks the host nothing): every ALIGN steps, each layer compacts if
-        worth it (one transfer for all layers); a full layer compacts under COMPACT_BELOW live, else doubles
-        (a reallocation: a captured graph must be captured again)."""
+        worth it (one transfer asks all layers; a compaction then collects its layer's drop notes); a full layer
+        compacts under COMPACT_BELOW live, else doubles (a reallocation: a captured graph must be captured
+        again)."""
         full = [layer.end >= layer.capacity for layer in self.layers]
         if self.steps < ALIGN and not any(full):
             return
