@@ -182,9 +182,9 @@ APP_NEEDS = ["streamlit", "plotly", "pandas", "spacy", "captum"]
 PRUNED_DELTAS = ["smollm2-pruned-g0.3", "smollm2-pruned-window", "smollm2-pruned-g1.0"]
 
 
-def app_pages(results: Path, name: str) -> dict:
+def app_pages(results: Path, name: str, save=lambda out: None) -> dict:
     """The app's pages on the GPU (bench.app_pages: AppTest, as the server runs them) on SmolLM2 and a pruned delta,
-    at 1k and 8k tokens, with the Generate page clicked on both; or why not."""
+    at 1k and 8k tokens, with the Generate page clicked on both; or why not. save(out) after each length."""
     import importlib.util
     missing = [m for m in APP_NEEDS if importlib.util.find_spec(m) is None]
     if missing:
@@ -195,9 +195,11 @@ def app_pages(results: Path, name: str) -> dict:
     data = "data/smollm2" if (Path("data/smollm2") / "test.txt").is_file() else "data"
     out = {}
     for tokens in (1000, 8000):
-        args = ["--model", "assets/models/smollm2-135m", "--tokens", str(tokens), "--data", data, "--generate", "64"]
+        args = ["--model", "assets/models/smollm2-135m", "--tokens", str(tokens), "--data", data, "--generate", "64",
+                "--threads", "8"]
         out[str(tokens)] = run_module(results / f"app_pages_{name}_{tokens}.json", "bench.app_pages",
                                       *args, *(["--extra", delta] if delta else []))
+        save(out)
     return out
 
 
@@ -270,7 +272,8 @@ def main(argv=None) -> int:
             report["bench"] = run_bench(results, name, (trained + shipped)[:4])
             ok = report["bench"]["exit_code"] == 0
         else:  # app
-            report["app"] = app_pages(results, name)
+            report["app"] = app_pages(results, name, save=lambda got: out.write_text(
+                json.dumps(report | {"app": got}, indent=1, default=str)))
             ok = all(r.get("exit_code", 0) == 0 for r in report["app"].values() if isinstance(r, dict))
         done(part, ok)
     report["seconds"] = time.perf_counter() - t_all

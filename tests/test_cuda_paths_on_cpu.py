@@ -89,6 +89,10 @@ def test_gpu_check_says_there_is_no_gpu_here(capsys):
         pytest.skip("a GPU is here: make gpu-check runs for real")
     assert gpu_check.main([]) == 1
     assert "no CUDA device" in capsys.readouterr().err
+    assert gpu_check.main(["--only", "app,decode"]) == 1  # parts of the check, for calls of 10 minutes
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--only", "tests,bogus"])
+    assert "unknown part(s) bogus" in capsys.readouterr().err
 
 
 def test_device_choice_refuses_what_is_not_here():
