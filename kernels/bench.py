@@ -219,7 +219,8 @@ def bench_compact(dev, dtype, s, batches, fl, reps, budget_bytes, h=16, d=64, r=
     out = []
     es = torch.tensor([], dtype=dtype).element_size()
     for b in batches:
-        if (2 * h * d + r) * b * s * es > budget_bytes:
+        full_bytes = (2 * h * d + r) * b * s * es  # K, V and K_int at capacity s
+        if full_bytes > budget_bytes:
             continue
         for share in (1.0, 0.5, 0.25, 0.1):
             live_n = max(1, int(s * share))
@@ -234,7 +235,7 @@ def bench_compact(dev, dtype, s, batches, fl, reps, budget_bytes, h=16, d=64, r=
                                                                   lengths=lengths)
             for impl, fn in impls.items():
                 out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"live_share": share})
-            if "triton" in impls and 3 * (2 * h * d + r) * b * s * es <= budget_bytes:
+            if "triton" in impls and 3 * full_bytes <= budget_bytes:
                 def make(i, b=b, live_n=live_n):
                     q, k, v, prune, lengths = compact_inputs(dev, dtype, b, live_n, s, h, d, r)
                     return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune, lengths=lengths)

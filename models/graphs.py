@@ -58,7 +58,7 @@ class Captured:
                 self.state = model.new_cache(batch=batch, capacity=capacity)
             else:
                 self.state = model.new_compact_cache(batch=batch, capacity=capacity, fixed=True)
-        self.batch, self.kind = batch, kind
+        self.batch = batch
         self.allocations = self._allocations()  # the buffers the graph was captured over
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tokens: torch.Tensor | None = None   # the graph's input [B,1]

@@ -142,10 +142,6 @@ class CompactCache:
                 self.cursor = torch.zeros(1, dtype=torch.long, device=self.device)
         self.cursor.fill_(self.end)
 
-    def view_fixed(self) -> dict[str, torch.Tensor]:
-        """Fixed shapes: the whole buffers (slots from the cursor on are not live and are never read)."""
-        return self.buffers
-
     def insert(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Write each valid new token ([B, *lead, T, w] per name) into a free slot of its own row (valid None:
         every row is real)."""
@@ -217,59 +213,50 @@ class CompactCache:
         self.live[:, :self.end] = keep
         self._check_every(every)
 
-    def maybe_compact(self, most: int | None = None, below: float = COMPACT_BELOW) -> None:
-        """Compact when the fullest row's live count (`most`, read here when not given) is under `below` of the
-        padded length in use."""
+    def maybe_compact(self, most: int | None = None) -> None:
+        """Compact when the fullest row's live count (`most`, read here when not given) is under COMPACT_BELOW
+        of the padded length in use."""
         self.steps_since_check = 0
         if self.end == 0:
             return
         most = int(self.live[:, :self.end].sum(1).max()) if most is None else most
-        if most >= below * self.end:
+        if most >= COMPACT_BELOW * self.end:
             return
-        if self.fixed:
-            return self._compact_in_place(most)
         self.flush()  # dropped slots are about to go
-        # stable gather of each row's live slots to the front, into new tensors, never in place: the step
-        # that triggered this still attends over views of the old buffers
-        order = _first(self.live[:, :self.end])[:, :most]                          # [B, most]
-        for n, buf in self.buffers.items():
-            moved = buf[..., :self.end, :].movedim(-2, 1)                          # [B, end, *lead, w]
-            idx = order.view(*order.shape, *([1] * (moved.dim() - 2))).expand(-1, -1, *moved.shape[2:])
-            self.buffers[n] = torch.gather(moved, 1, idx).movedim(1, -2)
-        self.live = torch.gather(self.live[:, :self.end], 1, order)
-        self.pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~self.live, -1)
-        self.trig = torch.full_like(self.pos, -1)
-        for n, t in self.slot_state.items():  # [B, S, *extra]
-            idx = order.view(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
-            self.slot_state[n] = torch.gather(t[:, :self.end], 1, idx)
-        self.end = self.capacity = most
-        self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
+        buffers, live, pos, state = self._live_first(most)
+        if self.fixed:  # in place: a captured graph holds these buffers; the slots after the live ones emptied
+            for n, buf in self.buffers.items():
+                buf[..., :most, :] = buffers[n]
+            for n, t in self.slot_state.items():
+                t.zero_()
+                t[:, :most] = state[n]
+            self.live.fill_(False)
+            self.pos.fill_(-1)
+            self.trig.fill_(-1)
+            self.live[:, :most], self.pos[:, :most] = live, pos
+            self.end = most
+            if self.cursor is not None:
+                self.cursor.fill_(most)
+        else:  # new tensors, never in place: the step that triggered this still attends over views of the old
+            self.buffers, self.live, self.pos, self.slot_state = buffers, live, pos, state
+            self.trig = torch.full_like(pos, -1)
+            self.end = self.capacity = most
+            self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
         self.compactions += 1
 
-    def _compact_in_place(self, most: int) -> None:
-        """maybe_compact() with fixed shapes: each row's live slots, in order, to the front of the same buffers;
-        the slots after them emptied; the capacity kept."""
-        self.flush()
+    def _live_first(self, most: int):
+        """Each row's first `most` live slots, in slot order (a stable gather), as new tensors: the buffers, the
+        live mask, the positions (-1 where a row has fewer) and the policy's slot state."""
         order = _first(self.live[:, :self.end])[:, :most]                          # [B, most]
-        for n, buf in self.buffers.items():
-            moved = buf[..., :self.end, :].movedim(-2, 1)
+
+        def gather(t, axis):  # t's slot axis `axis`, moved next to batch for the gather and back
+            moved = t[..., :self.end, :].movedim(-2, 1) if axis == -2 else t[:, :self.end]
             idx = order.view(*order.shape, *([1] * (moved.dim() - 2))).expand(-1, -1, *moved.shape[2:])
-            buf[..., :most, :] = torch.gather(moved, 1, idx).movedim(1, -2)       # gathered first: no overlap
-        live = torch.gather(self.live[:, :self.end], 1, order)
-        pos = torch.gather(self.pos[:, :self.end], 1, order).masked_fill(~live, -1)
-        self.live.fill_(False)
-        self.pos.fill_(-1)
-        self.trig.fill_(-1)
-        self.live[:, :most], self.pos[:, :most] = live, pos
-        for t in self.slot_state.values():  # [B, S, *extra]
-            idx = order.view(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
-            kept = torch.gather(t[:, :self.end], 1, idx)
-            t.zero_()
-            t[:, :most] = kept
-        self.end = most
-        if self.cursor is not None:
-            self.cursor.fill_(most)
-        self.compactions += 1
+            got = torch.gather(moved, 1, idx)
+            return got.movedim(1, -2) if axis == -2 else got
+        live = gather(self.live, 1)
+        return ({n: gather(buf, -2) for n, buf in self.buffers.items()}, live,
+                gather(self.pos, 1).masked_fill(~live, -1), {n: gather(t, 1) for n, t in self.slot_state.items()})
 
     def nbytes(self) -> int:
         """Bytes allocated for the state now (buffers at their capacity, live mask, positions)."""
@@ -288,10 +275,6 @@ class CompactDecodeCache:
         self.layers = layers
         self.next_pos: torch.Tensor | None = None  # fixed shapes: each row's next position [B,1], on the device
         self.steps = 0  # fixed-shape steps since the last compaction check
-
-    @property
-    def fixed(self) -> bool:
-        return self.layers[0].fixed
 
     @property
     def allocations(self) -> int:
