@@ -241,12 +241,21 @@ def main(argv=None) -> int:
         failed = [p for p in report["failed_parts"] if p != part] + ([] if ok else [part])
         report["failed_parts"] = failed
         report.setdefault("seconds_per_part", {})[part] = time.perf_counter() - t_part
+        # a split check merges into the report it finds: each part says when and with what it ran
+        report.setdefault("parts_run", {})[part] = {"date": report["environment"]["date"],
+                                                    "torch": report["environment"]["torch"]}
         report["ok"] = not failed
         out.write_text(json.dumps(report, indent=1, default=str))
 
     runs = Path(args.runs or tempfile.mkdtemp(prefix="gpu-check-"))
     trained = [str(runs / c) for c in CONFIGS if (runs / c / "model.safetensors").is_file()]
     shipped = [f"assets/models/{m}" for m in SHIPPED if (Path("assets/models") / m / "model.safetensors").is_file()]
+    report.pop("trained_missing", None)
+    if args.runs and "train" not in parts and {"generate", "decode", "bench"} & set(parts) and not trained:
+        # a machine given back between calls keeps nothing: say so instead of quietly timing the zoo alone
+        report["trained_missing"] = (f"{runs} holds no trained model (the machine was given back since the call "
+                                     "that trained them?): generate, decode and bench ran on the shipped zoo only")
+        print(f"gpu-check: {report['trained_missing']}", flush=True)
     for part in parts:
         t_part = time.perf_counter()
         if part == "tests":

@@ -4,6 +4,16 @@
 # bf16 training, generation through the app's loader). Results: bench/results/*_<gpu>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# On the device machine (the `run` tool sets $OUT): what this call writes under bench/results comes back as one
+# archive, also when a part fails or the call is stopped (a split check extracts it here before the next call)
+stamp=$(mktemp)
+bring_back() {
+  if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+    find bench/results -type f -newer "$stamp" -print0 | tar -czf "$OUT/gpu-results.tar.gz" --null -T - \
+      && echo "gpu-check: results archived to \$OUT/gpu-results.tar.gz"
+  fi
+}
+trap bring_back EXIT
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   for c in .venv/bin/python python3; do
@@ -61,4 +71,4 @@ if ! "$PY" -c "import streamlit, plotly, pandas, spacy, captum" 2>/dev/null && l
     echo "gpu-check: the app's wheels did not install; the app part will say what is missing"
   fi
 fi
-exec "$PY" -m bench.gpu_check "$@"
+"$PY" -m bench.gpu_check "$@"

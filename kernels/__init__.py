@@ -3,11 +3,13 @@
 `MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
 the interpreter the tests use). The app, `generate` and the benchmarks all call these functions, so they
 run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's matrix lags) and
-anything that needs a gradient (training: the kernels are inference-only) run the reference on every device;
+anything that needs a gradient through attention or the lag sum (their kernels are inference-only) run the
+reference on every device; training's keep structure has kernels for both directions (log_keep, log_keep_grad);
 `record_paths()` reports what really ran, for the caller's own context only.
 """
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -44,10 +46,11 @@ def record_paths():
 
 def _triton_ops() -> dict[str, object]:
     try:
-        from kernels import triton_attention, triton_lag
+        from kernels import triton_attention, triton_keep, triton_lag
     except ImportError:  # no triton on this machine: everything runs the reference
         return {}
-    return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": triton_attention.decode}
+    return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": triton_attention.decode,
+            "log_keep": triton_keep.log_keep, "log_keep_grad": triton_keep.log_keep_grad}
 
 
 def backend_for(op: str, tensor) -> str:
@@ -123,6 +126,24 @@ def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, **maps):
     """One decode step over the compacted pruning cache: (out, keep). See kernels.reference.decode. lengths [B]
     (fixed shapes): row b reads slots [0, lengths[b]) only, and keeps none after them."""
     return _run("compact_decode", q, reference.decode, q, k, v, scale=scale, prune=prune, lengths=lengths, **maps)
+
+
+def log_keep(x, *, alpha: float, sinks: int = 0):
+    """Training's keep structure from the scores x [B,T,T]: (log I, I, ratio); see kernels.reference.log_keep.
+    Called inside a backward-owning autograd Function (models.pruning.interaction), so it never needs a gradient
+    itself. Float64 (the exact bisection) and alpha = inf run the reference everywhere."""
+    if x.dtype != torch.float32 or math.isinf(alpha):
+        _note("log_keep", "reference")
+        return reference.log_keep(x, alpha=alpha, sinks=sinks)
+    return _run("log_keep", x, reference.log_keep, x, alpha=alpha, sinks=sinks)
+
+
+def log_keep_grad(g_log, g_keep, keep, ratio):
+    """The scores' gradient from those of log I and I; see kernels.reference.log_keep_grad."""
+    if keep.dtype != torch.float32:
+        _note("log_keep_grad", "reference")
+        return reference.log_keep_grad(g_log, g_keep, keep, ratio)
+    return _run("log_keep_grad", keep, reference.log_keep_grad, g_log, g_keep, keep, ratio)
 
 
 def lag_conv(x, w, start: int = 0):

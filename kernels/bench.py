@@ -55,7 +55,7 @@ def timeit_graph(make, nbytes: int, dev, reps: int) -> float:
     step over many layers does."""
     import triton.testing
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    fns = [make(i) for i in range(min(64, max(1, -(-3 * l2 // max(nbytes, 1)))))]
+    fns = [make(i) for i in range(min(512, max(1, -(-3 * l2 // max(nbytes, 1)))))]  # (64 left small cases in L2)
 
     def every():
         for fn in fns:
@@ -335,6 +335,29 @@ def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(10
     return out
 
 
+def bench_keep(dev, fl, reps, b, t, alpha=2.5) -> list[dict]:
+    """Context pruning's training chain (scores -> log I, I, and the gradient back), forward + backward of one
+    layer: the Triton kernels (kernels.triton_keep) against the PyTorch reference."""
+    x = torch.randn(b, t, t, device=dev) * 2
+    g_log, g_keep = torch.randn_like(x), torch.randn_like(x)
+    name = f"log I chain fwd+bwd t={t} b={b} alpha={alpha}"
+    nbytes = 9 * 4 * x.numel()  # forward reads x and writes log I, I, ratio; backward reads four, writes one
+    impls = {"reference": reference}
+    if dev.type == "cuda" and "log_keep" in kernels.TRITON:
+        from kernels import triton_keep
+        impls["triton"] = triton_keep
+    out = []
+    for impl, mod in impls.items():
+        def fn(mod=mod):
+            _, keep, ratio = mod.log_keep(x, alpha=alpha)
+            mod.log_keep_grad(g_log, g_keep, keep, ratio)
+        try:
+            out.append(row(name, impl, timeit(fn, dev, reps), nbytes, 0, fl))
+        except Exception as e:  # noqa: BLE001
+            out.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+    return out
+
+
 def tune(dev, dtype, reps) -> dict:
     """Sweep the launch shapes of prefill (t = 8192) and decode (32k context, batch 8) per head width;
     returns the fastest of each (kernels.triton_attention's PREFILL_LAUNCH / DECODE_LAUNCH take them)."""
@@ -500,7 +523,9 @@ def main(argv=None) -> int:
                                                budget)),
              ("lag", lambda: bench_lag(dev, dtype, sizes["lag"], fl, sizes["reps"])),
              ("train attention", lambda: bench_train_attention(dev, dtype, fl, sizes["reps"],
-                                                               lengths=(128,) if args.quick else (1024, 2048)))]
+                                                               lengths=(128,) if args.quick else (1024, 2048))),
+             ("log I chain", lambda: bench_keep(dev, fl, sizes["reps"], *((1, 64) if args.quick else
+                                                                         (32, 1024) if cuda else (2, 1024))))]
     for name, fn in steps:
         t0 = time.perf_counter()
         rows += fn()

@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.pruning.interaction import distance_term, survives  # the one survival rule (papers.md section 3)
+from models.pruning.alpha_sigmoid import alpha_sigmoid_slope
+from models.pruning.interaction import (LOG_FLOOR, below_diagonal, distance_term, log_keep_from_gates,
+                                       survives)  # the one survival rule (papers.md section 3)
 
 
 def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
@@ -146,6 +148,36 @@ def _decode_all_real(q, k, v, scale, prune, maps, lengths=None):
         q = q.to(k.dtype)
     # a boolean mask (True: attend) saves building the additive one
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None], scale=scale, enable_gqa=g != h), keep
+
+
+def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Context pruning's keep structure for training, from the scores x [B,T,T] (x_{n,j}, query n, key j):
+    (log I, I, ratio), -inf / 0 / 0 on and above the diagonal as models.pruning.interaction.log_keep_from_gates
+    writes them, with sigma the alpha-sigmoid and the first `sinks` keys held at 1. ratio is what the backward
+    (log_keep_grad) needs of sigma: sigma'(x) / sigma(x) below the diagonal where sigma is at or above log I's
+    floor (whose clamp passes no gradient) and a normal number of its dtype, else 0. In float32 that gradient
+    floor is 1.2e-38, not 1e-40: a GPU kernel may flush smaller (subnormal) values to 0, and dividing by one
+    would be inf; the Triton kernel and this reference keep the same floor."""
+    sig, slope = alpha_sigmoid_slope(x, alpha)
+    if sinks:
+        sig[..., :sinks], slope[..., :sinks] = 1, 0
+    log_i, keep = log_keep_from_gates(sig)
+    later, _ = below_diagonal(x.shape[-1], x.device)
+    zero = torch.zeros((), dtype=sig.dtype, device=x.device)
+    floor = max(LOG_FLOOR, torch.finfo(sig.dtype).tiny)
+    return log_i, keep, torch.where(later & (sig >= floor), slope / sig, zero)
+
+
+def log_keep_grad(g_log: torch.Tensor | None, g_keep: torch.Tensor | None, keep: torch.Tensor,
+                  ratio: torch.Tensor) -> torch.Tensor:
+    """dL/dx from the gradients of log I and I (either may be None) and log_keep's I and ratio:
+        W = dL/d(log I) + dL/dI * I on and below the diagonal (0 above),  R_{n,j} = sum_{k >= n} W_{k,j},
+        dL/dx_{n,j} = R_{n,j} * ratio_{n,j},
+    since d log I_{k,j} / d log sigma_{n,j} = 1 and dI_{k,j} / d log sigma_{n,j} = I_{k,j} for j < n <= k."""
+    w = g_keep * keep if g_log is None else g_log if g_keep is None else g_log + g_keep * keep
+    _, causal = below_diagonal(keep.shape[-1], keep.device)
+    w = w.masked_fill(~causal, 0)  # what reaches the -inf (log I) and 0 (I) above the diagonal stops there
+    return w.flip(1).cumsum(1).flip(1) * ratio
 
 
 def lag_conv(x: torch.Tensor, w: torch.Tensor, start: int = 0, method: str = "auto") -> torch.Tensor:

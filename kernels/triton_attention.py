@@ -106,10 +106,10 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
 
 @triton.jit
 def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT,
-                   sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, skib, skis, sqib,
+                   sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, slens, skib, skis, sqib, slb, spb,
                    H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta, lam, sinks,
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-                   PRUNE: tl.constexpr, PRECISION: tl.constexpr,
+                   PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
@@ -119,7 +119,8 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     x = q_int . k_int / sqrt(r) + beta (- lam log(q_pos - pos)), decides keep = live & (x > 0 or the slot is the
     query's own or later, or one of the first `sinks`); keep is written to LIVE_OUT and only kept slots at or
     before the query are attended to.
-    A padding row (VALID = 0) drops nothing and attends to every used slot (its output is discarded)."""
+    A padding row (VALID = 0) drops nothing and attends to every used slot (its output is discarded). With
+    LENS, group 0's programs also clear LIVE_OUT after the row's length (nothing there is kept)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // G).to(tl.int64)  # 64-bit offsets: b x G x S x D passes 2^31 at batch 64, 32k context
@@ -129,7 +130,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     if HAS_LENS:
         # the splits share what this row holds, not the buffer: a preallocated cache filled to a tenth keeps
         # every program busy (the length is on the device, so the split is placed here, not at launch)
-        length = tl.load(LENS + b)
+        length = tl.load(LENS + b * slens)
         chunk = tl.cdiv(tl.cdiv(length, tl.num_programs(1)), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, length)
@@ -149,7 +150,19 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         i_mask = offs_i < RI
         q_int = tl.load(QINT + b * sqib + offs_i, mask=i_mask, other=0.0).to(tl.float32)
         q_pos = tl.load(QPOS + b)
-        valid = tl.load(VALID + b)
+        if HAS_VALID:
+            valid = tl.load(VALID + b)
+        else:
+            valid = 1
+        if HAS_LENS:
+            if g == 0:  # the slots after the length, shared out over the splits like the filled part
+                tail = tl.cdiv(tl.cdiv(S - length, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+                t0 = length + split * tail
+                t1 = tl.minimum(t0 + tail, S)
+                for z in range(t0, t1, BLOCK_N):
+                    offs_z = z + tl.arange(0, BLOCK_N)
+                    tl.store(LIVE_OUT + b * S + offs_z, tl.zeros([BLOCK_N], LIVE_OUT.dtype.element_ty),
+                             mask=offs_z < t1)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -159,8 +172,8 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         n_mask = offs_n < end
         allowed = n_mask
         if PRUNE:
-            live = tl.load(LIVE + b * S + offs_n, mask=n_mask, other=0) != 0
-            pos = tl.load(POS + b * S + offs_n, mask=n_mask, other=-1)
+            live = tl.load(LIVE + b * slb + offs_n, mask=n_mask, other=0) != 0
+            pos = tl.load(POS + b * spb + offs_n, mask=n_mask, other=-1)
             kint = tl.load(KINT + b * skib + offs_n[:, None] * skis + offs_i[None, :],
                            mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
             x = tl.sum(kint * q_int[None, :], 1) * int_scale + beta
@@ -169,7 +182,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             # models.pruning.survives, restated in Triton
             keep = live & ((x > 0) | (pos >= q_pos) | (pos < sinks) | (valid == 0))
             if g == 0:  # the score is shared by every head: group 0 writes it, the others only use it
-                tl.store(LIVE_OUT + b * S + offs_n, keep.to(tl.int8), mask=n_mask)
+                tl.store(LIVE_OUT + b * S + offs_n, keep.to(LIVE_OUT.dtype.element_ty), mask=n_mask)
             allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)
         kt = tl.load(K + b * skb + g * skg + offs_n[None, :] * sks + offs_d[:, None],
                      mask=d_mask[:, None] & n_mask[None, :], other=0.0)
@@ -308,7 +321,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         # one row shared by the batch (the local/strided patterns) is read with batch stride 0, not copied
         bias_t = bias.reshape(-1, s).expand(b, s)
         sbb, sbs = bias_t.stride(0), bias_t.stride(1)
-    lens = lengths.to(torch.int32).contiguous() if lengths is not None else dummy
+    lens, slens = (dummy, 0) if lengths is None else (lengths, lengths.stride(0))  # (a cursor expanded: stride 0)
     dbn, dw, dst = DECODE_LAUNCH.get(_pow2(d), (64, 4, 2))
     block_n = min(block_n or dbn, _pow2(s))
     ns = n_split or _splits(s, b, g, block_n, _target_programs(q.device))
@@ -320,31 +333,39 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         qi, ki = prune["q_int"].contiguous(), prune["k_int"]
         if ki.stride(-1) != 1:
             ki = ki.contiguous()
-        live = prune["live"].to(torch.int8).contiguous()
-        pos = prune["pos"].to(torch.int32).contiguous()
-        qpos = prune["q_pos"].to(torch.int32).contiguous()
-        valid = (torch.ones(q.shape[0], dtype=torch.int8, device=q.device) if prune["valid"] is None  # all real
-                 else prune["valid"].to(torch.int8).contiguous())
-        # the kernel writes keep up to each row's length; with lengths, the slots after it keep nothing
-        live_out = torch.empty_like(live) if lengths is None else torch.zeros_like(live)
+        # read and written as they are (bool as bytes, int64 positions): a conversion would be a kernel of its
+        # own on every call, and a decode step replayed from a graph at batch 1 is bound by its kernel count
+        live, pos = _rows(prune["live"].view(torch.uint8)), _rows(prune["pos"])
+        qpos = prune["q_pos"].contiguous()
+        valid = dummy if prune["valid"] is None else prune["valid"].contiguous().view(torch.uint8)  # None: all real
+        keep = torch.empty(live.shape, dtype=torch.bool, device=q.device)
+        live_out = keep.view(torch.uint8)  # every slot written (after a row's length: 0)
         ri = qi.shape[-1]
-        pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), ri, ri ** -0.5,
-              float(prune["beta"]), float(prune.get("lam", 0.0)), int(prune.get("sinks", 0)))
+        pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), live.stride(0),
+              pos.stride(0), ri, ri ** -0.5, float(prune["beta"]), float(prune.get("lam", 0.0)),
+              int(prune.get("sinks", 0)))
     else:
-        pr = (dummy,) * 7 + (0, 0, 0, 1, 1.0, 0.0, 0.0, 0)
-    qi_, ki_, live_, pos_, qpos_, valid_, live_out_, skib, skis, sqib, ri, int_scale, beta, lam, sinks = pr
+        pr = (dummy,) * 7 + (0, 0, 0, 0, 0, 1, 1.0, 0.0, 0.0, 0)
+    (qi_, ki_, live_, pos_, qpos_, valid_, live_out_, skib, skis, sqib, slb, spb, ri, int_scale, beta, lam,
+     sinks) = pr
     _decode_kernel[(b * g, ns)](
         q, k, v, po, pl, qm, qa, bias_t, lens, qi_, ki_, live_, pos_, qpos_, valid_, live_out_,
         q.stride(0), q.stride(1) if hq > 1 else 0, k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), sbb, sbs, skib, skis, sqib,
+        v.stride(0), v.stride(1), v.stride(2), sbb, sbs, slens, skib, skis, sqib, slb, spb,
         h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta, lam, sinks,
         HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
-        PRUNE=prune is not None, PRECISION=precision(k.dtype), BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        PRUNE=prune is not None, HAS_VALID=prune is not None and prune["valid"] is not None,
+        PRECISION=precision(k.dtype), BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b * h,)](po, pl, out, om, oa, h, d, ns, out.stride(0), out.stride(1),
                             HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
                             BLOCK_S=_pow2(ns, 2), BLOCK_D=_pow2(d))
     if prune is not None:
-        return out, live_out.bool()
+        return out, keep
     return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[B,S] read by row stride (a slice of the cache's buffers is not copied); slots must be adjacent."""
+    return t if t.stride(-1) == 1 else t.contiguous()

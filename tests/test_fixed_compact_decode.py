@@ -106,10 +106,13 @@ def test_compact_decode_lengths_keep_nothing_after_them(monkeypatch):
         assert torch.allclose(got, want, atol=2e-5), path
         assert torch.equal(keep[:, :n], want_keep) and not bool(keep[:, n:].any()), path
     from kernels import triton_attention
+    from tests.test_kernels_triton import _Poisoned
+    monkeypatch.setattr(triton_attention, "torch", _Poisoned())  # fresh buffers hold garbage (a keep of True)
     for block_n, n_split in ((16, 3), (16, 2), (32, 1)):  # the splits share the rows' lengths, not the buffer
         got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=prune, lengths=lengths, block_n=block_n,
                                             n_split=n_split)
         assert torch.allclose(got, want, atol=2e-5) and torch.equal(keep[:, :n], want_keep), (block_n, n_split)
+        assert not bool(keep[:, n:].any()), (block_n, n_split)  # written, not left as it was allocated
 
 
 @pytest.mark.parametrize("block_n,n_split", [(16, 4), (16, 6), (64, 1)])
@@ -268,3 +271,39 @@ def test_the_reference_keeps_nothing_after_lengths_on_its_general_path():
              "q_pos": torch.full((b,), 5), "valid": torch.tensor([True, False])}
     _, keep = kernels.reference.decode(q, k, v, scale=0.3, prune=prune, lengths=torch.tensor([6, 6]))
     assert bool(keep[:, :6].all()) and not bool(keep[:, 6:].any())
+
+
+def test_a_compacted_decode_call_launches_no_conversion_kernels(monkeypatch):
+    """Around its two kernels, triton_attention.decode over a fixed-shape cache's buffers (bool live mask, int64
+    positions, the cursor expanded over the batch) runs no op that would be a kernel of its own: a decode step
+    replayed from a CUDA graph at batch 1 is bound by its kernel count (there were seven: five dtype
+    conversions, a fill of ones, a zero fill and a bool copy of the keep mask)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels import triton_attention
+
+    class Launch:  # the kernels themselves are not aten ops; stand in for them
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+
+    monkeypatch.setattr(triton_attention, "_decode_kernel", Launch())
+    monkeypatch.setattr(triton_attention, "_merge_kernel", Launch())
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    b, h, s, d, r = 2, 4, 64, 16, 8
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    prune = {"q_int": torch.randn(b, r), "k_int": torch.randn(b, s, r), "beta": 0.1, "live": torch.rand(b, s) < 0.8,
+             "pos": torch.arange(s).expand(b, -1).contiguous(), "q_pos": torch.full((b,), 30), "valid": None,
+             "lam": 0.3, "sinks": 1}
+    cursor = torch.tensor([31])
+    with Ops() as ops:
+        triton_attention.decode(q, k, v, scale=0.25, prune=prune, lengths=cursor.expand(b))
+    assert ops.seen <= {"empty", "new_empty", "view", "expand", "detach", "alias"}, ops.seen

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 triton = pytest.importorskip("triton")
 
 import kernels  # noqa: E402
-from kernels import reference, triton_attention, triton_lag  # noqa: E402
+from kernels import reference, triton_attention, triton_keep, triton_lag  # noqa: E402
 from models.adapters import set_trainable_params, trainable_params  # noqa: E402
 from models.pruning import pair_count, sparsity_loss  # noqa: E402
 from models.transformer import DecoderLM  # noqa: E402
@@ -49,6 +49,7 @@ def poisoned(monkeypatch):
 
     monkeypatch.setattr(triton_attention, "torch", Poisoned())
     monkeypatch.setattr(triton_lag, "torch", Poisoned())
+    monkeypatch.setattr(triton_keep, "torch", Poisoned())
 
 
 def rel_err(got, want) -> float:
@@ -264,6 +265,48 @@ def test_pruned_training_under_cuda_autocast_over_the_alpha_schedule(alpha):
     loss.backward()
     grads = [b.mixer.pruning.W_Qint.grad for b in model.blocks]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0, 1.02, 4.0])
+def test_keep_structure_kernels_at_a_training_shape(alpha):
+    """Training's log I chain (kernels.triton_keep) against the reference at batch 4 x 1024 tokens, forward and
+    backward, with the GPU's own exp and log, and scores far under log I's floor (1e-40, a subnormal a GPU may
+    flush) and in the subnormal band above it (sigma 1e-40 to 1.2e-38 at alpha 1: x in [-92, -87.3]), where the
+    kernel may flush what the reference keeps: log I then differs by at most a few units in one row, and the
+    gradient has the same floor (the smallest normal) in both."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 1024, 1024, device=DEV) * 3
+    x[:, 512:, :8] = -300.0
+    x[:, 700, :600] = torch.linspace(-92.0, -87.0, 600, device=DEV)
+    got = triton_keep.log_keep(x, alpha=alpha, sinks=2)
+    want = reference.log_keep(x, alpha=alpha, sinks=2)
+    for g, w, tol in zip(got, want, (1e-4, 1e-5, 1e-5)):
+        assert torch.equal(g.isinf(), w.isinf())
+        fin = w.isfinite()
+        assert rel_err(g[fin], w[fin]) < tol
+    g_log, g_keep = torch.randn_like(x), torch.randn_like(x)
+    for args in ((g_log, g_keep), (g_log, None), (None, g_keep)):
+        assert rel_err(triton_keep.log_keep_grad(*args, want[1], want[2]),
+                       reference.log_keep_grad(*args, want[1], want[2])) < 1e-5
+
+
+def test_pruned_training_gradients_through_the_keep_kernels_equal_the_reference(monkeypatch):
+    cfg = tiny_config("mha", d_model=64, context=256, prune=True, prune_sinks=2, prune_distance=True)
+    model = DecoderLM(cfg).to(DEV).train()
+    randomize(model, std=0.2)
+    model.set_alpha(3.0)
+    idx = torch.randint(0, 61, (4, 257), device=DEV)
+    grads = {}
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("MIXSCOPE_KERNELS", path)
+        model.zero_grad(set_to_none=True)
+        with kernels.record_paths() as paths:
+            res = model(idx[:, :-1], targets=idx[:, 1:])
+            (res.loss + sparsity_loss(res.prune_mass, 0.3, pair_count(cfg.n_layers, 256))).backward()
+        assert paths["log_keep"] == path and paths["log_keep_grad"] == path
+        grads[path] = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
+    for n, want in grads["reference"].items():
+        assert rel_err(grads["triton"][n], want) < 1e-4, n
 
 
 @pytest.mark.parametrize("overrides", [dict(mixer="mha"), dict(mixer="gqa", n_kv_heads=2, positions="rope"),

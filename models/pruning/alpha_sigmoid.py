@@ -30,31 +30,37 @@ class _AlphaSigmoid(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        lim = 1.0 / (alpha - 1.0)
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        tiny = torch.finfo(work).tiny
-        # log q lies in [log tiny, log 1/2]; 63 halvings of that span (31 in float32) reach the working precision
-        steps = 63 if work == torch.float64 else 31
-        xd = x.detach().to(work).clamp(-lim, lim)
-        target = -xd.abs()                                   # q = sigma(-|x|) <= 1/2
-        lo, hi = torch.full_like(xd, math.log(tiny)), torch.full_like(xd, -math.log(2.0))
-        for _ in range(steps):
-            mid = 0.5 * (lo + hi)
-            below = _f_log(mid, alpha) < target
-            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-        # 0 at saturation, and below the smallest normal q the bracket can hold (float32 near alpha 1: x < -85)
-        under = (target <= -lim) | (target < _f_log(torch.tensor(math.log(tiny), dtype=work), alpha))
-        q = torch.where(under, torch.zeros_like(xd), (0.5 * (lo + hi)).exp())
-        p = torch.where(xd > 0, 1 - q, q)
-        p = torch.where(xd.isnan(), xd, p)   # a NaN score stays NaN (training reports the divergence)
+        p, q = _bisect(x, alpha)
         ctx.alpha = alpha
         ctx.save_for_backward(q, x)
-        return p.to(x.dtype)
+        return p
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, x = ctx.saved_tensors
         return grad * derivative(q, x.to(q.dtype), ctx.alpha).to(grad.dtype), None
+
+
+def _bisect(x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma_alpha(x) in x's dtype, q = min(sigma, 1 - sigma) in the working precision), see _AlphaSigmoid."""
+    lim = 1.0 / (alpha - 1.0)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    tiny = torch.finfo(work).tiny
+    # log q lies in [log tiny, log 1/2]; 63 halvings of that span (31 in float32) reach the working precision
+    steps = 63 if work == torch.float64 else 31
+    xd = x.detach().to(work).clamp(-lim, lim)
+    target = -xd.abs()                                   # q = sigma(-|x|) <= 1/2
+    lo, hi = torch.full_like(xd, math.log(tiny)), torch.full_like(xd, -math.log(2.0))
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        below = _f_log(mid, alpha) < target
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    # 0 at saturation, and below the smallest normal q the bracket can hold (float32 near alpha 1: x < -85)
+    under = (target <= -lim) | (target < _f_log(torch.tensor(math.log(tiny), dtype=work), alpha))
+    q = torch.where(under, torch.zeros_like(xd), (0.5 * (lo + hi)).exp())
+    p = torch.where(xd > 0, 1 - q, q)
+    p = torch.where(xd.isnan(), xd, p)   # a NaN score stays NaN (training reports the divergence)
+    return p.to(x.dtype), q
 
 
 def derivative(q: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -93,18 +99,18 @@ def _table(alpha: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return p.float(), d.float()
 
 
-def _lerp_table(table: torch.Tensor, x: torch.Tensor, lim: float) -> torch.Tensor:
-    """Linear interpolation in a table on an odd grid over [-lim, lim]. The index is counted from the centre so
-    float32 keeps x's own precision near 0, where sigma is steepest (from the left end, x + lim rounds to the
-    ulp of lim: up to 2e-6 off at alpha = 1.001)."""
-    half = (table.shape[0] - 1) // 2
+def _lerp_tables(tables: tuple[torch.Tensor, ...], x: torch.Tensor, lim: float) -> list[torch.Tensor]:
+    """Linear interpolation of x in each table (all on one odd grid over [-lim, lim]), the index computed once.
+    The index is counted from the centre so float32 keeps x's own precision near 0, where sigma is steepest (from
+    the left end, x + lim rounds to the ulp of lim: up to 2e-6 off at alpha = 1.001)."""
+    half = (tables[0].shape[0] - 1) // 2
     x = x.float()
     nan = x.isnan()
     u = x.nan_to_num(0.0).clamp(-lim, lim) * (half / lim)   # (a NaN would index out of range: NaN comes back below)
     i0 = u.floor().clamp(-half, half - 1)
     w = u - i0
     i0 = i0.long() + half
-    return torch.where(nan, x, table[i0] * (1 - w) + table[i0 + 1] * w)
+    return [torch.where(nan, x, table[i0] * (1 - w) + table[i0 + 1] * w) for table in tables]
 
 
 class _AlphaSigmoidTable(torch.autograd.Function):
@@ -118,14 +124,18 @@ class _AlphaSigmoidTable(torch.autograd.Function):
         p_tab, d_tab = _table(alpha, str(x.device))
         ctx.save_for_backward(x)
         ctx.alpha, ctx.lim, ctx.d_tab = alpha, lim, d_tab
-        return _lerp_table(p_tab, x, lim).to(x.dtype)
+        return _lerp_tables((p_tab,), x, lim)[0].to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
-        d = _lerp_table(ctx.d_tab, x, ctx.lim)
-        d = torch.where(x.float().abs() < ctx.lim, d, torch.zeros_like(d))
+        d = _table_slope(_lerp_tables((ctx.d_tab,), x, ctx.lim)[0], x, ctx.lim)
         return grad * d.to(grad.dtype), None
+
+
+def _table_slope(d: torch.Tensor, x: torch.Tensor, lim: float) -> torch.Tensor:
+    """The interpolated derivative, 0 past the table's ends (sigma is flat there)."""
+    return torch.where(x.float().abs() < lim, d, torch.zeros_like(d))
 
 
 def alpha_sigmoid(x: torch.Tensor, alpha: float, exact: bool | None = None) -> torch.Tensor:
@@ -144,6 +154,28 @@ def alpha_sigmoid(x: torch.Tensor, alpha: float, exact: bool | None = None) -> t
     if exact is None:
         exact = x.dtype == torch.float64
     return (_AlphaSigmoid if exact else _AlphaSigmoidTable).apply(x, float(alpha))
+
+
+def alpha_sigmoid_slope(x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma_alpha(x), d sigma_alpha / dx) without autograd, each as the path alpha_sigmoid takes for x computes
+    it (forward and backward): for a hand-written backward that fuses what follows sigma (interaction's log I)."""
+    if alpha < 1:
+        raise ValueError(f"alpha must be >= 1, got {alpha}")
+    with torch.no_grad():
+        if alpha == 1:
+            p = torch.sigmoid(x)
+            return p, p * (1 - p)
+        if math.isinf(alpha):
+            return (x > 0).to(x.dtype), torch.zeros_like(x)
+        if alpha == 2:  # clamp passes the gradient where (x + 1) / 2 lies in [0, 1], its ends included
+            y = (x + 1) / 2
+            return y.clamp(0, 1), torch.where((y >= 0) & (y <= 1), 0.5, 0.0).to(x.dtype)
+        if x.dtype == torch.float64:
+            p, q = _bisect(x, alpha)
+            return p, derivative(q, x.to(q.dtype), alpha).to(x.dtype)
+        lim = table_range(alpha)
+        p, d = _lerp_tables(_table(alpha, str(x.device)), x, lim)
+        return p.to(x.dtype), _table_slope(d, x, lim).to(x.dtype)
 
 
 def alpha_schedule(step: int, total: int, start: float = 1.0, end: float = 8.0) -> float:

@@ -188,16 +188,13 @@ class ContextPruning(nn.Module):
             return self._log_keep(widen(x), edit)
 
     def _log_keep(self, x: torch.Tensor, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
-        t = x.shape[1]
-        pos = torch.arange(t, device=x.device)
-        sig = gates(self.scores(x, self.keys(x), pos, pos), self.current_alpha(), self.sinks)  # [B, n, j]
-        if edit is not None:
-            sig = edit(sig)
-        later = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1)           # n > j
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        zero = torch.zeros((), dtype=sig.dtype, device=x.device)
-        log_i = torch.where(later, sig.clamp_min(LOG_FLOOR).log(), zero).cumsum(dim=1)  # sum over j < n <= k
-        return log_i.masked_fill(~causal, float("-inf")), keep_from_gates(sig)
+        pos = torch.arange(x.shape[1], device=x.device)
+        scores = self.scores(x, self.keys(x), pos, pos)                                  # [B, n, j]
+        # training: one backward for the whole chain (_LogKeep); the step (alpha = inf) has no gradient
+        if edit is None and scores.requires_grad and math.isfinite(self.current_alpha()):
+            return _LogKeep.apply(scores, self.current_alpha(), self.sinks)
+        sig = gates(scores, self.current_alpha(), self.sinks)
+        return log_keep_from_gates(sig if edit is None else edit(sig))
 
     @staticmethod
     def mass(keep: torch.Tensor) -> torch.Tensor:
@@ -231,11 +228,52 @@ def gates(x: torch.Tensor, alpha: float, sinks: int = 0) -> torch.Tensor:
     return sig
 
 
+def below_diagonal(t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(later: n > j, causal: n >= j), [T, T] bool each."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return causal.tril(-1), causal
+
+
+def log_keep_from_gates(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gates sigma(x_{n,j}) [B,T,T] -> (log I, I), -inf / 0 above the diagonal (ContextPruning.log_keep)."""
+    later, causal = below_diagonal(sig.shape[-1], sig.device)
+    zero = torch.zeros((), dtype=sig.dtype, device=sig.device)
+    log_i = torch.where(later, sig.clamp_min(LOG_FLOOR).log(), zero).cumsum(dim=1)  # sum over j < n <= k
+    return log_i.masked_fill(~causal, float("-inf")), keep_from_gates(sig)
+
+
+class _LogKeep(torch.autograd.Function):
+    """Scores x [B,T,T] -> (log I, I), the values log_keep_from_gates(gates(x)) gives, with one hand-written
+    backward (kernels.log_keep / log_keep_grad: Triton on a GPU, kernels.reference's PyTorch elsewhere). Autograd's
+    chain (interpolated sigma, clamp, log, where, cumsum, masked_fill, and I's where, cumprod, where) ran an op
+    and kept a [B,T,T] tensor per pass; this keeps two (I and sigma'/sigma).
+
+    Where the two differ: under log I's floor (in float32, under the smallest normal number, 1.2e-38) nothing
+    passes. Autograd's chain passed I's own gradient there, the other sigmas' product times sigma', which is 0
+    wherever sigma' is (at alpha 2 it is not at x = -1 exactly). Near alpha 1 in float32 it could also give
+    NaN there (a gradient over 1e-40 overflowed, times a slope of 0); this gives 0."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha: float, sinks: int):
+        import kernels  # (kernels.reference imports this module)
+        log_i, keep, ratio = kernels.log_keep(x, alpha=alpha, sinks=sinks)
+        ctx.save_for_backward(keep, ratio)
+        ctx.set_materialize_grads(False)
+        return log_i, keep
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_log, g_keep):
+        import kernels
+        if g_log is None and g_keep is None:
+            return None, None, None
+        keep, ratio = ctx.saved_tensors
+        return kernels.log_keep_grad(g_log, g_keep, keep, ratio), None, None
+
+
 def keep_from_gates(sig: torch.Tensor) -> torch.Tensor:
     """I_{k,j} = prod_{n=j+1..k} sig_{n,j} below the diagonal, 1 on it, 0 above ([..., T, T] -> [..., T, T])."""
-    t = sig.shape[-1]
-    later = torch.ones(t, t, dtype=torch.bool, device=sig.device).tril(-1)
-    causal = torch.ones(t, t, dtype=torch.bool, device=sig.device).tril()
+    later, causal = below_diagonal(sig.shape[-1], sig.device)
     one, zero = torch.ones((), dtype=sig.dtype, device=sig.device), torch.zeros((), dtype=sig.dtype, device=sig.device)
     return torch.where(causal, torch.where(later, sig, one).cumprod(dim=-2), zero)
 

@@ -1,0 +1,174 @@
+"""Training's keep structure with its hand-written backward (models.pruning.interaction._LogKeep over
+kernels.log_keep / log_keep_grad): equal to autograd through the plain chain (gates, then log_keep_from_gates, the
+path an intervention takes), to finite differences, and the Triton kernels (interpreter) to the reference."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from models.pruning.interaction import ContextPruning, below_diagonal
+
+# numpy under Triton's interpreter warns of log(0) and 0/0 in lanes the kernels mask out
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+ALPHAS = [1.0, 1.02, 1.7, 2.0, 4.0, 8.0]
+
+
+def rule(dtype, alpha, sinks=0, distance=False, seed=0):
+    torch.manual_seed(seed)
+    p = ContextPruning(12, 6, 0.5, distance=distance, sinks=sinks).to(dtype).train()
+    p.alpha = alpha
+    if distance:
+        p.lam.data.fill_(0.3)
+    return p
+
+
+def grads(p, x, edit, g_log, g_keep):
+    """(log I, I, dL/dx, dL/dparams) for L = <log I, g_log> (on and below the diagonal) + <I, g_keep>."""
+    x = x.clone().requires_grad_(True)
+    p.zero_grad()
+    log_i, keep = p.log_keep(x, edit)
+    _, causal = below_diagonal(x.shape[1], x.device)
+    (log_i.masked_fill(~causal, 0) * g_log + keep * g_keep).sum().backward()
+    return log_i.detach(), keep.detach(), x.grad, [q.grad.clone() for q in p.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("sinks,distance", [(0, False), (2, True)])
+def test_fused_backward_equals_autograd_through_the_chain(dtype, alpha, sinks, distance):
+    p = rule(dtype, alpha, sinks, distance)
+    torch.manual_seed(1)
+    x = torch.randn(2, 19, 12, dtype=dtype) * 2
+    g_log, g_keep = torch.randn(2, 19, 19, dtype=dtype), torch.randn(2, 19, 19, dtype=dtype)
+    fused = grads(p, x, None, g_log, g_keep)
+    chain = grads(p, x, lambda s: s, g_log, g_keep)  # an identity edit: autograd through every op
+    assert torch.equal(fused[0], chain[0]) and torch.equal(fused[1], chain[1])  # the same forward values
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for a, b in zip([fused[2], *fused[3]], [chain[2], *chain[3]]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=tol * float(b.abs().max()), rtol=tol)
+
+
+@pytest.mark.parametrize("alpha,sinks,distance", [(1.0, 0, False), (1.7, 1, True), (2.5, 0, True)])
+def test_fused_backward_against_finite_differences(alpha, sinks, distance):
+    """Float64 (the exact bisection below alpha 2), every output position that is finite."""
+    p = rule(torch.float64, alpha, sinks, distance, seed=2)
+    torch.manual_seed(3)
+    x = (torch.randn(2, 6, 12, dtype=torch.float64) * 0.7).requires_grad_(True)
+    _, causal = below_diagonal(6, "cpu")
+
+    def f(x):
+        log_i, keep = p.log_keep(x)
+        return log_i.masked_fill(~causal, 0), keep
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_no_gradient_reaches_the_scores_through_positions_above_the_diagonal():
+    """Whatever arrives at log I's -inf or I's 0 above the diagonal (even a NaN) is not passed on."""
+    x = torch.randn(1, 9, 9, dtype=torch.float64)
+    _, keep, ratio = reference.log_keep(x, alpha=2.5)
+    g = torch.randn(1, 9, 9, dtype=torch.float64)
+    above = torch.ones(9, 9, dtype=torch.bool).triu(1)
+    want = reference.log_keep_grad(g, g, keep, ratio)
+    assert torch.equal(reference.log_keep_grad(g.masked_fill(above, float("nan")), g, keep, ratio), want)
+
+
+def test_a_forward_without_gradient_takes_the_plain_chain():
+    """Inference and analysis never build the backward's state (ratio): _LogKeep only when the scores need a
+    gradient."""
+    p = rule(torch.float32, 2.5)
+    x = torch.randn(1, 7, 12)
+    with kernels.record_paths() as paths, torch.no_grad():
+        p.log_keep(x)
+    assert "log_keep" not in paths
+    with kernels.record_paths() as paths:
+        p.log_keep(x)  # the rule's parameters need a gradient
+    assert paths["log_keep"] == "reference"
+
+
+def test_the_step_takes_the_plain_chain_and_gives_no_gradient():
+    """At alpha = inf (the step) there is no gradient to hand-write: the plain chain, whose parameters get none."""
+    p = rule(torch.float32, float("inf"))
+    with kernels.record_paths() as paths:
+        log_i, keep = p.log_keep(torch.randn(1, 7, 12))
+    assert "log_keep" not in paths and not log_i.requires_grad and not keep.requires_grad
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    if "log_keep" not in kernels.TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton under TRITON_INTERPRET=1 (the tests' setting)")
+    from kernels import triton_keep
+    from tests.test_kernels_triton import _Poisoned
+    monkeypatch.setattr(triton_keep, "torch", _Poisoned())  # fresh outputs hold NaN: an unwritten one shows
+    return triton_keep
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0, 1.02, 3.0])
+@pytest.mark.parametrize("t,sinks", [(1, 0), (37, 0), (70, 3), (130, 140)])
+def test_triton_keep_equals_the_reference(interpreter, alpha, t, sinks):
+    torch.manual_seed(t)
+    x = torch.randn(2, t, t) * 3
+    x[0, t // 2, t // 3] = float("nan")    # a NaN score stays NaN in log I and I, and passes no gradient
+    x[1, -1, 0] = -200.0                     # under log I's floor at every alpha
+    x[1, t // 2:, t // 4] = 40.0             # saturated at 1
+    x[0, -1, :t // 2] = -90.0                # under the float32 gradient floor at alpha 1 (sigma 8e-40)
+    x[0, t // 3:, -1] = torch.where(torch.arange(t - t // 3) % 2 == 0, -1.0, 1.0)  # alpha 2's ends, x = -1, 1
+    got = interpreter.log_keep(x, alpha=alpha, sinks=sinks)
+    want = reference.log_keep(x, alpha=alpha, sinks=sinks)
+    for g, w in zip(got, want):  # every position written: log I -inf above the diagonal, I and ratio 0
+        assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.isinf(), w.isinf())
+        fin = w.isfinite()
+        assert torch.equal(g[~fin & ~w.isnan()], w[~fin & ~w.isnan()])
+        torch.testing.assert_close(g[fin], w[fin], atol=1e-6, rtol=1e-5)  # (log I: float32 sums of up to -92 a row)
+    # a pair whose column saw a sigma of exactly 0 is exactly 0 in both (elsewhere a product of many small sigmas
+    # may underflow to 0 a step earlier or later, the kernel multiplying in another order)
+    from models.pruning.alpha_sigmoid import alpha_sigmoid_slope
+    sig = alpha_sigmoid_slope(x, alpha)[0]
+    sig[..., :sinks] = 1
+    later, _ = below_diagonal(t, "cpu")
+    dropped = (((sig == 0) & later).cumsum(1) > 0) & ~want[1].isnan()  # (0 times a NaN above stays NaN)
+    assert bool((got[1][dropped] == 0).all()) and bool((want[1][dropped] == 0).all())
+    _, keep, ratio = want
+    torch.manual_seed(0)
+    g_log, g_keep = torch.randn(2, t, t), torch.randn(2, t, t)
+    for args in ((g_log, g_keep), (g_log, None), (None, g_keep)):
+        g = interpreter.log_keep_grad(*args, keep, ratio)
+        w = reference.log_keep_grad(*args, keep, ratio)
+        assert torch.equal(g.isnan(), w.isnan())
+        g, w = g.nan_to_num(), w.nan_to_num()
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.abs().max()), rtol=1e-4)
+
+
+def test_a_training_step_through_the_triton_keep_equals_the_reference(interpreter, monkeypatch):
+    """A pruned model's loss and every gradient with MIXSCOPE_KERNELS=triton (the keep structure on the
+    kernels; attention, which needs a gradient, on SDPA) against the reference path."""
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=8, prune_sinks=1)).train()
+    model.set_alpha(1.7)
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+
+    def step():
+        model.zero_grad()
+        out = model(ids, targets=ids)
+        loss = out.loss + out.prune_mass * 1e-3
+        loss.backward()
+        return loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    want_loss, want = step()
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    with kernels.record_paths() as paths:
+        got_loss, got = step()
+    assert paths["log_keep"] == "triton" and paths["log_keep_grad"] == "triton"
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5 * float(want[name].abs().max()) + 1e-9,
+                                   rtol=1e-4, msg=name)
