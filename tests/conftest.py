@@ -21,12 +21,13 @@ def _seeded():
 
 
 # `make test-quick` (a change in progress, under 2 minutes on 2 cores) leaves these files out: the browser, the
-# pages under AppTest, commands run as subprocesses, the Triton interpreter, figure export and the whole-report
-# tests; `make test` (what CI runs) keeps them. Measured with --durations on a clean clone: these are ~80 % of it.
+# pages under AppTest, commands run as subprocesses, the Triton interpreter and compiler, figure export and the
+# whole-report tests; `make test` (what CI runs) keeps them. Measured with --durations on a clean clone: these are
+# ~80 % of it.
 FULL_TIER_FILES = {
     "test_browser", "test_app_pages", "test_app_generate_live", "test_app_imported", "test_app_pruning",
     "test_serve_mode", "test_export", "test_kernels_triton", "test_bad_input", "test_layout", "test_matched_report",
-    "test_cli", "test_generate_cli", "test_bench_smoke",
+    "test_cli", "test_generate_cli", "test_bench_smoke", "test_kernels_compile",
 }
 
 

@@ -1,0 +1,94 @@
+"""Every Triton kernel compiled for an H100 (sm_90) on this CPU machine, with the argument types and launch
+shapes the wrappers pass on a GPU: Triton's bundled ptxas needs no device. The interpreter the other tests use
+never compiles, so a kernel that only fails to compile (a dtype the lowering refuses, shared memory past the
+H100's 227 KB) would otherwise first fail on lent GPU time. The compiles run in a process of their own: under
+TRITON_INTERPRET=1 (this test session's setting) triton.jit makes interpreted functions, which do not compile."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory a block may use on an H100
+FLOATS = {"qk_scale", "int_scale", "beta", "lam", "lim", "half", "log_floor"}
+
+
+def cases():
+    """(name, kernel, pointer types, constexprs, num_warps, num_stages) for the launches a GPU makes."""
+    import torch
+
+    from kernels import triton_attention as ta, triton_keep as tk, triton_lag as tl_lag
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    out = []
+    for dtype, d, bias, maps in [("bf16", 64, True, False), ("bf16", 128, False, True), ("fp16", 64, False, False),
+                                 ("fp32", 64, True, False)]:
+        bm, bn, warps, stages = ta.PREFILL_LAUNCH[d]
+        out.append((f"prefill {dtype} d={d} bias={bias} maps={maps}", ta._prefill_kernel,
+                    {n: f"*{dtype}" for n in ("Q", "K", "V", "O", "QM", "QA", "OM", "OA", "BIAS")},
+                    dict(HAS_QM=maps, HAS_QA=maps, HAS_OM=maps, HAS_OA=maps, HAS_BIAS=bias, CAUSAL=True,
+                         PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d), warps, stages))
+    for dtype, d, prune, lens, valid in [("bf16", 64, True, True, False),   # the fixed-shape compacted step
+                                         ("bf16", 128, True, False, True),  # the eager one, with padding rows
+                                         ("bf16", 64, False, True, False),  # the static cache's step
+                                         ("fp32", 128, True, True, False)]:  # the app's float32 default
+        bn, warps, stages = ta.DECODE_LAUNCH[d]
+        ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "QM", "QA", "BIAS")} | {
+            "PO": "*fp32", "PL": "*fp32", "QINT": "*fp32", "KINT": "*fp32", "LENS": "*i64", "LIVE": "*u8",
+            "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8"}
+        out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid}", ta._decode_kernel, ptrs,
+                    dict(HAS_QM=False, HAS_QA=False, HAS_BIAS=not prune, HAS_LENS=lens, PRUNE=prune, HAS_VALID=valid,
+                         PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_R=16, BLOCK_N=bn, BLOCK_D=d, BLOCK_RI=64),
+                    warps, stages))
+        out.append((f"merge {dtype} d={d}", ta._merge_kernel,
+                    {"PO": "*fp32", "PL": "*fp32", "O": f"*{dtype}", "OM": f"*{dtype}", "OA": f"*{dtype}"},
+                    dict(HAS_OM=False, HAS_OA=False, BLOCK_S=32, BLOCK_D=d), 4, 2))
+    for per_channel in (False, True):
+        out.append((f"lag per_channel={per_channel}", tl_lag._lag_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"},
+                    dict(PER_CHANNEL=per_channel, PRECISION="tf32", BLOCK_T=32 if per_channel else 64,
+                         BLOCK_J=16 if per_channel else 32, BLOCK_C=32 if per_channel else 64), 4, 2))
+    for mode in (tk.SIGMOID, tk.CLAMP, tk.TABLE):
+        out.append((f"keep forward mode={mode}", tk._forward_kernel,
+                    {n: "*fp32" for n in ("X", "P", "D", "LOG", "KEEP", "RATIO")},
+                    dict(MODE=mode, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
+    for has_log, has_keep in ((True, True), (True, False), (False, True)):
+        out.append((f"keep backward log={has_log} keep={has_keep}", tk._backward_kernel,
+                    {n: "*fp32" for n in ("GLOG", "GKEEP", "KEEP", "RATIO", "DX")},
+                    dict(HAS_LOG=has_log, HAS_KEEP=has_keep, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
+    return out
+
+
+def compile_all() -> None:
+    """Run in a process without TRITON_INTERPRET: prints one JSON line per case (shared bytes or the error)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    h100 = GPUTarget("cuda", 90, 32)
+    for name, fn, ptrs, const, warps, stages in cases():
+        sig = {n: "constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")
+               for n in fn.arg_names}
+        try:
+            k = triton.compile(ASTSource(fn, sig, constexprs=const), target=h100,
+                               options=dict(num_warps=warps, num_stages=stages))
+            print(json.dumps({"case": name, "shared": k.metadata.shared}))
+        except Exception as e:  # noqa: BLE001 - reported per case
+            print(json.dumps({"case": name, "error": f"{type(e).__name__}: {e}"[:2000]}))
+
+
+def test_every_kernel_compiles_for_an_h100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels_compile import compile_all; compile_all()"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not rows and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"no ptxas for sm_90 here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    failed = [r for r in rows if "error" in r]
+    assert not failed, failed
+    assert len(rows) == len(cases()), rows  # every case ran
+    too_big = [r for r in rows if r["shared"] > SHARED_LIMIT]
+    assert not too_big, too_big
