@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import reference
+from models.pruning.interaction import rule_dtype
 
 
 def sync(dev):
@@ -206,8 +207,9 @@ def compact_inputs(dev, dtype, b, live_n, capacity, h=16, d=64, r=64):
     q = torch.randn(b, h, 1, d, device=dev, dtype=dtype)
     k, v = (torch.randn(b, h, capacity, d, device=dev, dtype=dtype) for _ in range(2))
     pos = torch.where(torch.arange(capacity, device=dev) < live_n, torch.arange(capacity, device=dev), -1)
-    prune = {"q_int": torch.randn(b, r, device=dev, dtype=dtype), "beta": 50.0,
-             "k_int": torch.randn(b, capacity, r, device=dev, dtype=dtype),
+    rule = rule_dtype(dtype)  # the cache keeps K_int in the rule's precision (float32 in a bf16 model)
+    prune = {"q_int": torch.randn(b, r, device=dev, dtype=rule), "beta": 50.0,
+             "k_int": torch.randn(b, capacity, r, device=dev, dtype=rule),
              "live": (pos >= 0).expand(b, -1).contiguous(), "pos": pos.expand(b, -1).contiguous(),
              "q_pos": torch.full((b,), live_n - 1, device=dev), "valid": None}
     return q, k, v, prune, torch.full((b,), live_n, device=dev)
@@ -218,14 +220,16 @@ def bench_compact(dev, dtype, s, batches, fl, reps, budget_bytes, h=16, d=64, r=
     share. The buffers hold s slots, as a fixed-shape cache that has not shrunk, read up to the live count."""
     out = []
     es = torch.tensor([], dtype=dtype).element_size()
+    # a slot's bytes: K and V, K_int in the rule's precision, the live byte and the int64 position
+    slot = 2 * h * d * es + r * torch.tensor([], dtype=rule_dtype(dtype)).element_size() + 1 + 8
     for b in batches:
-        full_bytes = (2 * h * d + r) * b * s * es  # K, V and K_int at capacity s
+        full_bytes = slot * b * s  # at capacity s
         if full_bytes > budget_bytes:
             continue
         for share in (1.0, 0.5, 0.25, 0.1):
             live_n = max(1, int(s * share))
             q, k, v, prune, lengths = compact_inputs(dev, dtype, b, live_n, s, h, d, r)
-            nbytes = (2 * h * d + r) * b * live_n * es
+            nbytes = slot * b * live_n
             flops = 4 * b * h * live_n * d + 2 * b * live_n * r
             name = f"compact decode mha ctx={s} live={share:g} batch={b}"
             impls = {"reference": lambda: reference.decode(q, k, v, scale=d ** -0.5, prune=prune, lengths=lengths)}
