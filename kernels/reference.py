@@ -161,8 +161,9 @@ def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0) -> tuple[torch.Te
     sig, slope = alpha_sigmoid_slope(x, alpha)
     if sinks:
         sig[..., :sinks], slope[..., :sinks] = 1, 0
-    log_i, keep = log_keep_from_gates(sig)
-    later, _ = below_diagonal(x.shape[-1], x.device)
+    masks = below_diagonal(x.shape[-1], x.device)
+    log_i, keep = log_keep_from_gates(sig, masks)
+    later = masks[0]
     zero = torch.zeros((), dtype=sig.dtype, device=x.device)
     floor = max(LOG_FLOOR, torch.finfo(sig.dtype).tiny)
     return log_i, keep, torch.where(later & (sig >= floor), slope / sig, zero)

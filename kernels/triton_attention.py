@@ -105,6 +105,12 @@ def _prefill_kernel(Q, K, V, O, QM, QA, OM, OA, BIAS,
 
 
 @triton.jit
+def _share(n, parts, BLOCK_N: tl.constexpr):
+    """Slots per split when `parts` splits share n slots, rounded up to whole blocks."""
+    return tl.cdiv(tl.cdiv(n, parts), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT,
                    sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, slens, skib, skis, sqib, slb, spb,
                    H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta, lam, sinks,
@@ -131,7 +137,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         # the splits share what this row holds, not the buffer: a preallocated cache filled to a tenth keeps
         # every program busy (the length is on the device, so the split is placed here, not at launch)
         length = tl.load(LENS + b * slens)
-        chunk = tl.cdiv(tl.cdiv(length, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+        chunk = _share(length, tl.num_programs(1), BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     offs_r = tl.arange(0, BLOCK_R)
@@ -156,7 +162,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             valid = 1
         if HAS_LENS:
             if g == 0:  # the slots after the length, shared out over the splits like the filled part
-                tail = tl.cdiv(tl.cdiv(S - length, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+                tail = _share(S - length, tl.num_programs(1), BLOCK_N)
                 t0 = length + split * tail
                 t1 = tl.minimum(t0 + tail, S)
                 for z in range(t0, t1, BLOCK_N):

@@ -204,14 +204,12 @@ class CompactCache:
         """update_live for a decode step whose keep [B, end] is already within the live slots and whose
         queries q_pos [B, 1] dropped whatever went (two fewer operations per layer and step). With fixed shapes
         keep covers every slot and the caller asks about compaction (a graph's step cannot)."""
-        if self.cursor is not None:
-            self.trig.copy_(torch.where(self.live ^ keep, q_pos, self.trig))
-            self.live.copy_(keep)
-            return
-        trig = self.trig[:, :self.end]
-        trig.copy_(torch.where(self.live[:, :self.end] ^ keep, q_pos, trig))
-        self.live[:, :self.end] = keep
-        self._check_every(every)
+        used = slice(None) if self.cursor is not None else slice(0, self.end)
+        trig = self.trig[:, used]
+        trig.copy_(torch.where(self.live[:, used] ^ keep, q_pos, trig))
+        self.live[:, used] = keep
+        if self.cursor is None:
+            self._check_every(every)
 
     def maybe_compact(self, most: int | None = None) -> None:
         """Compact when the fullest row's live count (`most`, read here when not given) is under COMPACT_BELOW
@@ -227,12 +225,9 @@ class CompactCache:
         if self.fixed:  # in place: a captured graph holds these buffers; the slots after the live ones emptied
             for n, buf in self.buffers.items():
                 buf[..., :most, :] = buffers[n]
+            self.empty_slots()
             for n, t in self.slot_state.items():
-                t.zero_()
                 t[:, :most] = state[n]
-            self.live.fill_(False)
-            self.pos.fill_(-1)
-            self.trig.fill_(-1)
             self.live[:, :most], self.pos[:, :most] = live, pos
             self.end = most
             if self.cursor is not None:
@@ -243,6 +238,14 @@ class CompactCache:
             self.end = self.capacity = most
             self._resize(_round_up(max(most, 1) + ALIGN))  # shrink, with room to grow
         self.compactions += 1
+
+    def empty_slots(self) -> None:
+        """Every slot free, in place (the buffers' contents are left: nothing reads a slot that is not live)."""
+        self.live.fill_(False)
+        self.pos.fill_(-1)
+        self.trig.fill_(-1)
+        for t in self.slot_state.values():
+            t.zero_()
 
     def _live_first(self, most: int):
         """Each row's first `most` live slots, in slot order (a stable gather), as new tensors: the buffers, the
@@ -318,11 +321,7 @@ class CompactDecodeCache:
     def reset(self) -> None:
         """Empty again for the next generation (fixed shapes: the buffers and their addresses are kept)."""
         for layer in self.layers:
-            layer.live.fill_(False)
-            layer.pos.fill_(-1)
-            layer.trig.fill_(-1)
-            for t in layer.slot_state.values():
-                t.zero_()
+            layer.empty_slots()
             layer.end, layer.compactions, layer.steps_since_check, layer.drops = 0, 0, 0, []
             layer.seen = None
             if layer.cursor is not None:

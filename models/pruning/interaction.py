@@ -190,10 +190,11 @@ class ContextPruning(nn.Module):
     def _log_keep(self, x: torch.Tensor, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(x.shape[1], device=x.device)
         scores = self.scores(x, self.keys(x), pos, pos)                                  # [B, n, j]
+        alpha = self.current_alpha()
         # training: one backward for the whole chain (_LogKeep); the step (alpha = inf) has no gradient
-        if edit is None and scores.requires_grad and math.isfinite(self.current_alpha()):
-            return _LogKeep.apply(scores, self.current_alpha(), self.sinks)
-        sig = gates(scores, self.current_alpha(), self.sinks)
+        if edit is None and scores.requires_grad and math.isfinite(alpha):
+            return _LogKeep.apply(scores, alpha, self.sinks)
+        sig = gates(scores, alpha, self.sinks)
         return log_keep_from_gates(sig if edit is None else edit(sig))
 
     @staticmethod
@@ -234,12 +235,13 @@ def below_diagonal(t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return causal.tril(-1), causal
 
 
-def log_keep_from_gates(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gates sigma(x_{n,j}) [B,T,T] -> (log I, I), -inf / 0 above the diagonal (ContextPruning.log_keep)."""
-    later, causal = below_diagonal(sig.shape[-1], sig.device)
+def log_keep_from_gates(sig: torch.Tensor, masks=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gates sigma(x_{n,j}) [B,T,T] -> (log I, I), -inf / 0 above the diagonal (ContextPruning.log_keep).
+    masks: below_diagonal's, when the caller has them ([T,T] each: 64 MB at 8k tokens)."""
+    later, causal = masks or below_diagonal(sig.shape[-1], sig.device)
     zero = torch.zeros((), dtype=sig.dtype, device=sig.device)
     log_i = torch.where(later, sig.clamp_min(LOG_FLOOR).log(), zero).cumsum(dim=1)  # sum over j < n <= k
-    return log_i.masked_fill(~causal, float("-inf")), keep_from_gates(sig)
+    return log_i.masked_fill(~causal, float("-inf")), keep_from_gates(sig, (later, causal))
 
 
 class _LogKeep(torch.autograd.Function):
@@ -271,9 +273,10 @@ class _LogKeep(torch.autograd.Function):
         return kernels.log_keep_grad(g_log, g_keep, keep, ratio), None, None
 
 
-def keep_from_gates(sig: torch.Tensor) -> torch.Tensor:
-    """I_{k,j} = prod_{n=j+1..k} sig_{n,j} below the diagonal, 1 on it, 0 above ([..., T, T] -> [..., T, T])."""
-    later, causal = below_diagonal(sig.shape[-1], sig.device)
+def keep_from_gates(sig: torch.Tensor, masks=None) -> torch.Tensor:
+    """I_{k,j} = prod_{n=j+1..k} sig_{n,j} below the diagonal, 1 on it, 0 above ([..., T, T] -> [..., T, T]);
+    masks as in log_keep_from_gates."""
+    later, causal = masks or below_diagonal(sig.shape[-1], sig.device)
     one, zero = torch.ones((), dtype=sig.dtype, device=sig.device), torch.zeros((), dtype=sig.dtype, device=sig.device)
     return torch.where(causal, torch.where(later, sig, one).cumprod(dim=-2), zero)
 
