@@ -46,11 +46,12 @@ def record_paths():
 
 def _triton_ops() -> dict[str, object]:
     try:
-        from kernels import triton_attention, triton_keep, triton_lag
+        from kernels import triton_attention, triton_keep, triton_lag, triton_step
     except ImportError:  # no triton on this machine: everything runs the reference
         return {}
     return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": triton_attention.decode,
-            "log_keep": triton_keep.log_keep, "log_keep_grad": triton_keep.log_keep_grad}
+            "log_keep": triton_keep.log_keep, "log_keep_grad": triton_keep.log_keep_grad,
+            "rope_write": triton_step.rope_write, "silu_mul": triton_step.silu_mul, "add_norm": triton_step.add_norm}
 
 
 def backend_for(op: str, tensor) -> str:
@@ -151,3 +152,34 @@ def lag_conv(x, w, start: int = 0):
         _note("lag_conv", "reference")
         return reference.lag_conv(x, w, start)
     return _run("lag_conv", x, reference.lag_conv, x, w, start)
+
+
+def rope_write(q, k, v, cos, sin, k_buf, v_buf, cursor):
+    """A static-shape decode step's rotary embedding of q and k and its cache write at the device-side cursor, in
+    one launch on a GPU; returns the rotated q. See kernels.reference.rope_write. Inference only."""
+    if _needs_grad(q, k, v):
+        raise RuntimeError("rope_write is a decode-step op: it takes no gradient")
+    return _run("rope_write", q, reference.rope_write, q, k, v, cos, sin, k_buf, v_buf, cursor)
+
+
+def silu_mul(g, u):
+    """silu(g) * u (SwiGLU's gate), one launch on a GPU at inference; anything that needs a gradient runs the
+    reference, whose autograd owns the backward."""
+    if _needs_grad(g, u):
+        _note("silu_mul", "reference")
+        return reference.silu_mul(g, u)
+    return _run("silu_mul", g, reference.silu_mul, g, u)
+
+
+def add_norm(x, h, weight, bias, eps: float, rms: bool):
+    """(x + h, norm(x + h)) with RMSNorm (rms) or LayerNorm over the last dimension; h None: (x, norm(x)). One
+    launch on a GPU at inference (PyTorch: an add and a norm, six kernels for RMSNorm's composite form).
+    The reference runs what needs a gradient, and mixed dtypes: under autocast (training's distillation teacher
+    runs without a gradient) a float32 residual meets bf16 sums, and torch's norms there compute in float32.
+    See kernels.reference.add_norm."""
+    mixed = torch.is_autocast_enabled(x.device.type) or any(t is not None and t.dtype != x.dtype
+                                                             for t in (h, weight, bias))
+    if mixed or _needs_grad(x, h, weight, bias):
+        _note("add_norm", "reference")
+        return reference.add_norm(x, h, weight, bias, eps, rms)
+    return _run("add_norm", x, reference.add_norm, x, h, weight, bias, eps, rms)

@@ -227,3 +227,37 @@ def _lag_conv_fft(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     else:
         yf = torch.einsum("bfi,fio->bfo", xf, wf)
     return torch.fft.irfft(yf, n=2 * s, dim=1)[:, :s].to(out_dtype)
+
+
+# --- the small ops of a one-token decode step (kernels.triton_step fuses each into one launch) ---
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding in Llama's half-split convention: x [..., D] by the angles' cos, sin [..., D]
+    (broadcast): x * cos + (-x2, x1) * sin, with x1, x2 the halves of x, computed in x's dtype."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
+
+
+def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_buf: torch.Tensor, v_buf: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+    """A fixed-shape decode step's rotary and cache write: q [B,H,1,D], k, v [B,G,1,D] of the new position,
+    cos, sin [1,D] its angles ([B,1,1,D]: each row its own position), k_buf, v_buf [B,G,S,D] the cache, cursor
+    [1] (int64, on the device) the slot.
+    Rotates q and k, writes the rotated k and v at the cursor, returns the rotated q."""
+    k_buf.index_copy_(2, cursor, rotate_half(k, cos, sin))
+    v_buf.index_copy_(2, cursor, v)
+    return rotate_half(q, cos, sin)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: silu(g) * u."""
+    return F.silu(g) * u
+
+
+def add_norm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+             eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual sum and the norm of it: s = x + h (x itself when h is None) and RMSNorm(s) (rms) or
+    LayerNorm(s) over the last dimension, with the optional affine weight (and LayerNorm's bias)."""
+    s = x if h is None else x + h
+    shape = (s.shape[-1],)
+    return s, F.rms_norm(s, shape, weight, eps) if rms else F.layer_norm(s, shape, weight, bias, eps)

@@ -22,7 +22,9 @@ class LayerCache:
                                           device=device) for name, shape in spec.items()}
         # context pruning: which cached positions are still kept (a dropped one stays dropped)
         self.alive = torch.ones(batch, capacity, dtype=torch.bool, device=device) if track_alive else None
-        self.cursor: torch.Tensor | None = None  # static shapes: the length on the device (DecodeCache.fix_shapes)
+        # static shapes (DecodeCache.fix_shapes): the length on the device, and the slots a step reads (length + 1)
+        self.cursor: torch.Tensor | None = None
+        self.filled: torch.Tensor | None = None
 
     def append(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Write the new positions (dim -2 of each tensor) and return views of everything so far."""
@@ -37,6 +39,12 @@ class LayerCache:
         self.length = end
         return {name: buf[..., :end, :] for name, buf in self.buffers.items()}
 
+    def fixed_step(self, q: torch.Tensor, record) -> bool:
+        """Whether this call is a static-shape step (one query per row after fix_shapes, no diagnostics)."""
+        return self.cursor is not None and q.shape[2] == 1 and record is None
+
+    rotates = fixed_step  # a static-shape step takes q and k unrotated: it rotates them as it writes K (one kernel)
+
     def write_at(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Static shapes (after DecodeCache.fix_shapes): write one new position at the device-side `cursor` and
         return the whole buffers; nothing here reads the host, so a CUDA graph can hold the call."""
@@ -45,9 +53,10 @@ class LayerCache:
             buf.index_copy_(buf.dim() - 2, self.cursor, value)
         return self.buffers
 
-    def attend(self, mixer, x, q, k, v, record):
-        """The attention backend over this cache (models.backends.static); Extractors read the buffers alone."""
-        return static.attend(mixer, self, x, q, k, v, record)
+    def attend(self, mixer, x, q, k, v, record, rope=None):
+        """The attention backend over this cache (models.backends.static); Extractors read the buffers alone.
+        rope: the rotary (cos, sin) of q and k, not applied yet (only where `rotates` said so)."""
+        return static.attend(mixer, self, x, q, k, v, record, rope)
 
     def buffers_device(self) -> torch.device:
         return next(iter(self.buffers.values())).device
@@ -67,19 +76,26 @@ class DecodeCache:
 
     def __init__(self, layers: list[LayerCache]):
         self.layers = layers
-        self.cursor: torch.Tensor | None = None
+        # static shapes (fix_shapes): the slot a step writes and the slots it reads, on the device, views of one
+        # tensor so that a step moves both with one launch (step_done), not one per layer
+        self.marks = self.cursor = self.filled = None
 
     def fix_shapes(self) -> None:
         """From here on, one-token steps keep every shape: each layer writes at a device-side cursor and
         attends over its whole buffers up to it (gpt-fast's decode), so the step can be captured in a CUDA
         graph. The host count (`length`) is then kept by the caller (models.decode.Decoder), since a replayed
         graph runs no Python."""
-        if self.cursor is None:
+        if self.marks is None:
             with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
-                self.cursor = torch.zeros(1, dtype=torch.long, device=self.layers[0].buffers_device())
+                self.marks = torch.zeros(2, dtype=torch.long, device=self.layers[0].buffers_device())
+            self.cursor, self.filled = self.marks[:1], self.marks[1:]
             for layer in self.layers:
-                layer.cursor = self.cursor
-        self.cursor.fill_(self.length)  # in place: a captured graph holds this tensor
+                layer.cursor, layer.filled = self.cursor, self.filled
+        self.marks.copy_(torch.tensor([self.length, self.length + 1]))  # in place: a captured graph holds them
+
+    def step_done(self) -> None:
+        """A static-shape step wrote its slot: the next writes one further and reads one more (on the device)."""
+        self.marks.add_(1)
 
     def advance(self, t: int) -> None:
         """The host's count of positions, after a static-shape step that the device already counted."""
@@ -93,8 +109,8 @@ class DecodeCache:
             layer.length = 0
             if layer.alive is not None:
                 layer.alive.fill_(True)
-        if self.cursor is not None:
-            self.cursor.zero_()
+        if self.marks is not None:
+            self.marks.copy_(torch.tensor([0, 1]))
 
     @property
     def length(self) -> int:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from models.adapters import Adapter, new_A
 from models.cache import DecodeCache
 from models.config import ModelConfig
@@ -37,16 +38,33 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         if self.kind == "swiglu":
-            h = F.silu(self.gate(x)) * self.up(x)
+            h = kernels.silu_mul(self.gate(x), self.up(x))  # one kernel on a GPU at inference
         else:
             h = F.gelu(self.up(x), approximate="tanh" if self.kind == "gelu_tanh" else "none")
         return self.drop(self.down(h))
 
 
+class _AddNorm:
+    """forward(x) is the norm of x; forward(x, residual) is (x + residual, its norm), the block's residual sum
+    and the next norm in one kernel on a GPU at inference (kernels.add_norm; vLLM's norms take a residual the
+    same way). A forward hook sees the call either way."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        s, y = kernels.add_norm(x, residual, self.weight, getattr(self, "bias", None), eps, self.rms)
+        return y if residual is None else (s, y)
+
+
+class RMSNorm(_AddNorm, nn.RMSNorm):
+    rms = True
+
+
+class LayerNorm(_AddNorm, nn.LayerNorm):
+    rms = False
+
+
 def norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.ln_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+    return (RMSNorm if cfg.norm == "rmsnorm" else LayerNorm)(cfg.d_model, eps=cfg.ln_eps)
 
 
 class Block(nn.Module):
@@ -73,8 +91,8 @@ class Block(nn.Module):
             h = mixer_out(h)
         if self.adapter_mixer is not None:
             h = self.adapter_mixer(h)
-        x = x + self.drop(h)
-        h = self.ffn(self.ln_2(x))
+        x, h = self.ln_2(x, self.drop(h))  # x + h, and ln_2 of it
+        h = self.ffn(h)
         if self.adapter_ffn is not None:
             h = self.adapter_ffn(h)
         return x + h
@@ -231,7 +249,7 @@ class DecoderLM(nn.Module):
             cache.fix_shapes(cache.layers[0].q_pos[:, -1:] + 1)  # several tokens counted on the host: follow
         if isinstance(cache, DecodeCache) and cache.cursor is not None:
             if fixed:
-                cache.cursor.add_(1)  # the host's count is the caller's (a replayed graph runs no Python)
+                cache.step_done()  # the host's count is the caller's (a replayed graph runs no Python)
             else:
                 cache.fix_shapes()    # a call of several tokens counted on the host: the cursor follows
         if (last_only or hidden_only) and targets is not None:

@@ -15,14 +15,14 @@ import pytest
 pytest.importorskip("triton")
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory a block may use on an H100
-FLOATS = {"qk_scale", "int_scale", "beta", "lam", "lim", "half", "log_floor"}
+FLOATS = {"qk_scale", "int_scale", "beta", "lam", "lim", "half", "log_floor", "eps"}
 
 
 def cases():
     """(name, kernel, pointer types, constexprs, num_warps, num_stages) for the launches a GPU makes."""
     import torch
 
-    from kernels import triton_attention as ta, triton_keep as tk, triton_lag as tl_lag
+    from kernels import triton_attention as ta, triton_keep as tk, triton_lag as tl_lag, triton_step as ts
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     out = []
     for dtype, d, bias, maps in [("bf16", 64, True, False), ("bf16", 128, False, True), ("fp16", 64, False, False),
@@ -59,6 +59,16 @@ def cases():
         out.append((f"keep backward log={has_log} keep={has_keep}", tk._backward_kernel,
                     {n: "*fp32" for n in ("GLOG", "GKEEP", "KEEP", "RATIO", "DX")},
                     dict(HAS_LOG=has_log, HAS_KEEP=has_keep, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
+    for dtype in ("bf16", "fp32"):  # a decode step's small ops (kernels.triton_step)
+        out.append((f"rope_write {dtype}", ts._rope_write_kernel,
+                    {n: f"*{dtype}" for n in ("Q", "K", "V", "COS", "SIN", "QO", "KB", "VB")} | {"CUR": "*i64"},
+                    dict(BLOCK_D=64), 4, 3))
+        out.append((f"silu_mul {dtype}", ts._silu_mul_kernel, {n: f"*{dtype}" for n in ("G", "U", "OUT")},
+                    dict(BLOCK=ts.SILU_BLOCK), 4, 3))
+        for rms, has_h in ((True, True), (True, False), (False, True)):
+            out.append((f"add_norm {dtype} rms={rms} residual={has_h}", ts._add_norm_kernel,
+                        {n: f"*{dtype}" for n in ("X", "H", "W", "B", "S", "Y")},
+                        dict(HAS_H=has_h, HAS_W=True, HAS_B=not rms, RMS=rms, BLOCK_D=1024), 4, 3))
     return out
 
 

@@ -43,10 +43,11 @@ class _GroupRows:
         return kernels.attention(q, k, v, scale=self._mixer.scale, bias=bias, causal=causal, lengths=lengths)[0]
 
 
-def attend(mixer, cache, x, q, k, v, record):
+def attend(mixer, cache, x, q, k, v, record, rope=None):
+    """rope: the rotary (cos, sin) of q and k, not applied yet (a fixed-shape step: CompactCache.rotates)."""
     if cache.groups > 1:
         return by_group(mixer, cache, x, q, k, v, record)
-    return attend_rows(mixer, cache, x, q, k, v, record)
+    return attend_rows(mixer, cache, x, q, k, v, record, rope)
 
 
 def by_group(mixer, cache, x, q, k, v, record):
@@ -65,14 +66,16 @@ def by_group(mixer, cache, x, q, k, v, record):
     return mixer.output(o.reshape(q.shape))
 
 
-def attend_rows(mixer, cache, x, q, k, v, record):
+def attend_rows(mixer, cache, x, q, k, v, record, rope=None):
     """Insert the new tokens, let them drop what they drop (applied to their own attention too), attend over
     the live slots, compact."""
     if mixer.training:
         raise RuntimeError("the compacted cache is for inference (model.eval())")
     q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]; valid None: all real
     if q.shape[2] == 1 and valid is None and record is None:
-        return decode(mixer, cache, x, q, k, v)
+        return decode(mixer, cache, x, q, k, v, rope)
+    if rope is not None:
+        raise ValueError("only a fixed-shape decode step takes q and k unrotated")
     if cache.policy is not None and not cache.policy.at_prompt_end:
         if q.shape[2] == 1:  # one token per row, but some rows are padding (or diagnostics were asked for)
             raise ValueError(f"{cache.policy.method}: a decode step with padding rows or diagnostics is not supported "
@@ -115,10 +118,11 @@ def attend_rows(mixer, cache, x, q, k, v, record):
     return out
 
 
-def decode(mixer, cache, x, q, k, v):
+def decode(mixer, cache, x, q, k, v, rope=None):
     """One new token per row, every row real: the fast path (no host synchronisation, no sort). The token joins
     slot `end`; with pruning, one fused pass scores it against the live slots, attends over what survives and
-    says what survives; the compaction question is asked every few steps."""
+    says what survives; the compaction question is asked every few steps. rope (fixed shapes only): q and k
+    come unrotated, and K is rotated as it is written (kernels.rope_write)."""
     q_pos = cache.q_pos
     rule = mixer.pruning if cache.policy is None else None
     if rule is not None:
@@ -127,7 +131,11 @@ def decode(mixer, cache, x, q, k, v):
         q_int, k_int = qk[..., :rule.r], qk[..., rule.r:]
     else:
         q_int, k_int = None, False
-    cache.append(mixer.cache_entries(x, k, v, k_int), q_pos)
+    if rope is None:
+        cache.append(mixer.cache_entries(x, k, v, k_int), q_pos)
+    else:  # K and V into slot `cursor` in the kernel that rotates q and k; the rest (K_int, position) after it
+        q = kernels.rope_write(q, k, v, *rope, cache.buffers["k"], cache.buffers["v"], cache.cursor)
+        cache.append({} if k_int is False else {"k_int": k_int}, q_pos)
     if cache.cursor is None:
         past, live, pos, lengths = cache.view(), cache.live[:, :cache.end], cache.pos[:, :cache.end], None
     else:  # fixed shapes: the whole buffers, each row read up to the device-side cursor

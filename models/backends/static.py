@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from models.backends import additive
 from models.backends.full import pattern_bias
 
 
-def attend(mixer, cache, x, q, k, v, record):
-    if cache.cursor is not None and q.shape[2] == 1 and record is None:
-        return attend_fixed(mixer, cache, x, q, k, v)
+def attend(mixer, cache, x, q, k, v, record, rope=None):
+    if cache.fixed_step(q, record):
+        return attend_fixed(mixer, cache, x, q, k, v, rope)
+    if rope is not None:
+        raise ValueError("only a static-shape step takes q and k unrotated")
     past = cache.append(**mixer.cache_entries(x, k, v))
     kk = past["k"]                                                 # [B,G,S,D]
     vv = kk if mixer.kv_shared else past["v"]
@@ -24,17 +27,25 @@ def attend(mixer, cache, x, q, k, v, record):
     return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, allowed.to(q.dtype))
 
 
-def attend_fixed(mixer, cache, x, q, k, v):
+def attend_fixed(mixer, cache, x, q, k, v, rope=None):
     """One token per row with every shape fixed (models.cache.DecodeCache.fix_shapes): write at the device-side
     cursor, attend over the whole buffers with each row reading its first cursor + 1 slots (the decode kernel
-    skips the rest). With pruning, the step rule runs over every slot and the slots after the query keep their
-    alive bit. Only dense patterns (a local / strided window is placed by the host's length)."""
+    skips the rest). rope: (cos, sin) of the position when q and k are not rotated yet; the rotation and the
+    write of K and V are then one op (kernels.rope_write). With pruning, the step rule runs over every slot and
+    the slots after the query keep their alive bit. Only dense patterns (a local / strided window is placed by
+    the host's length)."""
     if mixer.pattern != "dense":
         raise ValueError(f"static-shape decode serves dense attention, not the {mixer.pattern} pattern")
-    past = cache.write_at(**mixer.cache_entries(x, k, v))
+    if rope is None:
+        past = cache.write_at(**mixer.cache_entries(x, k, v))
+    else:
+        past = cache.buffers
+        q = kernels.rope_write(q, k, v, *rope, past["k"], past["v"], cache.cursor)
+        if mixer.pruning is not None:
+            cache.write_at(k_int=mixer.pruning.keys(x))
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
-    lengths = (cache.cursor + 1).expand(q.shape[0])
+    lengths = cache.filled.expand(q.shape[0])
     if mixer.pruning is None:
         return mixer.attend(q, kk, vv, None, None, causal=False, lengths=lengths)
     j = torch.arange(cache.capacity, device=q.device)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.reference import rotate_half
 from models.backends.full import FULL
 from models.config import ConfigError
 from models.mixers.base import Mixer, register
@@ -44,12 +45,6 @@ def rotary_tables(positions: torch.Tensor, d: int, theta: float, dtype) -> tuple
     return memo[key]
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding, the half-split convention of Llama: x [B,H,T,D]; positions [T] or [B,T]."""
-    d = x.shape[-1]
-    cos, sin = rotary_tables(positions, d, theta, x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def projection(d_model: int, heads: int, d_head: int, std: float) -> nn.Parameter:
@@ -137,9 +132,14 @@ class Attention(Mixer):
         """Project and rotate here; the state handed in (None: the whole sequence) attends and owns the masking
         and eviction (models/backends)."""
         q, k, v = self.project(x)                                      # [B,H,T,D], [B,G,T,D], [B,G,T,D]
-        if self.rope_theta is not None:
-            q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
-        return (FULL if cache is None else cache).attend(self, x, q, k, v, record)
+        state = FULL if cache is None else cache
+        if self.rope_theta is None:
+            return state.attend(self, x, q, k, v, record)
+        # rotary embedding, Llama's half-split convention (kernels.reference.rotate_half)
+        cos, sin = rotary_tables(positions, self.d_head, self.rope_theta, q.dtype)
+        if getattr(state, "rotates", None) and state.rotates(q, record):  # fused with its cache write
+            return state.attend(self, x, q, k, v, record, rope=(cos, sin))
+        return state.attend(self, x, rotate_half(q, cos, sin), rotate_half(k, cos, sin), v, record)
 
 
 @register("mha")

@@ -65,10 +65,16 @@ class CompactCache:
         # fixed shapes: compaction in place, capacity never shrinks; `cursor` (the device's `end`) set by fix_shapes
         self.fixed, self.cursor, self.allocations = fixed, None, 0
 
-    def attend(self, mixer, x, q, k, v, record):
-        """The attention backend over this cache (models.backends.compacted)."""
+    def attend(self, mixer, x, q, k, v, record, rope=None):
+        """The attention backend over this cache (models.backends.compacted); rope: see `rotates`."""
         from models.backends import compacted  # (the backends import models.pruning, which imports this module)
-        return compacted.attend(mixer, self, x, q, k, v, record)
+        return compacted.attend(mixer, self, x, q, k, v, record, rope)
+
+    def rotates(self, q: torch.Tensor, record) -> bool:
+        """Whether this call takes q and k unrotated with their rotary (cos, sin) as `rope`: a fixed-shape step of
+        every row, the learned rule or no rule deciding, rotates K as it writes it (one kernel with V's write)."""
+        return (self.cursor is not None and q.shape[2] == 1 and self.valid is None and record is None
+                and self.policy is None and self.groups == 1)
 
     @property
     def length(self) -> int:  # positions seen by the longest row (the model's context check)

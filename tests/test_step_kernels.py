@@ -1,0 +1,238 @@
+"""A decode step's small fused ops (kernels.triton_step): the rotary embedding with the cache write, SwiGLU's gate,
+and the residual sum with the next norm. Each reference against a naive form written from its equation, each
+Triton kernel (interpreter, outputs poisoned) against its reference on fresh random inputs, whole models on
+either path, and the number of kernels a step launches (bench.step_launches), which is what these ops are for."""
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import reference, triton_step  # noqa: E402
+from models.decode import Decoder  # noqa: E402
+from models.mixers.attention import rotary_tables  # noqa: E402
+from models.transformer import DecoderLM  # noqa: E402
+from tests.helpers import randomize, tiny_config  # noqa: E402
+from tests.test_kernels_triton import _Poisoned, close  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch, request):
+    if "launches" not in request.node.name:  # a count of kernels must not count the poison's fills
+        monkeypatch.setattr(triton_step, "torch", _Poisoned())
+
+
+def naive_rotary(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
+    """Llama's rotary embedding from its definition: pair i of a head is (x_i, x_{i + D/2}), rotated by the angle
+    pos * theta^(-2i/D), as the complex number x_i + i x_{i+D/2} times e^{i angle} (float64)."""
+    d = x.shape[-1]
+    h = d // 2
+    out = torch.empty_like(x, dtype=torch.float64)
+    for i in range(h):
+        a = pos * theta ** (-2 * i / d)
+        z = torch.complex(x[..., i].double(), x[..., i + h].double()) * complex(math.cos(a), math.sin(a))
+        out[..., i], out[..., i + h] = z.real, z.imag
+    return out
+
+
+def test_rotate_half_is_the_rotary_embedding():
+    x = torch.randn(2, 3, 1, 10, dtype=torch.float64)
+    cos, sin = rotary_tables(torch.tensor([37]), 10, 500.0, torch.float64)
+    assert torch.allclose(reference.rotate_half(x, cos, sin), naive_rotary(x, 37, 500.0), atol=1e-12)
+
+
+def rope_case(b, h, g, d, s, slot, per_row=False, dtype=torch.float32):
+    """per_row: each row at its own position (the compacted cache's rows), angles [B,1,1,D]; else [1,D]."""
+    q, k, v = torch.randn(b, h, 1, d, dtype=dtype), torch.randn(b, g, 1, d, dtype=dtype), torch.randn(b, g, 1, d,
+                                                                                                      dtype=dtype)
+    positions = slot + 3 * torch.arange(b)[:, None] if per_row else torch.tensor([slot])
+    cos, sin = rotary_tables(positions, d, 10000.0, dtype)
+    bufs = torch.randn(b, g, s, d, dtype=dtype), torch.randn(b, g, s, d, dtype=dtype)
+    return q, k, v, cos, sin, bufs, torch.tensor([slot])
+
+
+@pytest.mark.parametrize("b,h,g,d,s,slot,per_row", [(1, 9, 3, 64, 20, 7, False), (2, 4, 4, 16, 5, 0, False),
+                                                    (3, 6, 1, 6, 9, 8, True), (1, 2, 2, 130, 3, 2, False),
+                                                    (2, 9, 3, 64, 12, 11, True)])
+def test_rope_write_matches_the_reference(b, h, g, d, s, slot, per_row):
+    q, k, v, cos, sin, (kb, vb), cursor = rope_case(b, h, g, d, s, slot, per_row)
+    kb_ref, vb_ref = kb.clone(), vb.clone()
+    want = reference.rope_write(q, k, v, cos, sin, kb_ref, vb_ref, cursor)
+    got = triton_step.rope_write(q, k, v, cos, sin, kb, vb, cursor)
+    close(got, want, tol=1e-6)
+    assert torch.equal(kb, kb_ref) or torch.allclose(kb, kb_ref, atol=1e-6, rtol=0)
+    assert torch.equal(vb, vb_ref)  # V is copied, and nothing else in either buffer moved
+    others = torch.arange(s) != slot
+    assert torch.equal(kb[:, :, others], kb_ref[:, :, others])
+    for r in range(b):  # row r's key rotated by its own position
+        p = slot + 3 * r if per_row else slot
+        assert torch.allclose(kb[r, :, slot], naive_rotary(k[r, :, 0], p, 10000.0).float(), atol=1e-5)
+
+
+def test_rope_write_reads_projections_in_place_and_refuses_what_it_cannot_write():
+    """q and k as the mixer hands them (views of one projection, transposed), and the refusals."""
+    b, h, g, d = 2, 4, 2, 8
+    y = torch.randn(b, 1, (h + 2 * g) * d)
+    q = y[..., :h * d].unflatten(-1, (h, d)).transpose(1, 2)
+    k = y[..., h * d:(h + g) * d].unflatten(-1, (g, d)).transpose(1, 2)
+    v = y[..., (h + g) * d:].unflatten(-1, (g, d)).transpose(1, 2)
+    cos, sin = rotary_tables(torch.tensor([3]), d, 10000.0, torch.float32)
+    kb, vb = torch.zeros(b, g, 6, d), torch.zeros(b, g, 6, d)
+    kb_ref, vb_ref = kb.clone(), vb.clone()
+    close(triton_step.rope_write(q, k, v, cos, sin, kb, vb, torch.tensor([3])),
+          reference.rope_write(q, k, v, cos, sin, kb_ref, vb_ref, torch.tensor([3])), tol=1e-6)
+    assert torch.allclose(kb, kb_ref, atol=1e-6) and torch.equal(vb, vb_ref)
+    with pytest.raises(ValueError, match="one new position"):
+        triton_step.rope_write(torch.randn(b, h, 2, d), k, v, cos, sin, kb, vb, torch.tensor([3]))
+    with pytest.raises(ValueError, match="one dtype"):
+        triton_step.rope_write(q.double(), k, v, cos, sin, kb, vb, torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="no gradient"):
+        kernels.rope_write(q.requires_grad_(), k, v, cos, sin, kb, vb, torch.tensor([3]))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 5, 7), (2, 1025)])
+def test_silu_mul_matches_the_reference_and_its_equation(shape):
+    g, u = torch.randn(shape) * 3, torch.randn(shape)
+    want = reference.silu_mul(g, u)
+    assert torch.allclose(want.double(), g.double() * torch.sigmoid(g.double()) * u.double(), atol=1e-6)
+    close(triton_step.silu_mul(g, u), want, tol=1e-6)
+
+
+def naive_norm(s: torch.Tensor, w, b, eps: float, rms: bool) -> torch.Tensor:
+    """RMSNorm: s / sqrt(mean(s^2) + eps) * w; LayerNorm: (s - mean) / sqrt(var + eps) * w + b (float64)."""
+    s = s.double()
+    if rms:
+        y = s / torch.sqrt((s * s).mean(-1, keepdim=True) + eps)
+    else:
+        c = s - s.mean(-1, keepdim=True)
+        y = c / torch.sqrt((c * c).mean(-1, keepdim=True) + eps)
+    y = y if w is None else y * w.double()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("rms", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 37), (5, 1024), (3, 1, 1)])
+@pytest.mark.parametrize("residual,affine", [(True, True), (False, True), (True, False)])
+def test_add_norm_matches_the_reference_and_its_equation(rms, shape, residual, affine):
+    d = shape[-1]
+    x = torch.randn(shape) * 2 + 0.5
+    h = torch.randn(shape) if residual else None
+    w = 1 + 0.5 * torch.randn(d) if affine else None
+    b = 0.3 * torch.randn(d) if affine and not rms else None
+    s_ref, y_ref = reference.add_norm(x, h, w, b, 1e-5, rms)
+    assert torch.equal(s_ref, x if h is None else x + h)
+    assert torch.allclose(y_ref.double(), naive_norm(s_ref, w, b, 1e-5, rms), atol=1e-5)
+    s, y = triton_step.add_norm(x, h, w, b, 1e-5, rms)
+    close(y, y_ref, tol=1e-5)
+    assert torch.equal(s, s_ref)
+
+
+def test_add_norm_reads_strided_rows():
+    x = torch.randn(4, 6, 32)[:, ::2]   # rows evenly strided, not contiguous as a whole
+    h = torch.randn(4, 3, 32)
+    w = torch.randn(32)
+    s_ref, y_ref = reference.add_norm(x, h, w, None, 1e-6, True)
+    s, y = triton_step.add_norm(x, h, w, None, 1e-6, True)
+    assert torch.equal(s, s_ref)
+    close(y, y_ref, tol=1e-5)
+
+
+def test_the_norms_take_the_reference_with_a_gradient_and_give_the_module_answers(monkeypatch):
+    """Training runs the reference (autograd owns the backward); the model's norm modules give torch's own."""
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    model = DecoderLM(tiny_config("gqa", norm="rmsnorm", positions="rope", ffn="swiglu", n_kv_heads=2))
+    x, h = torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16)
+    with kernels.record_paths() as paths:
+        s, y = model.blocks[0].ln_2(x, h)
+    assert paths == {"add_norm": "reference"}
+    y.sum().backward()
+    assert x.grad is not None
+    ln = model.blocks[0].ln_1
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    with torch.no_grad():
+        assert torch.equal(ln(x), torch.nn.RMSNorm.forward(ln, x))
+        assert torch.equal(s, x + h) and torch.equal(y, torch.nn.RMSNorm.forward(ln, x + h))
+        ln = DecoderLM(tiny_config("mha")).blocks[0].ln_1
+        assert torch.equal(ln(x), torch.nn.LayerNorm.forward(ln, x))
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_a_forward_without_gradient_under_autocast_runs_as_before(norm, monkeypatch):
+    """Training's distillation teacher: no gradient, bf16 autocast, a float32 residual stream meeting bf16 sums.
+    The norms fall back to torch's (float32 under autocast) instead of refusing the mixed dtypes."""
+    model = DecoderLM(tiny_config("gqa", n_kv_heads=2, norm=norm, positions="rope", ffn="swiglu"))
+    idx = torch.randint(0, 61, (2, 9))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")  # (bf16 attention in the interpreter is not comparable)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), kernels.record_paths() as paths:
+        logits = model(idx).logits
+    assert paths.get("add_norm") == "reference" and paths.get("silu_mul") == "triton"
+    assert bool(logits.isfinite().all())
+
+
+SMOLLM2_LIKE = dict(mixer="gqa", n_kv_heads=2, norm="rmsnorm", positions="rope", ffn="swiglu", ffn_bias=False)
+
+
+def decode(model, idx, n_prompt):
+    dec = Decoder(model, idx.shape[0], "static", fixed=True)
+    with torch.inference_mode():
+        out = [dec.prefill(idx[:, :n_prompt].tolist(), last_only=False)]
+        out += [dec.step(idx[:, i])[:, None] for i in range(n_prompt, idx.shape[1])]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("overrides", [SMOLLM2_LIKE, dict(mixer="mha"), dict(mixer="mqa", positions="rope")],
+                         ids=["smollm2-like", "mha-layernorm-gelu", "mqa-rope"])
+def test_static_shape_decode_on_the_fused_kernels_equals_the_reference_and_the_full_forward(overrides, monkeypatch):
+    model = DecoderLM(tiny_config(**overrides)).eval()
+    randomize(model, std=0.3, seed=5)
+    idx = torch.randint(0, 61, (2, 16))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    want = decode(model, idx, 5)
+    with torch.inference_mode():
+        full = model(idx).logits
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    dec = Decoder(model, 2, "static", fixed=True)
+    with torch.inference_mode():
+        got = [dec.prefill(idx[:, :5].tolist(), last_only=False)]
+        got += [dec.step(idx[:, i])[:, None] for i in range(5, 16)]
+    got = torch.cat(got, 1)
+    assert torch.allclose(want, full, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    fused = {"add_norm"} | ({"silu_mul"} if overrides.get("ffn") == "swiglu" else set()) | (
+        {"rope_write"} if overrides.get("positions") == "rope" else set())
+    assert {op for op, path in dec.kernel_paths.items() if path == "triton"} >= fused
+
+
+def layer_cost(**overrides) -> "Counter":  # noqa: F821
+    """The kernels one more layer adds to a fixed-shape batch-1 step (a 3-layer model's count less a 2-layer one's,
+    same shapes): what the per-step constant (embedding, rotary angles, final norm, head) does not blur."""
+    from collections import Counter
+
+    from bench.step_launches import count_step
+    counts = []
+    for n_layers in (2, 3):
+        torch.manual_seed(0)
+        cfg = tiny_config(**{**overrides, "n_layers": n_layers}, context=64)
+        counts.append(count_step(DecoderLM(cfg).eval(), prompt=6, capacity=32))
+    diff = Counter(counts[1])
+    diff.subtract(counts[0])
+    return +diff
+
+
+def test_a_smollm2_shaped_layer_launches_fourteen_kernels_a_step():
+    """An RMSNorm, rotary GQA, SwiGLU layer: its norm, q, k, v, rotary + cache write, decode + merge, W_O, residual
+    sum + norm, gate, up, their product, down, residual sum. Before the fused ops it launched 39 (each RMSNorm
+    six, the rotary ten and the cache write two, SwiGLU's gate two); nothing elementwise may creep back in."""
+    cost = layer_cost(**SMOLLM2_LIKE)
+    assert sum(cost.values()) == 14, cost
+    assert cost["mm"] == 7 and cost["triton:_add_norm_kernel"] == 2 and cost["triton:_rope_write_kernel"] == 1
+    assert cost["triton:_silu_mul_kernel"] == 1 and cost["add"] == 1, cost
+
+
+def test_a_zoo_layer_launches_its_norms_with_the_residual_sums():
+    """A LayerNorm, GELU, learned-position MHA layer (the zoo): 4 + 1 (biased W_O) + ... each norm with the sum
+    before it in one kernel."""
+    cost = layer_cost(mixer="mha")
+    assert cost["triton:_add_norm_kernel"] == 2 and "native_layer_norm" not in cost, cost
