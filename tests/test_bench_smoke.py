@@ -80,6 +80,24 @@ def test_decode_vs_hf_counts_weight_bytes_and_refuses_without_the_model(tmp_path
     assert "make smollm2" in capsys.readouterr().err
 
 
+def test_decode_vs_hf_random_weights_convert_exactly():
+    """--random-weights: transformers' Llama at random weights and ours converted from it give the same logits
+    and the same greedy tokens (a small config; the command builds SmolLM2-135M's)."""
+    import torch
+
+    from bench import decode_vs_hf
+    small = dict(decode_vs_hf.SMOLLM2, vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    pair = decode_vs_hf.random_pair(torch.device("cpu"), seed=3, config=small)
+    ours, hf = pair.ours(torch.float32), pair.hf(torch.float32)
+    x = torch.tensor([pair.ids])
+    with torch.inference_mode():
+        assert torch.allclose(ours(x).logits, hf(x).logits, atol=1e-5, rtol=1e-4)
+    got, _ = decode_vs_hf.time_ours(ours, pair.ids, 12)
+    want, _ = decode_vs_hf.time_hf(hf, pair.ids, 12)
+    assert got == want and len(got) == 12
+
+
 def test_pruning_decode_takes_prompts_from_real_text(tmp_path):
     import numpy as np
     text = np.arange(100, dtype=np.uint16)

@@ -108,3 +108,27 @@ def test_device_choice_refuses_what_is_not_here():
     if not torch.cuda.is_available():
         with pytest.raises(DeviceError, match="no CUDA device"):
             resolve("cuda")
+
+
+def test_gpu_check_prepares_the_corpus_only_when_missing_and_says_why_it_could_not(tmp_path, monkeypatch):
+    """The device machine reaches no registry: a part that needs the corpus prepares it from the carried copies
+    (.corpus/) and, failing that, is skipped with the reason instead of ending the whole check."""
+    import subprocess
+
+    from bench import gpu_check
+    (tmp_path / "train.npy").write_bytes(b"")
+    (tmp_path / "test.txt").write_text("")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("prepared although the corpus is there"))
+    assert gpu_check.ensure_corpus(tmp_path) is None
+    seen = []
+
+    def failing(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 2, "", "error: could not fetch austen")
+
+    monkeypatch.setattr(subprocess, "run", failing)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".corpus").mkdir()
+    why = gpu_check.ensure_corpus(tmp_path / "data")
+    assert "could not fetch austen" in why and ".corpus" in why
+    assert seen[0][-2:] == ["--cache", ".corpus"] and gpu_check.NEEDS_CORPUS == {"train", "app"}
