@@ -7,9 +7,9 @@ is won or lost by, and it can be counted on any machine.
 
 Counted on the CPU with the Triton kernels running under the interpreter (the path a GPU takes): every aten op
 of the step that would launch a kernel (views, allocations and other metadata ops launch none), plus every
-Triton launch. Composite ops are counted as the CPU build decomposes them; a CUDA build may fuse some (RMSNorm
-into one kernel where torch has a fused CUDA kernel for it), so a GPU step launches at most this many. cuBLAS
-may split a matmul into more than one kernel on some shapes: one each here.
+Triton launch. Composite ops are counted as they decompose, except RMSNorm, which CUDA builds of torch (2.8 on)
+run as one fused kernel and the CPU build decomposes into six: it counts one. cuBLAS may split a matmul into more
+than one kernel on some shapes: one each here.
 """
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ NOT_KERNELS = {
 }
 
 
+# composite ops a CUDA build runs as one kernel (torch >= 2.8 has a fused RMSNorm kernel for CUDA tensors)
+ONE_KERNEL_ON_CUDA = {"rms_norm", "_fused_rms_norm"}
+
+
 class Launches(TorchDispatchMode):
     """Counts, by op name, what the step would launch on a GPU (Triton launches are added by `triton_counted`)."""
 
@@ -43,14 +47,18 @@ class Launches(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ == "dropout" and not args[2]:
+        name = func.overloadpacket.__name__
+        if name == "dropout" and not args[2]:
             return args[0]  # dropout at inference returns its input (its composite form clones here)
+        if name in ONE_KERNEL_ON_CUDA:
+            self.ops["_fused_rms_norm"] += 1
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-            with self:  # a composite op (matmul, linear, rms_norm under inference mode): count what it runs
+            with self:  # a composite op (matmul, linear under inference mode): count what it runs
                 out = func.decompose(*args, **(kwargs or {}))
             if out is not NotImplemented:
                 return out
-        name = func.overloadpacket.__name__
         if name not in NOT_KERNELS:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
@@ -60,9 +68,9 @@ class Launches(TorchDispatchMode):
 def triton_counted(counter: Counter):
     """Each Triton kernel of kernels/ counted once per launch as `triton:<name>`; the interpreter's own tensor
     traffic (copies to and from numpy) runs outside the dispatch mode and is not counted."""
-    import triton
+    import importlib
 
-    from kernels import triton_attention, triton_keep, triton_lag, triton_step
+    import triton
     saved = []
 
     class Counted:
@@ -78,7 +86,11 @@ def triton_counted(counter: Counter):
                     return launch(*args, **kwargs)
             return run
 
-    for module in (triton_attention, triton_keep, triton_lag, triton_step):
+    for module_name in ("triton_attention", "triton_keep", "triton_lag", "triton_step"):
+        try:
+            module = importlib.import_module(f"kernels.{module_name}")
+        except ImportError:  # an older checkout (the before-and-after counts run the same script on both)
+            continue
         for name, value in vars(module).items():
             # launched from Python: the `_kernel`s (the other jit functions are called inside them)
             if isinstance(value, triton.runtime.jit.KernelInterface) and name.endswith("_kernel"):

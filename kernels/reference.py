@@ -94,13 +94,16 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
 
     lengths [B]: sequence b sees slots [0, lengths[b]). prune (the compacted pruning cache): q_int [B,r],
     k_int [B,S,r], beta, live [B,S], pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] (None: every
-    row real), and optionally lam (the distance term's lambda) and sinks. A live slot stays live by
+    row real), and optionally lam (the distance term's lambda), sinks and trig. A live slot stays live by
     models.pruning.survives on x = q_int . k_int / sqrt(r) + beta - lam log(q_pos - pos); a
     padding row (valid False) drops nothing and attends to every used slot. Returns out,
-    or (out, keep [B,S]: the live mask after this query) with prune.
+    or (out, keep [B,S]: the live mask after this query) with prune. trig [B,S] (int64, the cache's drop notes):
+    the step's bookkeeping in place, as the kernel does it: live becomes keep, and trig takes q_pos at every slot
+    this query dropped; keep is then live itself.
     """
     if prune is not None and prune["valid"] is None and bias is None:
-        return _decode_all_real(q, k, v, scale, prune, maps, lengths)
+        out, keep = _decode_all_real(q, k, v, scale, prune, maps, lengths)
+        return out, _note_drops(prune, keep)
     b, s = q.shape[0], k.shape[2]
     allowed = torch.ones(b, s, dtype=torch.bool, device=q.device)
     if lengths is not None:
@@ -117,7 +120,19 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     if bias is not None:
         mask = mask + bias.reshape(b, 1, 1, s)
     out, _ = attention(q, k, v, scale=scale, bias=mask, causal=False, **maps)
-    return out if prune is None else (out, keep)
+    return out if prune is None else (out, _note_drops(prune, keep))
+
+
+def _note_drops(prune: dict, keep: torch.Tensor) -> torch.Tensor:
+    """With prune["trig"]: the slots dropped (live, not kept) noted with the query's position, live set to keep
+    (keep is within live), in place; returns the mask the caller reads (live itself then)."""
+    trig = prune.get("trig")
+    if trig is None:
+        return keep
+    live = prune["live"]
+    trig.copy_(torch.where(live & ~keep, prune["q_pos"][:, None], trig))
+    live.copy_(keep)
+    return live
 
 
 def _with_distance(x, prune, pos, q_pos):

@@ -111,11 +111,11 @@ def _share(n, parts, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT,
-                   sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, slens, skib, skis, sqib, slb, spb,
+def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT, TRIG,
+                   sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, slens, skib, skis, sqib, slb, spb, stb, slob,
                    H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta, lam, sinks,
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-                   PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
+                   PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_TRIG: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
@@ -126,7 +126,10 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     query's own or later, or one of the first `sinks`); keep is written to LIVE_OUT and only kept slots at or
     before the query are attended to.
     A padding row (VALID = 0) drops nothing and attends to every used slot (its output is discarded). With
-    LENS, group 0's programs also clear LIVE_OUT after the row's length (nothing there is kept)."""
+    LENS, group 0's programs also clear LIVE_OUT after the row's length (nothing there is kept).
+    HAS_TRIG (the step's bookkeeping in place): LIVE_OUT is LIVE itself, and group 0 also writes the query's
+    position into TRIG at each slot it dropped. The other groups may then read a slot's live bit after group 0
+    wrote its keep; keep = live & rule, so they compute the same keep and mask from either."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // G).to(tl.int64)  # 64-bit offsets: b x G x S x D passes 2^31 at batch 64, 32k context
@@ -167,7 +170,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
                 t1 = tl.minimum(t0 + tail, S)
                 for z in range(t0, t1, BLOCK_N):
                     offs_z = z + tl.arange(0, BLOCK_N)
-                    tl.store(LIVE_OUT + b * S + offs_z, tl.zeros([BLOCK_N], LIVE_OUT.dtype.element_ty),
+                    tl.store(LIVE_OUT + b * slob + offs_z, tl.zeros([BLOCK_N], LIVE_OUT.dtype.element_ty),
                              mask=offs_z < t1)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -188,7 +191,10 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             # models.pruning.survives, restated in Triton
             keep = live & ((x > 0) | (pos >= q_pos) | (pos < sinks) | (valid == 0))
             if g == 0:  # the score is shared by every head: group 0 writes it, the others only use it
-                tl.store(LIVE_OUT + b * S + offs_n, keep.to(LIVE_OUT.dtype.element_ty), mask=n_mask)
+                tl.store(LIVE_OUT + b * slob + offs_n, keep.to(LIVE_OUT.dtype.element_ty), mask=n_mask)
+                if HAS_TRIG:
+                    tl.store(TRIG + b * stb + offs_n, tl.zeros([BLOCK_N], tl.int64) + q_pos,
+                             mask=n_mask & live & (keep == 0))
             allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)
         kt = tl.load(K + b * skb + g * skg + offs_n[None, :] * sks + offs_d[:, None],
                      mask=d_mask[:, None] & n_mask[None, :], other=0.0)
@@ -308,8 +314,9 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
 
     bias: additive [B,1,1,S] (or [B,S]); lengths [B]: sequence b uses cache slots [0, lengths[b]).
     prune: the compacted pruning cache, a dict of q_int [B,r], k_int [B,S,r], beta (float), live [B,S] bool,
-    pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] bool, optionally lam (float) and sinks (int);
-    then the return is (out, keep [B,S]).
+    pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] bool, optionally lam (float), sinks (int) and
+    trig [B,S] int64 (then live and trig are updated in place: kernels.reference.decode); then the return is
+    (out, keep [B,S]).
     """
     b, hq, t, d = q.shape
     if t != 1:
@@ -344,23 +351,32 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         live, pos = _rows(prune["live"].view(torch.uint8)), _rows(prune["pos"])
         qpos = prune["q_pos"].contiguous()
         valid = dummy if prune["valid"] is None else prune["valid"].contiguous().view(torch.uint8)  # None: all real
-        keep = torch.empty(live.shape, dtype=torch.bool, device=q.device)
-        live_out = keep.view(torch.uint8)  # every slot written (after a row's length: 0)
+        trig = prune.get("trig")
+        if trig is None:
+            keep = torch.empty(live.shape, dtype=torch.bool, device=q.device)
+            live_out = keep.view(torch.uint8)  # every slot written (after a row's length: 0)
+            trig, stb = dummy, 0
+            slob = live_out.stride(0)
+        else:  # in place: keep is written over live (a copy of live would take the writes away from the cache)
+            if live.data_ptr() != prune["live"].data_ptr() or trig.shape != live.shape or trig.stride(-1) != 1:
+                raise ValueError("decode updates live and trig in place: give slot-adjacent [B,S] tensors")
+            keep, live_out, stb, slob = prune["live"], live, trig.stride(0), live.stride(0)
         ri = qi.shape[-1]
-        pr = (qi, ki, live, pos, qpos, valid, live_out, ki.stride(0), ki.stride(1), qi.stride(0), live.stride(0),
-              pos.stride(0), ri, ri ** -0.5, float(prune["beta"]), float(prune.get("lam", 0.0)),
-              int(prune.get("sinks", 0)))
+        pr = (qi, ki, live, pos, qpos, valid, live_out, trig, ki.stride(0), ki.stride(1), qi.stride(0),
+              live.stride(0), pos.stride(0), stb, slob, ri, ri ** -0.5, float(prune["beta"]),
+              float(prune.get("lam", 0.0)), int(prune.get("sinks", 0)))
     else:
-        pr = (dummy,) * 7 + (0, 0, 0, 0, 0, 1, 1.0, 0.0, 0.0, 0)
-    (qi_, ki_, live_, pos_, qpos_, valid_, live_out_, skib, skis, sqib, slb, spb, ri, int_scale, beta, lam,
-     sinks) = pr
+        pr = (dummy,) * 8 + (0, 0, 0, 0, 0, 0, 0, 1, 1.0, 0.0, 0.0, 0)
+    (qi_, ki_, live_, pos_, qpos_, valid_, live_out_, trig_, skib, skis, sqib, slb, spb, stb, slob, ri, int_scale,
+     beta, lam, sinks) = pr
     _decode_kernel[(b * g, ns)](
-        q, k, v, po, pl, qm, qa, bias_t, lens, qi_, ki_, live_, pos_, qpos_, valid_, live_out_,
+        q, k, v, po, pl, qm, qa, bias_t, lens, qi_, ki_, live_, pos_, qpos_, valid_, live_out_, trig_,
         q.stride(0), q.stride(1) if hq > 1 else 0, k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), sbb, sbs, slens, skib, skis, sqib, slb, spb,
+        v.stride(0), v.stride(1), v.stride(2), sbb, sbs, slens, skib, skis, sqib, slb, spb, stb, slob,
         h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta, lam, sinks,
         HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
         PRUNE=prune is not None, HAS_VALID=prune is not None and prune["valid"] is not None,
+        HAS_TRIG=prune is not None and prune.get("trig") is not None,
         PRECISION=precision(k.dtype), BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)

@@ -3,9 +3,10 @@
 At batch 1 a decode step replayed from a CUDA graph costs about what its kernels cost one after another, and
 most of them move a few kilobytes: in PyTorch the rotary embedding of q and k and the cache write are twelve
 launches a layer (four products, two sums, two concatenations, two negations, two index copies), SwiGLU's gate
-two. Here each is one. Both round where PyTorch rounds (each product and the sum, in the tensors' dtype), so in
-bf16 they give PyTorch's bits, save where the GPU's compiler fuses a float32 product into its sum or its
-exponential differs in the last place.
+two, a residual sum and the norm after it two. Here each is one. Each rounds where PyTorch rounds (the rotary's
+products and sum, SwiGLU's silu and product, a norm once after its weight), so in half precision they give
+PyTorch's bits, save where the GPU's compiler fuses a float32 product into its sum, its exponential differs in the
+last place, or a norm sums in another order.
 """
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ def _rotated(X, COS, SIN, offs, partner, first, m):
 def _rope_write_kernel(Q, K, V, COS, SIN, QO, KB, VB, CUR,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h, sc_b,
                        skb_b, skb_h, skb_s, svb_b, svb_h, svb_s,
-                       H, D, HALF, BLOCK_D: tl.constexpr):
+                       H, D, HALF, S, BLOCK_D: tl.constexpr):
     """Program (b, h): query head h < H is rotated into QO; h = H + g rotates key group g into the K cache at the
-    cursor's slot and copies value group g into the V cache there. Row b's angles start at COS + b * sc_b (0:
-    every row at one position)."""
-    b = tl.program_id(0)
+    cursor's slot and copies value group g into the V cache there (nothing is written at a slot past the S slots
+    the cache has: the caller checks for room first). Row b's angles start at COS + b * sc_b (0: every row at one
+    position)."""
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: batch x groups x slots x width passes 2^31 in a big cache
     h = tl.program_id(1)
     COS += b * sc_b
     SIN += b * sc_b
@@ -47,10 +49,11 @@ def _rope_write_kernel(Q, K, V, COS, SIN, QO, KB, VB, CUR,
     else:
         g = h - H
         slot = tl.load(CUR)
+        w = m & ((offs * 0 + slot) < S)  # (broadcast first: the interpreter refuses a scalar bool in a mask)
         y = _rotated(K + b * sk_b + g * sk_h, COS, SIN, offs, partner, first, m)
-        tl.store(KB + b * skb_b + g * skb_h + slot * skb_s + offs, y.to(KB.dtype.element_ty), mask=m)
+        tl.store(KB + b * skb_b + g * skb_h + slot * skb_s + offs, y.to(KB.dtype.element_ty), mask=w)
         val = tl.load(V + b * sv_b + g * sv_h + offs, mask=m)
-        tl.store(VB + b * svb_b + g * svb_h + slot * svb_s + offs, val.to(VB.dtype.element_ty), mask=m)
+        tl.store(VB + b * svb_b + g * svb_h + slot * svb_s + offs, val.to(VB.dtype.element_ty), mask=w)
 
 
 def rope_write(q, k, v, cos, sin, k_buf, v_buf, cursor):
@@ -73,13 +76,13 @@ def rope_write(q, k, v, cos, sin, k_buf, v_buf, cursor):
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         row_stride,
         k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
-        h, d, d // 2, BLOCK_D=triton.next_power_of_2(d))
+        h, d, d // 2, k_buf.shape[2], BLOCK_D=triton.next_power_of_2(d))
     return out
 
 
 @triton.jit
 def _silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: a long prefill passes 2^31
     m = i < N
     g = tl.load(G + i, mask=m, other=0.0)
     u = tl.load(U + i, mask=m, other=0.0)
@@ -106,8 +109,8 @@ def silu_mul(g, u):
 def _add_norm_kernel(X, H, W, B, S, Y, D, eps, sx, sh, ss, sy, HAS_H: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program r: row r's sum s = x + h (rounded to x's dtype, as PyTorch stores it) into S, and its norm into Y,
-    computed in float32 the way torch's composite forms round: RMSNorm rounds the normalised row to the dtype
-    before the weight; LayerNorm applies weight and bias in float32 and rounds once."""
+    computed in float32 with weight (and bias) applied before the one rounding to the dtype, as torch's norms
+    round."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -118,7 +121,7 @@ def _add_norm_kernel(X, H, W, B, S, Y, D, eps, sx, sh, ss, sy, HAS_H: tl.constex
         tl.store(S + r * ss + offs, x, mask=m)
     s = x.to(tl.float32)
     if RMS:
-        y = (s * tl.rsqrt(tl.sum(s * s, axis=0) / D + eps)).to(dt).to(tl.float32)
+        y = s * tl.rsqrt(tl.sum(s * s, axis=0) / D + eps)
         if HAS_W:
             y = y * tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
     else:

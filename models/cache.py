@@ -91,7 +91,8 @@ class DecodeCache:
             self.cursor, self.filled = self.marks[:1], self.marks[1:]
             for layer in self.layers:
                 layer.cursor, layer.filled = self.cursor, self.filled
-        self.marks.copy_(torch.tensor([self.length, self.length + 1]))  # in place: a captured graph holds them
+        self.cursor.fill_(self.length)  # in place: a captured graph holds them
+        self.filled.fill_(self.length + 1)
 
     def step_done(self) -> None:
         """A static-shape step wrote its slot: the next writes one further and reads one more (on the device)."""
@@ -110,7 +111,8 @@ class DecodeCache:
             if layer.alive is not None:
                 layer.alive.fill_(True)
         if self.marks is not None:
-            self.marks.copy_(torch.tensor([0, 1]))
+            self.cursor.zero_()
+            self.filled.fill_(1)
 
     @property
     def length(self) -> int:

@@ -310,6 +310,8 @@ def test_a_compacted_decode_call_launches_no_conversion_kernels(monkeypatch):
              "pos": torch.arange(s).expand(b, -1).contiguous(), "q_pos": torch.full((b,), 30), "valid": None,
              "lam": 0.3, "sinks": 1}
     cursor = torch.tensor([31])
+    noting = dict(prune, trig=torch.full((b, s), -1))  # noting its drops in the cache's live and trig (a step's path)
     with Ops() as ops:
         triton_attention.decode(q, k, v, scale=0.25, prune=prune, lengths=cursor.expand(b))
+        triton_attention.decode(q, k, v, scale=0.25, prune=noting, lengths=cursor.expand(b))
     assert ops.seen <= {"empty", "new_empty", "view", "expand", "detach", "alias"}, ops.seen

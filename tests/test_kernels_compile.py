@@ -39,9 +39,10 @@ def cases():
         bn, warps, stages = ta.DECODE_LAUNCH[d]
         ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "QM", "QA", "BIAS")} | {
             "PO": "*fp32", "PL": "*fp32", "QINT": "*fp32", "KINT": "*fp32", "LENS": "*i64", "LIVE": "*u8",
-            "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8"}
+            "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8", "TRIG": "*i64"}
         out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid}", ta._decode_kernel, ptrs,
                     dict(HAS_QM=False, HAS_QA=False, HAS_BIAS=not prune, HAS_LENS=lens, PRUNE=prune, HAS_VALID=valid,
+                         HAS_TRIG=prune and not valid,  # a step of every row notes its drops in place
                          PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_R=16, BLOCK_N=bn, BLOCK_D=d, BLOCK_RI=64),
                     warps, stages))
         out.append((f"merge {dtype} d={d}", ta._merge_kernel,
@@ -59,16 +60,18 @@ def cases():
         out.append((f"keep backward log={has_log} keep={has_keep}", tk._backward_kernel,
                     {n: "*fp32" for n in ("GLOG", "GKEEP", "KEEP", "RATIO", "DX")},
                     dict(HAS_LOG=has_log, HAS_KEEP=has_keep, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
-    for dtype in ("bf16", "fp32"):  # a decode step's small ops (kernels.triton_step)
-        out.append((f"rope_write {dtype}", ts._rope_write_kernel,
-                    {n: f"*{dtype}" for n in ("Q", "K", "V", "COS", "SIN", "QO", "KB", "VB")} | {"CUR": "*i64"},
-                    dict(BLOCK_D=64), 4, 3))
+    for dtype in ("bf16", "fp16", "fp32"):  # a decode step's small ops (kernels.triton_step)
+        for d in (64, 128):
+            out.append((f"rope_write {dtype} d={d}", ts._rope_write_kernel,
+                        {n: f"*{dtype}" for n in ("Q", "K", "V", "COS", "SIN", "QO", "KB", "VB")} | {"CUR": "*i64"},
+                        dict(BLOCK_D=d), 4, 3))
         out.append((f"silu_mul {dtype}", ts._silu_mul_kernel, {n: f"*{dtype}" for n in ("G", "U", "OUT")},
                     dict(BLOCK=ts.SILU_BLOCK), 4, 3))
-        for rms, has_h in ((True, True), (True, False), (False, True)):
-            out.append((f"add_norm {dtype} rms={rms} residual={has_h}", ts._add_norm_kernel,
+        for rms, has_h, has_w, width in ((True, True, True, 1024), (True, False, True, 64), (False, True, True, 1024),
+                                         (True, True, False, 4096), (False, False, False, 2048)):
+            out.append((f"add_norm {dtype} rms={rms} residual={has_h} weight={has_w} d<={width}", ts._add_norm_kernel,
                         {n: f"*{dtype}" for n in ("X", "H", "W", "B", "S", "Y")},
-                        dict(HAS_H=has_h, HAS_W=True, HAS_B=not rms, RMS=rms, BLOCK_D=1024), 4, 3))
+                        dict(HAS_H=has_h, HAS_W=has_w, HAS_B=has_w and not rms, RMS=rms, BLOCK_D=width), 4, 3))
     return out
 
 

@@ -163,6 +163,58 @@ def test_compact_decode_with_every_row_real_equals_the_general_rule(b, h, g, s, 
     close(got, want)
 
 
+def in_place_state(state, extra: int = 5):
+    """prune_state with the cache's drop notes: live and trig as [B,S] views of wider buffers (the cache's slots
+    up to `end` of its capacity), trig holding earlier notes (-1 never dropped, -2 collected, a position)."""
+    b, s = state["live"].shape
+    live = torch.zeros(b, s + extra, dtype=torch.bool)
+    live[:, :s] = state["live"]
+    trig = torch.randint(-2, 30, (b, s + extra))
+    return dict(state, live=live[:, :s], trig=trig[:, :s]), live, trig
+
+
+@pytest.mark.parametrize("b,h,g,s,lengths", [(3, 4, 1, 40, None), (2, 6, 3, 70, None), (2, 6, 3, 70, [33, 70]),
+                                             (1, 9, 3, 129, [100])])
+@pytest.mark.parametrize("valid", [None, "padding"])
+def test_compact_decode_notes_its_drops_in_place_as_the_reference_does(b, h, g, s, lengths, valid):
+    """prune["trig"]: keep written over the cache's live mask and the query's position noted where it dropped a
+    slot, by the kernel (group 0 writes while other groups read the same live bits) as by the reference; the
+    slots past the views are untouched."""
+    d = 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    base = prune_state(b, s, 8, beta=0.1)
+    if valid is None:
+        base["valid"] = None
+    elif b > 1:
+        base["valid"][-1] = False
+    lens = None if lengths is None else torch.tensor(lengths)
+    if lens is not None:  # the cache's slots from a row's length on are empty (nothing live, no position)
+        past = torch.arange(s) >= lens[:, None]
+        base["live"] &= ~past
+        base["pos"] = base["pos"].masked_fill(past, -1)
+    want_state, want_live, want_trig = in_place_state(base)
+    old_live, old_trig = want_live.clone(), want_trig.clone()
+    want, want_keep = reference.decode(q, k, v, scale=0.25, prune=want_state, lengths=lens)
+    got_state, got_live, got_trig = in_place_state(base)
+    got_trig.copy_(old_trig)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=got_state, lengths=lens, n_split=3)
+    close(got, want)
+    assert torch.equal(got_live, want_live) and torch.equal(got_trig, want_trig)
+    assert keep.data_ptr() == got_live.data_ptr() and torch.equal(keep, want_keep)
+    dropped = old_live[:, :s] & ~want_live[:, :s]
+    assert dropped.any(), "this setting must drop something"
+    assert torch.equal(want_trig[:, :s][dropped], base["q_pos"][:, None].expand(b, s)[dropped])
+    assert torch.equal(want_trig[:, :s][~dropped], old_trig[:, :s][~dropped])
+    assert torch.equal(got_trig[:, s:], old_trig[:, s:]) and torch.equal(got_live[:, s:], old_live[:, s:])
+
+
+def test_compact_decode_refuses_in_place_notes_on_a_copy():
+    state, live, trig = in_place_state(prune_state(2, 20, 8, beta=0.1))
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 1, 20, 16), torch.randn(2, 1, 20, 16)
+    with pytest.raises(ValueError, match="in place"):
+        triton_attention.decode(q, k, v, scale=0.25, prune=dict(state, live=live.t().contiguous().t()[:, :20]))
+
+
 def test_compact_decode_all_dropped_but_self():
     b, h, s, r, d = 2, 4, 33, 8, 16
     q, k, v = torch.randn(b, h, 1, d), torch.randn(b, 1, s, d), torch.randn(b, 1, s, d)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from models.backends import additive, group_rows
+from models.backends import additive, group_rows, write_rotated
 from models.pruning import pattern_allows
 from models.pruning.interaction import widen
 from models.pruning.compact_cache import ALIGN
@@ -72,7 +72,7 @@ def attend_rows(mixer, cache, x, q, k, v, record, rope=None):
     if mixer.training:
         raise RuntimeError("the compacted cache is for inference (model.eval())")
     q_pos, valid = cache.q_pos, cache.valid                                   # [B,T]; valid None: all real
-    if q.shape[2] == 1 and valid is None and record is None:
+    if cache.decode_step(q, record):
         return decode(mixer, cache, x, q, k, v, rope)
     if rope is not None:
         raise ValueError("only a fixed-shape decode step takes q and k unrotated")
@@ -131,11 +131,11 @@ def decode(mixer, cache, x, q, k, v, rope=None):
         q_int, k_int = qk[..., :rule.r], qk[..., rule.r:]
     else:
         q_int, k_int = None, False
-    if rope is None:
-        cache.append(mixer.cache_entries(x, k, v, k_int), q_pos)
-    else:  # K and V into slot `cursor` in the kernel that rotates q and k; the rest (K_int, position) after it
-        q = kernels.rope_write(q, k, v, *rope, cache.buffers["k"], cache.buffers["v"], cache.cursor)
-        cache.append({} if k_int is False else {"k_int": k_int}, q_pos)
+    new = mixer.cache_entries(x, k, v, k_int)
+    if rope is not None:  # K and V into slot `cursor` in the kernel that rotates q and k; the rest (K_int) after it
+        cache.check_room()
+        q = write_rotated(q, new, rope, cache.buffers, cache.cursor)
+    cache.append(new, q_pos)
     if cache.cursor is None:
         past, live, pos, lengths = cache.view(), cache.live[:, :cache.end], cache.pos[:, :cache.end], None
     else:  # fixed shapes: the whole buffers, each row read up to the device-side cursor
@@ -150,11 +150,14 @@ def decode(mixer, cache, x, q, k, v, rope=None):
             allowed = allowed & pattern_allows(q_pos, pos, mixer.pattern, mixer.pattern_k)
         cache.count_seen(allowed)
         return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False, lengths=lengths)
+    # with the cache's drop notes: the kernel writes keep over `live` and notes what this query dropped in place
+    # (CompactCache.update_kept's work, without its four kernels a layer)
+    trig = cache.trig if cache.cursor is not None else cache.trig[:, :cache.end]
     prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": c["beta"], "live": live,
-             "pos": pos, "q_pos": q_pos[:, 0], "valid": None, "lam": c["lam"], "sinks": c["sinks"]}
+             "pos": pos, "q_pos": q_pos[:, 0], "valid": None, "lam": c["lam"], "sinks": c["sinks"], "trig": trig}
     o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, lengths=lengths, **mixer.head_maps())
     cache.count_seen(keep)
-    cache.update_kept(keep, q_pos, every=ALIGN)
+    cache.kept_in_place(every=ALIGN)
     return mixer.output(o)
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from models.backends import additive
+from models.backends import additive, write_rotated
 from models.backends.full import pattern_bias
 
 
@@ -36,13 +35,10 @@ def attend_fixed(mixer, cache, x, q, k, v, rope=None):
     the host's length)."""
     if mixer.pattern != "dense":
         raise ValueError(f"static-shape decode serves dense attention, not the {mixer.pattern} pattern")
-    if rope is None:
-        past = cache.write_at(**mixer.cache_entries(x, k, v))
-    else:
-        past = cache.buffers
-        q = kernels.rope_write(q, k, v, *rope, past["k"], past["v"], cache.cursor)
-        if mixer.pruning is not None:
-            cache.write_at(k_int=mixer.pruning.keys(x))
+    new = mixer.cache_entries(x, k, v)
+    if rope is not None:
+        q = write_rotated(q, new, rope, cache.buffers, cache.cursor)
+    past = cache.write_at(**new)
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
     lengths = cache.filled.expand(q.shape[0])

@@ -45,8 +45,6 @@ def rotary_tables(positions: torch.Tensor, d: int, theta: float, dtype) -> tuple
     return memo[key]
 
 
-
-
 def projection(d_model: int, heads: int, d_head: int, std: float) -> nn.Parameter:
     return nn.Parameter(torch.randn(d_model, heads, d_head) * std)
 
@@ -137,7 +135,8 @@ class Attention(Mixer):
             return state.attend(self, x, q, k, v, record)
         # rotary embedding, Llama's half-split convention (kernels.reference.rotate_half)
         cos, sin = rotary_tables(positions, self.d_head, self.rope_theta, q.dtype)
-        if getattr(state, "rotates", None) and state.rotates(q, record):  # fused with its cache write
+        fusable = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))  # (the kernel has no backward)
+        if fusable and getattr(state, "rotates", None) and state.rotates(q, record):  # fused with its cache write
             return state.attend(self, x, q, k, v, record, rope=(cos, sin))
         return state.attend(self, x, rotate_half(q, cos, sin), rotate_half(k, cos, sin), v, record)
 

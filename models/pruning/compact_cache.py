@@ -70,11 +70,15 @@ class CompactCache:
         from models.backends import compacted  # (the backends import models.pruning, which imports this module)
         return compacted.attend(mixer, self, x, q, k, v, record, rope)
 
+    def decode_step(self, q: torch.Tensor, record) -> bool:
+        """Whether this call is a decode step of every row (one new token each, no padding, no diagnostics): the
+        fast path of models.backends.compacted."""
+        return q.shape[2] == 1 and self.valid is None and record is None
+
     def rotates(self, q: torch.Tensor, record) -> bool:
         """Whether this call takes q and k unrotated with their rotary (cos, sin) as `rope`: a fixed-shape step of
         every row, the learned rule or no rule deciding, rotates K as it writes it (one kernel with V's write)."""
-        return (self.cursor is not None and q.shape[2] == 1 and self.valid is None and record is None
-                and self.policy is None and self.groups == 1)
+        return self.cursor is not None and self.decode_step(q, record) and self.policy is None and self.groups == 1
 
     @property
     def length(self) -> int:  # positions seen by the longest row (the model's context check)
@@ -125,11 +129,16 @@ class CompactCache:
         self.pos[:, e:e + 1] = q_pos
         self.end = e + 1
 
+    def check_room(self) -> None:
+        """A fixed-shape step writes at the cursor without a bound on the device: refuse here when no slot is free
+        (host counts only: make_room() before the step keeps one free)."""
+        if self.end >= self.capacity:
+            raise RuntimeError(f"compacted cache full ({self.capacity} slots): make_room() before a fixed-shape step")
+
     def _append_at_cursor(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor) -> None:
         """append() with fixed shapes: slot `cursor` (on the device) of every row; the host's `end` is moved on by
         the caller (advance), since a replayed graph runs no Python."""
-        if self.end >= self.capacity:  # host counts only: make_room() before the step keeps one slot free
-            raise RuntimeError(f"compacted cache full ({self.capacity} slots): make_room() before a fixed-shape step")
+        self.check_room()
         c = self.cursor
         for n, value in new.items():
             buf = self.buffers[n]
@@ -214,6 +223,12 @@ class CompactCache:
         trig = self.trig[:, used]
         trig.copy_(torch.where(self.live[:, used] ^ keep, q_pos, trig))
         self.live[:, used] = keep
+        if self.cursor is None:
+            self._check_every(every)
+
+    def kept_in_place(self, every: int = 1) -> None:
+        """update_kept for a decode step whose kernel already wrote keep over `live` and noted its drops in `trig`
+        (kernels.compact_decode with prune["trig"]): only the compaction question is left, as update_kept asks it."""
         if self.cursor is None:
             self._check_every(every)
 
