@@ -143,7 +143,11 @@ def smollm2_shaped(prune: bool = False):
     return DecoderLM(cfg).eval()
 
 
-def rows(shipped: list[str]) -> list[dict]:
+def rows(shipped: list[str], dtypes: list[torch.dtype]) -> list[dict]:
+    """Each case in each dtype: a bf16 model launches conversions a float32 one does not (the learned rule scores
+    in float32, models.pruning.interaction.HALF)."""
+    import copy
+
     from models.checkpoint import load_model_dir
     # the SmolLM2 deltas the app ships prune with the learned rule: they decode over the compacted cache
     cases = [("smollm2-135m shape", smollm2_shaped(), "static"),
@@ -155,13 +159,15 @@ def rows(shipped: list[str]) -> list[dict]:
             cases.append((d, model, "compacted"))
     out = []
     for name, model, state in cases:
-        counts = count_step(model, state)
-        total = sum(counts.values())
-        out.append({"model": name, "cache": state, "n_layers": model.config.n_layers, "kernels_per_step": total,
-                    "kernels_per_layer": round(total / model.config.n_layers, 2),
-                    "by_op": dict(counts.most_common())})
-        print(f"{name} ({state}): {total} kernels a step, {total / model.config.n_layers:.1f} a layer",
-              file=sys.stderr)
+        for dtype in dtypes:
+            counts = count_step(copy.deepcopy(model).to(dtype), state)
+            total = sum(counts.values())
+            out.append({"model": name, "cache": state, "dtype": str(dtype).removeprefix("torch."),
+                        "n_layers": model.config.n_layers, "kernels_per_step": total,
+                        "kernels_per_layer": round(total / model.config.n_layers, 2),
+                        "by_op": dict(counts.most_common())})
+            print(f"{name} ({state}, {dtype}): {total} kernels a step, {total / model.config.n_layers:.1f} a layer",
+                  file=sys.stderr)
     return out
 
 
@@ -170,15 +176,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.step_launches", description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", default=["assets/models/mha", "assets/models/mha-1024-pruned"],
                     help="shipped model directories to count besides SmolLM2's shape")
+    ap.add_argument("--dtypes", default="bfloat16,float32",
+                    help="comma-separated model dtypes (bfloat16: what a GPU decodes in; float32: the app's default)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",")]
     import triton
     result = {"benchmark": "step_launches", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "device": "cpu (kernels counted, not timed)", "cpu": cpu_model(), "batch": 1,
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "triton": triton.__version__},
-              "note": __doc__.split("\n\n")[2].replace("\n", " "), "rows": rows(args.models)}
+              "note": __doc__.split("\n\n")[2].replace("\n", " "), "rows": rows(args.models, dtypes)}
     return report(result, args.json)
 
 

@@ -211,7 +211,10 @@ def compact_inputs(dev, dtype, b, live_n, capacity, h=16, d=64, r=64):
     prune = {"q_int": torch.randn(b, r, device=dev, dtype=rule), "beta": 50.0,
              "k_int": torch.randn(b, capacity, r, device=dev, dtype=rule),
              "live": (pos >= 0).expand(b, -1).contiguous(), "pos": pos.expand(b, -1).contiguous(),
-             "q_pos": torch.full((b,), live_n - 1, device=dev), "valid": None}
+             "q_pos": torch.full((b,), live_n - 1, device=dev), "valid": None,
+             # the drop notes, as a decode step passes them: keep written over live in place (after the first call
+             # nothing more drops, so every timed call does the same work)
+             "trig": torch.full((b, capacity), -1, dtype=torch.long, device=dev)}
     return q, k, v, prune, torch.full((b,), live_n, device=dev)
 
 

@@ -128,7 +128,8 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     A padding row (VALID = 0) drops nothing and attends to every used slot (its output is discarded). With
     LENS, group 0's programs also clear LIVE_OUT after the row's length (nothing there is kept).
     HAS_TRIG (the step's bookkeeping in place): LIVE_OUT is LIVE itself, and group 0 also writes the query's
-    position into TRIG at each slot it dropped. The other groups may then read a slot's live bit after group 0
+    position into TRIG at each slot it dropped (the slots from a row's length on hold nothing live, as the cache
+    keeps them, so clearing them notes nothing). The other groups may then read a slot's live bit after group 0
     wrote its keep; keep = live & rule, so they compute the same keep and mask from either."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -358,8 +359,10 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
             trig, stb = dummy, 0
             slob = live_out.stride(0)
         else:  # in place: keep is written over live (a copy of live would take the writes away from the cache)
-            if live.data_ptr() != prune["live"].data_ptr() or trig.shape != live.shape or trig.stride(-1) != 1:
-                raise ValueError("decode updates live and trig in place: give slot-adjacent [B,S] tensors")
+            if (live.data_ptr() != prune["live"].data_ptr() or trig.shape != live.shape or trig.stride(-1) != 1
+                    or trig.dtype != torch.int64 or trig.device != live.device):
+                raise ValueError("decode updates live and trig in place: give slot-adjacent [B,S] tensors, trig "
+                                 "int64 on live's device")
             keep, live_out, stb, slob = prune["live"], live, trig.stride(0), live.stride(0)
         ri = qi.shape[-1]
         pr = (qi, ki, live, pos, qpos, valid, live_out, trig, ki.stride(0), ki.stride(1), qi.stride(0),

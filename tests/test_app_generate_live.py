@@ -101,7 +101,8 @@ def test_dense_model_has_no_pruning_widgets():
     assert not any(k in {w.key for w in at.slider} for k in ("gen_step",))
     assert "cache memory saved" not in {m.label for m in at.metric}
     assert not any("held per step" in (t or "") for t in titles(at))
-    assert any("static cache" in c.value and "kernel path: attention=reference" in c.value for c in at.caption)
+    assert any("static cache" in c.value and "kernel path: " in c.value and "attention=reference" in c.value
+               and "add_norm=reference" in c.value for c in at.caption)
     assert len(at.dataframe[0].value) == 8
 
 

@@ -122,7 +122,8 @@ def test_generate_streams_and_reports_speed():
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
     assert float(metrics["tokens/s (decode)"]) > 0 and "cache held" in metrics
-    assert any("kernel path: attention=reference" in c.value for c in at.caption)
+    assert any("kernel path: " in c.value and "attention=reference" in c.value and "add_norm=reference" in c.value
+               for c in at.caption)
     assert len(at.dataframe[0].value) == 8
 
 

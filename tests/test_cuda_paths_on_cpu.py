@@ -131,4 +131,4 @@ def test_gpu_check_prepares_the_corpus_only_when_missing_and_says_why_it_could_n
     (tmp_path / ".corpus").mkdir()
     why = gpu_check.ensure_corpus(tmp_path / "data")
     assert "could not fetch austen" in why and ".corpus" in why
-    assert seen[0][-2:] == ["--cache", ".corpus"] and gpu_check.NEEDS_CORPUS == {"train", "app"}
+    assert seen[0][-2:] == ["--cache", ".corpus"] and gpu_check.NEEDS_CORPUS == {"train"}

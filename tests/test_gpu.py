@@ -166,6 +166,33 @@ def test_compacted_decode_at_scale(b, h, g, s, r, dtype):
         assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("n_split", [1, 8, 128])
+@pytest.mark.parametrize("b,h,g,s", [(2, 9, 3, 16384), (4, 16, 4, 4096)])
+def test_compacted_decode_notes_drops_in_place_as_the_fresh_mask_says(b, h, g, s, n_split):
+    """prune["trig"] on a GPU, where programs really run at once: group 0 writes keep over live while the other
+    groups read it. The in-place result equals the fresh keep mask of the same call without trig, and the notes
+    are the query's position exactly where a live slot went (float32, so no score sits near 0 by rounding)."""
+    d, r = 64, 64
+    f32 = torch.float32
+    q, k, v = rand(b, h, 1, d, dtype=f32), rand(b, g, s, d, dtype=f32), rand(b, g, s, d, dtype=f32)
+    used = torch.randint(s // 2, s + 1, (b,), device=DEV)
+    slot = torch.arange(s, device=DEV)[None]
+    pos = torch.where(slot < used[:, None], slot, -1)
+    live = (slot < used[:, None]) & (torch.rand(b, s, device=DEV) < 0.5)
+    prune = {"q_int": rand(b, r, dtype=f32), "k_int": rand(b, s, r, dtype=f32), "beta": -0.3, "live": live, "pos": pos,
+             "q_pos": used - 1, "valid": None, "lam": 0.0, "sinks": 2}
+    want, want_keep = triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune, lengths=used, n_split=n_split)
+    trig = torch.full((b, s), -1, dtype=torch.long, device=DEV)
+    live_in_place = live.clone()
+    got, keep = triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune | {"live": live_in_place, "trig": trig},
+                                        lengths=used, n_split=n_split)
+    assert torch.equal(live_in_place, want_keep) and keep.data_ptr() == live_in_place.data_ptr()
+    dropped = live & ~want_keep
+    assert bool(dropped.any()) and torch.equal(trig >= 0, dropped)
+    assert torch.equal(trig[dropped], (used - 1)[:, None].expand(b, s)[dropped])
+    assert rel_err(got, want) < TOL[f32]
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_lag_conv_at_8k(per_channel, dtype):

@@ -135,7 +135,7 @@ class Attention(Mixer):
             return state.attend(self, x, q, k, v, record)
         # rotary embedding, Llama's half-split convention (kernels.reference.rotate_half)
         cos, sin = rotary_tables(positions, self.d_head, self.rope_theta, q.dtype)
-        fusable = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))  # (the kernel has no backward)
+        fusable = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))  # (the kernel: no backward)
         if fusable and getattr(state, "rotates", None) and state.rotates(q, record):  # fused with its cache write
             return state.attend(self, x, q, k, v, record, rope=(cos, sin))
         return state.attend(self, x, rotate_half(q, cos, sin), rotate_half(k, cos, sin), v, record)
