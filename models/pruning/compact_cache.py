@@ -223,12 +223,12 @@ class CompactCache:
         trig = self.trig[:, used]
         trig.copy_(torch.where(self.live[:, used] ^ keep, q_pos, trig))
         self.live[:, used] = keep
-        if self.cursor is None:
-            self._check_every(every)
+        self.kept_in_place(every)
 
     def kept_in_place(self, every: int = 1) -> None:
-        """update_kept for a decode step whose kernel already wrote keep over `live` and noted its drops in `trig`
-        (kernels.compact_decode with prune["trig"]): only the compaction question is left, as update_kept asks it."""
+        """What is left of update_kept once keep is written over `live` and the drops noted in `trig` (by it, or by
+        the decode kernel: kernels.compact_decode with prune["trig"]): the compaction question, asked every `every`
+        steps (with fixed shapes the decoder asks it between steps)."""
         if self.cursor is None:
             self._check_every(every)
 
