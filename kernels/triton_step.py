@@ -81,14 +81,17 @@ def rope_write(q, k, v, cos, sin, k_buf, v_buf, cursor):
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: a long prefill passes 2^31
+def _silu_mul_kernel(G, U, OUT, N, sg, su, BLOCK: tl.constexpr):
+    """Program (row, block): one block of a row; g and u read by their row strides (the two halves of one packed
+    gate-and-up product are read in place), out contiguous."""
+    r = tl.program_id(0).to(tl.int64)  # 64-bit: a long prefill passes 2^31
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    g = tl.load(G + i, mask=m, other=0.0)
-    u = tl.load(U + i, mask=m, other=0.0)
+    g = tl.load(G + r * sg + i, mask=m, other=0.0)
+    u = tl.load(U + r * su + i, mask=m, other=0.0)
     gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(OUT + i, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
+    tl.store(OUT + r * N + i, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
 
 
 SILU_BLOCK = 1024
@@ -97,11 +100,13 @@ SILU_BLOCK = 1024
 def silu_mul(g, u):
     if g.shape != u.shape or g.dtype != u.dtype:
         raise ValueError("silu_mul takes two tensors of one shape and dtype")
-    g, u = g.contiguous(), u.contiguous()
-    out = torch.empty_like(g)
-    n = g.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, SILU_BLOCK),)](g, u, out, n, BLOCK=SILU_BLOCK)
+    n = g.shape[-1] if g.dim() else 1
+    gr, ur = g.reshape(-1, n), u.reshape(-1, n)  # views where the rows are evenly strided
+    gr, ur = (t if t.stride(-1) == 1 else t.contiguous() for t in (gr, ur))
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    if out.numel():
+        _silu_mul_kernel[(gr.shape[0], triton.cdiv(n, SILU_BLOCK))](gr, ur, out, n, gr.stride(0), ur.stride(0),
+                                                                    BLOCK=SILU_BLOCK)
     return out
 
 

@@ -25,6 +25,7 @@ class LayerCache:
         # static shapes (DecodeCache.fix_shapes): the length on the device, and the slots a step reads (length + 1)
         self.cursor: torch.Tensor | None = None
         self.filled: torch.Tensor | None = None
+        self.packed: dict | None = None  # fixed shapes: the block's packed projections (models.packing)
 
     def append(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Write the new positions (dim -2 of each tensor) and return views of everything so far."""

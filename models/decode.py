@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from models import graphs as graphs_module
+from models import packing
 
 
 def pick_state(model, cache: str) -> str:
@@ -68,6 +69,8 @@ class Decoder:
                     layer.seen = torch.zeros(layer.batch, device=self.device)  # a row per group, if per group
         else:
             self.state = model.new_cache(batch=batch, capacity=capacity)
+        if self.fixed:  # one product for q, k, v and one for gate and up in each fixed-shape step
+            packing.attach(model, self.state)
         self.lengths = [0] * batch            # tokens fed per row (on the host)
         self._next = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the same, on the device (compacted)
         self.kernel_paths: dict[str, str] = {}  # op -> the path the kernel dispatch took, over all calls

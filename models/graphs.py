@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from models import packing
+
 MIN_CAPACITY = 256
 WARMUP_STEPS = 2  # eager steps before capture: Triton compiles, cuBLAS picks its kernels
 MAX_FREE = 2      # entries kept per key once given back
@@ -151,6 +153,8 @@ def give_back(model, entry: Captured) -> None:
 
 
 def release(model) -> None:
-    """Drop every kept entry of `model` (their caches and graphs' memory go back to PyTorch's allocator)."""
+    """Drop every kept entry of `model` and its packed projections (their caches', graphs' and copies' memory go
+    back to PyTorch's allocator)."""
     with _lock:
         _free.pop(model, None)
+    packing.release(model)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from models import packing
 from models.adapters import Adapter, new_A
 from models.cache import DecodeCache
 from models.config import ModelConfig
@@ -36,9 +37,11 @@ class FeedForward(nn.Module):
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
 
-    def forward(self, x):
+    def forward(self, x, packed: tuple | None = None):
+        """packed: gate and up side by side (models.packing, a fixed-shape decode step): one product for both."""
         if self.kind == "swiglu":
-            h = kernels.silu_mul(self.gate(x), self.up(x))  # one kernel on a GPU at inference
+            g, u = packing.gate_up(x, *packed) if packed else (self.gate(x), self.up(x))
+            h = kernels.silu_mul(g, u)  # one kernel on a GPU at inference
         else:
             h = F.gelu(self.up(x), approximate="tanh" if self.kind == "gelu_tanh" else "none")
         return self.drop(self.down(h))
@@ -83,19 +86,26 @@ class Block(nn.Module):
             if cfg.adapter != "compacter++":
                 self.adapter_mixer = make()
 
-    def forward(self, x, cache=None, record=None, positions=None, mixer_out=None):
+    def forward(self, x, cache=None, record=None, positions=None, mixer_out=None, pending=None, defer=False):
         """mixer_out: a function h -> h given the token mixer's output [B,T,d_m] (before any adapter and the residual
-        sum), whose return goes on instead (DecoderLM.forward's mixer_out, for one block)."""
-        h = self.mixer(self.ln_1(x), cache, record, positions)
+        sum), whose return goes on instead (DecoderLM.forward's mixer_out, for one block).
+        pending: the previous block's last output, not yet added to x (its sum is then ln_1's kernel); defer: return
+        (x, h) with the feed-forward output h not added either (a decode step's blocks chain this way: one kernel
+        a layer fewer)."""
+        if pending is None:
+            a = self.ln_1(x)
+        else:
+            x, a = self.ln_1(x, pending)
+        h = self.mixer(a, cache, record, positions)
         if mixer_out is not None:
             h = mixer_out(h)
         if self.adapter_mixer is not None:
             h = self.adapter_mixer(h)
         x, h = self.ln_2(x, self.drop(h))  # x + h, and ln_2 of it
-        h = self.ffn(h)
+        h = self.ffn(h, packing.step_weights(cache, h, record).get("gate_up"))
         if self.adapter_ffn is not None:
             h = self.adapter_ffn(h)
-        return x + h
+        return (x, h) if defer else x + h
 
 
 @contextmanager
@@ -206,7 +216,7 @@ class DecoderLM(nn.Module):
         patching reads and replaces them there: models.pruning.intervene; no hook is put on the model, which app
         sessions share)."""
         b, t = idx.shape
-        compact_fixed = False
+        compact_fixed = fixed = False
         if isinstance(cache, CompactDecodeCache):
             # a fixed-shape step (CompactDecodeCache.fix_shapes): positions from the device, no host check (the
             # caller, models.decode.Decoder, keeps the count and checks the context)
@@ -236,11 +246,18 @@ class DecoderLM(nn.Module):
         # attention_maps=False: the pruning keep masks alone, no [H,T,T] attention probabilities (the Pruning page
         # of a 30-layer model over 1,000 tokens would otherwise hold 1 GB of them)
         records = [LayerRecord(attention_maps) for _ in self.blocks] if diagnostics else None
+        # a fixed-shape step leaves each block's residual sum to the next block's norm (nothing reads x between)
+        defer = (fixed or compact_fixed) and residual is None and mixer_out is None
+        pending = None
         for i, block in enumerate(self.blocks):
             if residual is not None:
                 x = residual(i, x)
             x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions,
-                      None if mixer_out is None else functools.partial(mixer_out, i))
+                      None if mixer_out is None else functools.partial(mixer_out, i), pending, defer)
+            if defer:
+                x, pending = x
+        if pending is not None:
+            x = x + pending
         if compact_fixed:
             cache.next_pos.add_(1)
         elif isinstance(cache, CompactDecodeCache) and cache.next_pos is not None:

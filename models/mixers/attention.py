@@ -15,6 +15,7 @@ from torch import nn
 import kernels
 from kernels.reference import rotate_half
 from models.backends.full import FULL
+from models import packing
 from models.config import ConfigError
 from models.mixers.base import Mixer, register
 from models.pruning import ContextPruning
@@ -83,8 +84,18 @@ class Attention(Mixer):
 
     n_groups = property(lambda self: self.n_heads)
 
+    def projections(self) -> tuple | None:
+        """The (weight [d_m,n,d_h], bias or None) pairs whose products with x make up `project`'s q, k, v (in
+        `from_parts`'s order), when that is all `project` does; None otherwise. A fixed-shape decode step runs them
+        as one product (models.packing)."""
+        return None
+
+    def from_parts(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v from the products of `projections`, each [B,n,T,d_h]."""
+        return tuple(parts)
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        return self.from_parts([split_heads(x, w, b) for w, b in self.projections()])
 
     def head_maps(self) -> dict[str, torch.Tensor]:
         """Per-head query/output maps the kernel applies (MHE: from one shared Q); none for the others."""
@@ -129,7 +140,8 @@ class Attention(Mixer):
     def forward(self, x, cache=None, record=None, positions=None):
         """Project and rotate here; the state handed in (None: the whole sequence) attends and owns the masking
         and eviction (models/backends)."""
-        q, k, v = self.project(x)                                      # [B,H,T,D], [B,G,T,D], [B,G,T,D]
+        packed = packing.step_weights(cache, x, record).get("qkv")
+        q, k, v = self.from_parts(packing.project(x, *packed)) if packed else self.project(x)  # [B,H|G,T,D]
         state = FULL if cache is None else cache
         if self.rope_theta is None:
             return state.attend(self, x, q, k, v, record)
@@ -162,9 +174,8 @@ class MHA(Attention):
 
     n_groups = property(lambda self: self.kv_heads)
 
-    def project(self, x):
-        return (split_heads(x, self.W_Q, self.b_Q), split_heads(x, self.W_K, self.b_K),
-                split_heads(x, self.W_V, self.b_V))
+    def projections(self):
+        return (self.W_Q, self.b_Q), (self.W_K, self.b_K), (self.W_V, self.b_V)
 
 
 @register("sha")
@@ -191,8 +202,8 @@ class MQA(Attention):
         self.W_K = projection(cfg.d_model, 1, cfg.d_head, cfg.init_std)
         self.W_V = projection(cfg.d_model, 1, cfg.d_head, cfg.init_std)
 
-    def project(self, x):
-        return split_heads(x, self.W_Q), split_heads(x, self.W_K), split_heads(x, self.W_V)
+    def projections(self):
+        return (self.W_Q, None), (self.W_K, None), (self.W_V, None)
 
 
 @register("skv")
@@ -206,9 +217,12 @@ class SKV(Attention):
         self.W_Q = projection(cfg.d_model, cfg.n_heads, cfg.d_head, cfg.init_std)
         self.W_KV = projection(cfg.d_model, cfg.n_heads, cfg.d_head, cfg.init_std)
 
-    def project(self, x):
-        kv = split_heads(x, self.W_KV)
-        return split_heads(x, self.W_Q), kv, kv
+    def projections(self):
+        return (self.W_Q, None), (self.W_KV, None)
+
+    def from_parts(self, parts):
+        q, kv = parts
+        return q, kv, kv
 
 
 @register("el-att")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.mixers.attention import Attention, projection, split_heads
+from models.mixers.attention import Attention, projection
 from models.mixers.base import register
 
 
@@ -32,8 +32,8 @@ class MHE(Attention):
         self.e_K = nn.Parameter(torch.randn(n, d_h) * cfg.head_embed_std)
         self.e_V = nn.Parameter(torch.randn(n, d_h) * cfg.head_embed_std)
 
-    def project(self, x):  # one shared Q head: the kernel applies each head's map (head_maps)
-        return split_heads(x, self.W_Q), split_heads(x, self.W_K), split_heads(x, self.W_V)
+    def projections(self):  # one shared Q head: the kernel applies each head's map (head_maps)
+        return (self.W_Q, None), (self.W_K, None), (self.W_V, None)
 
 
 @register("mhe-mul")

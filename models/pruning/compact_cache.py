@@ -64,6 +64,7 @@ class CompactCache:
         self.rule_constants = rule_constants
         # fixed shapes: compaction in place, capacity never shrinks; `cursor` (the device's `end`) set by fix_shapes
         self.fixed, self.cursor, self.allocations = fixed, None, 0
+        self.packed: dict | None = None  # fixed shapes: the block's packed projections (models.packing)
 
     def attend(self, mixer, x, q, k, v, record, rope=None):
         """The attention backend over this cache (models.backends.compacted); rope: see `rotates`."""
