@@ -79,11 +79,12 @@ def _needs_grad(*ts) -> bool:
 
 
 def _triton_attention(q, k, v, *, scale, bias=None, causal=True, lengths=None, q_mul=None, q_add=None, o_mul=None,
-                      o_add=None):
+                      o_add=None, merge_counts=None):
     from kernels import triton_attention
     maps = dict(q_mul=q_mul, q_add=q_add, o_mul=o_mul, o_add=o_add)
     if q.shape[2] == 1:  # one query per sequence: the split-KV decode kernel (it sees the whole cache)
-        return triton_attention.decode(q, k, v, scale=scale, bias=bias, lengths=lengths, **maps)
+        return triton_attention.decode(q, k, v, scale=scale, bias=bias, lengths=lengths, merge_counts=merge_counts,
+                                       **maps)
     return triton_attention.prefill(q, k, v, scale=scale, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
                                     causal=causal, **maps)
 
@@ -97,18 +98,25 @@ def _with_lengths(bias, lengths, s: int, dtype):
     return out if bias is None else bias + out
 
 
-def _reference_attention(q, k, v, *, lengths=None, bias=None, **kw):
+def _reference_attention(q, k, v, *, lengths=None, bias=None, merge_counts=None, **kw):
+    # (merge_counts: the Triton decode's workspace, nothing to combine here)
     return reference.attention(q, k, v, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype), **kw)[0]
+
+
+def _reference_decode(q, k, v, *, merge_counts=None, **kw):
+    return reference.decode(q, k, v, **kw)
 
 
 TRITON: dict[str, object] = _triton_ops()
 
 
 def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True, lengths=None,
-              **maps):
+              merge_counts=None, **maps):
     """(out, probs or None); see kernels.reference.attention. Attention weights come from the reference.
     lengths [B] (device): row b attends over cache slots [0, lengths[b]) only; the decode kernel skips the
-    slots after them, so a preallocated cache is read only as far as it is filled (static-shape decode)."""
+    slots after them, so a preallocated cache is read only as far as it is filled (static-shape decode).
+    merge_counts: a fixed-shape decode state's workspace, with which the decode kernel combines its splits itself
+    (kernels.triton_attention.decode)."""
     if need_weights:
         _note("attention", "reference")
         return reference.attention(q, k, v, scale=scale, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
@@ -119,14 +127,16 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
         _note("attention", "reference")
         return _reference_attention(q, k, v, scale=scale, bias=bias, lengths=lengths, causal=causal, **maps), None
     out = _run("attention", q, _reference_attention, q, k, v, scale=scale, bias=bias, causal=causal, lengths=lengths,
-               **maps)
+               merge_counts=merge_counts, **maps)
     return out, None
 
 
-def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, **maps):
+def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, merge_counts=None, **maps):
     """One decode step over the compacted pruning cache: (out, keep). See kernels.reference.decode. lengths [B]
-    (fixed shapes): row b reads slots [0, lengths[b]) only, and keeps none after them."""
-    return _run("compact_decode", q, reference.decode, q, k, v, scale=scale, prune=prune, lengths=lengths, **maps)
+    (fixed shapes): row b reads slots [0, lengths[b]) only, and keeps none after them; merge_counts: see
+    attention."""
+    return _run("compact_decode", q, _reference_decode, q, k, v, scale=scale, prune=prune, lengths=lengths,
+                merge_counts=merge_counts, **maps)
 
 
 def log_keep(x, *, alpha: float, sinks: int = 0):
@@ -154,12 +164,12 @@ def lag_conv(x, w, start: int = 0):
     return _run("lag_conv", x, reference.lag_conv, x, w, start)
 
 
-def rope_write(q, k, v, cos, sin, k_buf, v_buf, cursor):
+def rope_write(q, k, v, cos, sin, at, k_buf, v_buf, cursor):
     """A static-shape decode step's rotary embedding of q and k and its cache write at the device-side cursor, in
     one launch on a GPU; returns the rotated q. See kernels.reference.rope_write. Inference only."""
     if _needs_grad(q, k, v):
         raise RuntimeError("rope_write is a decode-step op: it takes no gradient")
-    return _run("rope_write", q, reference.rope_write, q, k, v, cos, sin, k_buf, v_buf, cursor)
+    return _run("rope_write", q, reference.rope_write, q, k, v, cos, sin, at, k_buf, v_buf, cursor)
 
 
 def silu_mul(g, u):

@@ -193,9 +193,10 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
                 for impl, fn in impls.items():
                     out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"cache_bytes": cache_bytes})
                 if "triton" in impls and 3 * cache_bytes <= budget_bytes:
-                    def make(i, variant=variant, b=b, s=s):
-                        q, k, v, maps, _ = make_qkv(variant, b, h, 1, s, d, dev, dtype)
-                        return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, **maps)
+                    def make(i, variant=variant, b=b, s=s):  # as a fixed-shape step: the splits merged in-kernel
+                        q, k, v, maps, g = make_qkv(variant, b, h, 1, s, d, dev, dtype)
+                        counts = torch.zeros(b * g, dtype=torch.int32, device=dev)
+                        return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, merge_counts=counts, **maps)
                     out.append(row(name, "triton_graph", timeit_graph(make, nbytes, dev, reps), nbytes, flops, fl)
                                | {"cache_bytes": cache_bytes})
     return out
@@ -243,9 +244,11 @@ def bench_compact(dev, dtype, s, batches, fl, reps, budget_bytes, h=16, d=64, r=
             for impl, fn in impls.items():
                 out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"live_share": share})
             if "triton" in impls and 3 * full_bytes <= budget_bytes:
-                def make(i, b=b, live_n=live_n):
+                def make(i, b=b, live_n=live_n):  # as a fixed-shape step: the splits merged in-kernel
                     q, k, v, prune, lengths = compact_inputs(dev, dtype, b, live_n, s, h, d, r)
-                    return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune, lengths=lengths)
+                    counts = torch.zeros(b * h, dtype=torch.int32, device=dev)
+                    return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune, lengths=lengths,
+                                                           merge_counts=counts)
                 out.append(row(name, "triton_graph", timeit_graph(make, nbytes, dev, reps), nbytes, flops, fl)
                            | {"live_share": share})
     return out

@@ -254,14 +254,15 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_buf: torch.Tensor, v_buf: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+               at: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
     """A fixed-shape decode step's rotary and cache write: q [B,H,1,D], k, v [B,G,1,D] of the new position,
-    cos, sin [1,D] its angles ([B,1,1,D]: each row its own position), k_buf, v_buf [B,G,S,D] the cache, cursor
-    [1] (int64, on the device) the slot.
+    cos, sin [P,D] the angle tables of positions 0..P-1, at [1] (every row) or [B] (each row its own) the
+    position, k_buf, v_buf [B,G,S,D] the cache, cursor [1] the slot (int64 tensors on the device).
     Rotates q and k, writes the rotated k and v at the cursor, returns the rotated q."""
-    k_buf.index_copy_(2, cursor, rotate_half(k, cos, sin))
+    c, s = cos[at].view(-1, 1, 1, cos.shape[-1]), sin[at].view(-1, 1, 1, sin.shape[-1])
+    k_buf.index_copy_(2, cursor, rotate_half(k, c, s))
     v_buf.index_copy_(2, cursor, v)
-    return rotate_half(q, cos, sin)
+    return rotate_half(q, c, s)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

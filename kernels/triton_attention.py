@@ -112,14 +112,17 @@ def _share(n, parts, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT, TRIG,
+                   O, OM, OA, CNT,
                    sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, slens, skib, skis, sqib, slb, spb, stb, slob,
-                   H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta, lam, sinks,
+                   sob, soh, H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta, lam, sinks,
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
                    PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_TRIG: tl.constexpr, PRECISION: tl.constexpr,
+                   MERGE: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
-    its log2-sum-exp; _merge_kernel combines the slices.
+    its log2-sum-exp; _merge_kernel combines the slices, or with MERGE the split that finishes last does, here
+    (CNT[b*G + g] counts the finished splits; that program sets it back to 0 for the next launch).
 
     PRUNE (the compacted pruning cache): in the same pass, the interaction score of each live slot,
     x = q_int . k_int / sqrt(r) + beta (- lam log(q_pos - pos)), decides keep = live & (x > 0 or the slot is the
@@ -219,6 +222,41 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     tl.store(PO + part[:, None] * D + offs_d[None, :], acc / safe_l[:, None], mask=rd_mask)
     lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))           # -inf: the slice saw nothing
     tl.store(PL + part, lse, mask=r_mask)
+    if MERGE:
+        # split-K's semaphore: every thread's stores come before the count (barrier, then a release), and the last
+        # split's acquire sees every other split's; it reads them from L2 (.cg), not from a stale L1 line
+        tl.debug_barrier()
+        done = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if done == n_split - 1:
+            _merge_group(PO, PL, O, OM, OA, (b * H + heads) * n_split, b * sob + heads * soh, heads, offs_d,
+                         r_mask, d_mask, D, n_split, HAS_OM, HAS_OA, BLOCK_R, BLOCK_D)
+            tl.atomic_xchg(CNT + pid, 0)
+
+
+@triton.jit
+def _merge_group(PO, PL, O, OM, OA, rows, out_at, heads, offs_d, r_mask, d_mask, D, n_split,
+                 HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_merge_kernel's sum for a group's heads at once, in one pass over the splits (a running maximum)."""
+    rd_mask = r_mask[:, None] & d_mask[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for sp in range(0, n_split):
+        lse = tl.load(PL + rows + sp, mask=r_mask, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(PO + (rows + sp)[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        c = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        w_sum = w_sum * c + w
+        acc = acc * c[:, None] + part * w[:, None]
+        m = m_new
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    if HAS_OM:
+        out = out * tl.load(OM + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
+    if HAS_OA:
+        out = out + tl.load(OA + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
+    tl.store(O + out_at[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=rd_mask)
 
 
 @triton.jit
@@ -310,8 +348,13 @@ def _splits(s: int, b: int, g: int, block_n: int, target_programs: int = 128) ->
 
 def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=None, o_mul=None, o_add=None,
            prune: dict | None = None, block_n: int | None = None, n_split: int | None = None,
-           num_warps: int | None = None, num_stages: int | None = None):
+           num_warps: int | None = None, num_stages: int | None = None, merge_counts=None):
     """One new query per sequence, q [B,H|1,1,D], over a cache k/v [B,G,S,D].
+
+    merge_counts: int32 zeros, at least B*G of them, owned by the caller's decode state (one launch at a time
+    uses them, and leaves them zero): the splits are combined inside the decode kernel by the one that finishes
+    last, so a step launches one kernel, not two (a fixed-shape step replayed from a CUDA graph at batch 1 costs
+    about its kernel count).
 
     bias: additive [B,1,1,S] (or [B,S]); lengths [B]: sequence b uses cache slots [0, lengths[b]).
     prune: the compacted pruning cache, a dict of q_int [B,r], k_int [B,S,r], beta (float), live [B,S] bool,
@@ -372,20 +415,27 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         pr = (dummy,) * 8 + (0, 0, 0, 0, 0, 0, 0, 1, 1.0, 0.0, 0.0, 0)
     (qi_, ki_, live_, pos_, qpos_, valid_, live_out_, trig_, skib, skis, sqib, slb, spb, stb, slob, ri, int_scale,
      beta, lam, sinks) = pr
+    out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
+    merge = merge_counts is not None
+    if merge and (merge_counts.dtype != torch.int32 or merge_counts.numel() < b * g or not merge_counts.is_contiguous()
+                  or merge_counts.device != q.device):
+        raise ValueError(f"merge_counts: contiguous int32 zeros on q's device, at least {b * g} of them")
     _decode_kernel[(b * g, ns)](
         q, k, v, po, pl, qm, qa, bias_t, lens, qi_, ki_, live_, pos_, qpos_, valid_, live_out_, trig_,
+        out, om, oa, merge_counts if merge else dummy,
         q.stride(0), q.stride(1) if hq > 1 else 0, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sbb, sbs, slens, skib, skis, sqib, slb, spb, stb, slob,
-        h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta, lam, sinks,
+        out.stride(0), out.stride(1), h, g, r, s, d, ri, split_len, scale * LOG2E, int_scale, beta, lam, sinks,
         HAS_QM=q_mul is not None, HAS_QA=q_add is not None, HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
         PRUNE=prune is not None, HAS_VALID=prune is not None and prune["valid"] is not None,
         HAS_TRIG=prune is not None and prune.get("trig") is not None,
-        PRECISION=precision(k.dtype), BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        PRECISION=precision(k.dtype), MERGE=merge, HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
+        BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
-    out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
-    _merge_kernel[(b * h,)](po, pl, out, om, oa, h, d, ns, out.stride(0), out.stride(1),
-                            HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
-                            BLOCK_S=_pow2(ns, 2), BLOCK_D=_pow2(d))
+    if not merge:
+        _merge_kernel[(b * h,)](po, pl, out, om, oa, h, d, ns, out.stride(0), out.stride(1),
+                                HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
+                                BLOCK_S=_pow2(ns, 2), BLOCK_D=_pow2(d))
     if prune is not None:
         return out, keep
     return out

@@ -27,20 +27,21 @@ def _rotated(X, COS, SIN, offs, partner, first, m):
 
 
 @triton.jit
-def _rope_write_kernel(Q, K, V, COS, SIN, QO, KB, VB, CUR,
-                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h, sc_b,
+def _rope_write_kernel(Q, K, V, COS, SIN, AT, QO, KB, VB, CUR,
+                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h, sat,
                        skb_b, skb_h, skb_s, svb_b, svb_h, svb_s,
-                       H, D, HALF, S, BLOCK_D: tl.constexpr):
+                       H, D, HALF, S, P, BLOCK_D: tl.constexpr):
     """Program (b, h): query head h < H is rotated into QO; h = H + g rotates key group g into the K cache at the
     cursor's slot and copies value group g into the V cache there (nothing is written at a slot past the S slots
-    the cache has: the caller checks for room first). Row b's angles start at COS + b * sc_b (0: every row at one
-    position)."""
+    the cache has: the caller checks for room first). Row b is at position AT[b * sat] (sat 0: every row at one
+    position), its angles that row of the [P, D] tables (none read past them)."""
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: batch x groups x slots x width passes 2^31 in a big cache
     h = tl.program_id(1)
-    COS += b * sc_b
-    SIN += b * sc_b
+    pos = tl.load(AT + b * sat)
+    COS += pos * D
+    SIN += pos * D
     offs = tl.arange(0, BLOCK_D)
-    m = offs < D
+    m = (offs < D) & ((offs * 0 + pos) < P)  # (broadcast first: the interpreter refuses a scalar bool in a mask)
     first = offs < HALF
     partner = tl.where(first, offs + HALF, offs - HALF)
     if h < H:
@@ -56,7 +57,7 @@ def _rope_write_kernel(Q, K, V, COS, SIN, QO, KB, VB, CUR,
         tl.store(VB + b * svb_b + g * svb_h + slot * svb_s + offs, val.to(VB.dtype.element_ty), mask=w)
 
 
-def rope_write(q, k, v, cos, sin, k_buf, v_buf, cursor):
+def rope_write(q, k, v, cos, sin, at, k_buf, v_buf, cursor):
     b, h, t, d = q.shape
     g = k.shape[1]
     if t != 1 or k.shape[2] != 1 or v.shape[2] != 1 or d % 2:
@@ -67,16 +68,18 @@ def rope_write(q, k, v, cos, sin, k_buf, v_buf, cursor):
         raise ValueError("rope_write writes into caches of the new positions' dtype")
     if any(x.stride(-1) != 1 for x in (q, k, v, k_buf, v_buf)):
         raise ValueError("rope_write takes tensors whose last dimension is contiguous")
-    if cos.shape != sin.shape or cos.numel() not in (d, b * d) or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(f"rope_write takes contiguous angles {d} wide, of one position or one per row")
-    row_stride = 0 if cos.numel() == d else d
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d or not (cos.is_contiguous() and
+                                                                             sin.is_contiguous()):
+        raise ValueError(f"rope_write takes contiguous angle tables [positions, {d}]")
+    if at.dtype != torch.int64 or at.dim() != 1 or at.numel() not in (1, b):
+        raise ValueError("rope_write takes the positions as int64 [1] (every row) or [B]")
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     _rope_write_kernel[(b, h + g)](
-        q, k, v, cos, sin, out, k_buf, v_buf, cursor,
+        q, k, v, cos, sin, at, out, k_buf, v_buf, cursor,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        row_stride,
+        0 if at.numel() == 1 else at.stride(0),
         k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
-        h, d, d // 2, k_buf.shape[2], BLOCK_D=triton.next_power_of_2(d))
+        h, d, d // 2, k_buf.shape[2], cos.shape[0], BLOCK_D=triton.next_power_of_2(d))
     return out
 
 

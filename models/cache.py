@@ -26,6 +26,7 @@ class LayerCache:
         self.cursor: torch.Tensor | None = None
         self.filled: torch.Tensor | None = None
         self.packed: dict | None = None  # fixed shapes: the block's packed projections (models.packing)
+        self.merge_counts: torch.Tensor | None = None  # fixed shapes: the decode kernel's (kernels.attention)
 
     def append(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Write the new positions (dim -2 of each tensor) and return views of everything so far."""
@@ -72,6 +73,16 @@ class LayerCache:
         return held + (self.alive.numel() if self.alive is not None else 0)
 
 
+def merge_counts(buffers: dict) -> torch.Tensor | None:
+    """A fixed-shape layer's workspace for the decode kernel, which combines its splits itself with it (one count
+    per row and K/V group, left zero by every launch; kernels.triton_attention.decode): None without K."""
+    k = buffers.get("k")
+    if k is None:
+        return None
+    with torch.inference_mode(False):  # a plain tensor, as the cache's marks
+        return torch.zeros(k.shape[0] * k.shape[1], dtype=torch.int32, device=k.device)
+
+
 class DecodeCache:
     """The whole model's decode state: one LayerCache per block."""
 
@@ -92,6 +103,7 @@ class DecodeCache:
             self.cursor, self.filled = self.marks[:1], self.marks[1:]
             for layer in self.layers:
                 layer.cursor, layer.filled = self.cursor, self.filled
+                layer.merge_counts = merge_counts(layer.buffers)
         self.cursor.fill_(self.length)  # in place: a captured graph holds them
         self.filled.fill_(self.length + 1)
 

@@ -193,6 +193,37 @@ def test_compacted_decode_notes_drops_in_place_as_the_fresh_mask_says(b, h, g, s
     assert rel_err(got, want) < TOL[f32]
 
 
+@pytest.mark.parametrize("n_split", [2, 8, 128, None])
+@pytest.mark.parametrize("b,h,g,s,prune", [(1, 9, 3, 16384, False), (64, 9, 3, 4096, False), (1, 16, 1, 32768, False),
+                                           (2, 9, 3, 16384, True)])
+def test_decode_merges_its_own_splits_where_programs_run_at_once(b, h, g, s, prune, n_split):
+    """merge_counts on a GPU: the split that finishes last combines the others' partials, which it must see
+    (release/acquire on the count, L2 loads). Fifty calls in a row on one set of counts (each leaves them zero
+    for the next) give the separate merge's output each time; with the rule, the same drops noted in place."""
+    d, r = 64, 64
+    f32 = torch.float32
+    q, k, v = rand(b, h, 1, d, dtype=f32), rand(b, g, s, d, dtype=f32), rand(b, g, s, d, dtype=f32)
+    used = torch.randint(s // 2, s + 1, (b,), device=DEV)
+    kw = dict(scale=d ** -0.5, lengths=used, n_split=n_split)
+    state = {}
+    if prune:
+        slot = torch.arange(s, device=DEV)[None]
+        live = (slot < used[:, None]) & (torch.rand(b, s, device=DEV) < 0.5)
+        state = {"q_int": rand(b, r, dtype=f32), "k_int": rand(b, s, r, dtype=f32), "beta": -0.3, "live": live,
+                 "pos": torch.where(slot < used[:, None], slot, -1), "q_pos": used - 1, "valid": None, "lam": 0.0,
+                 "sinks": 2}
+        kw["prune"] = state
+    want = triton_attention.decode(q, k, v, **kw)
+    counts = torch.zeros(b * g, dtype=torch.int32, device=DEV)
+    for _ in range(50):
+        got = triton_attention.decode(q, k, v, **kw, merge_counts=counts)
+        if prune:
+            assert torch.equal(got[1], want[1])
+            got = got[0]
+        assert rel_err(got, want[0] if prune else want) < 1e-5
+    assert not bool(counts.any())
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_lag_conv_at_8k(per_channel, dtype):

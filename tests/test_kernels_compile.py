@@ -39,10 +39,12 @@ def cases():
         bn, warps, stages = ta.DECODE_LAUNCH[d]
         ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "QM", "QA", "BIAS")} | {
             "PO": "*fp32", "PL": "*fp32", "QINT": "*fp32", "KINT": "*fp32", "LENS": "*i64", "LIVE": "*u8",
-            "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8", "TRIG": "*i64"}
+            "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8", "TRIG": "*i64", "O": f"*{dtype}",
+            "OM": f"*{dtype}", "OA": f"*{dtype}", "CNT": "*i32"}
         out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid}", ta._decode_kernel, ptrs,
                     dict(HAS_QM=False, HAS_QA=False, HAS_BIAS=not prune, HAS_LENS=lens, PRUNE=prune, HAS_VALID=valid,
                          HAS_TRIG=prune and not valid,  # a step of every row notes its drops in place
+                         MERGE=lens, HAS_OM=lens, HAS_OA=False,  # a fixed-shape step merges its splits itself
                          PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_R=16, BLOCK_N=bn, BLOCK_D=d, BLOCK_RI=64),
                     warps, stages))
         out.append((f"merge {dtype} d={d}", ta._merge_kernel,
@@ -63,7 +65,8 @@ def cases():
     for dtype in ("bf16", "fp16", "fp32"):  # a decode step's small ops (kernels.triton_step)
         for d in (64, 128):
             out.append((f"rope_write {dtype} d={d}", ts._rope_write_kernel,
-                        {n: f"*{dtype}" for n in ("Q", "K", "V", "COS", "SIN", "QO", "KB", "VB")} | {"CUR": "*i64"},
+                        {n: f"*{dtype}" for n in ("Q", "K", "V", "COS", "SIN", "QO", "KB", "VB")}
+                        | {"CUR": "*i64", "AT": "*i64"},
                         dict(BLOCK_D=d), 4, 3))
         out.append((f"silu_mul {dtype}", ts._silu_mul_kernel, {n: f"*{dtype}" for n in ("G", "U", "OUT")},
                     dict(BLOCK=ts.SILU_BLOCK), 4, 3))

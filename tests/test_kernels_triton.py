@@ -208,6 +208,58 @@ def test_compact_decode_notes_its_drops_in_place_as_the_reference_does(b, h, g, 
     assert torch.equal(got_trig[:, s:], old_trig[:, s:]) and torch.equal(got_live[:, s:], old_live[:, s:])
 
 
+class _NoMerge:
+    """Stands in for _merge_kernel where the decode must merge its own splits."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the separate merge kernel was launched")
+
+
+@pytest.mark.parametrize("b,h,g,s,d,kind", with_maps([(3, 6, 2, 37, 16), (2, 5, 1, 200, 12), (1, 1, 1, 1, 16),
+                                                      (1, 9, 3, 129, 64)], "mul") + [(2, 4, 1, 50, 16, "add")])
+@pytest.mark.parametrize("n_split", [1, 3, None])
+def test_decode_merges_its_own_splits_with_merge_counts(b, h, g, s, d, kind, n_split, monkeypatch):
+    """With a decode state's counts, the split that finishes last combines the partials (and applies MHE's output
+    maps) in the decode kernel: the reference's output, no merge launch, and the counts left at zero for the next
+    call (here called twice). Only the first B*G counts are used."""
+    maps = head_maps(kind, h, d)
+    q = torch.randn(b, 1 if maps else h, 1, d)
+    k, v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    lengths = torch.randint(1, s + 1, (b,))
+    counts = torch.zeros(b * g + 3, dtype=torch.int32)
+    want = reference.decode(q, k, v, scale=0.3, lengths=lengths, **maps)
+    monkeypatch.setattr(triton_attention, "_merge_kernel", _NoMerge())
+    for _ in range(2):
+        close(triton_attention.decode(q, k, v, scale=0.3, lengths=lengths, n_split=n_split, merge_counts=counts,
+                                      **maps), want)
+        assert not counts.any()
+    with pytest.raises(ValueError, match="merge_counts"):
+        triton_attention.decode(q, k, v, scale=0.3, merge_counts=counts.long())
+    with pytest.raises(ValueError, match="merge_counts"):
+        triton_attention.decode(q, k, v, scale=0.3, merge_counts=counts[:b * g - 1])
+
+
+def test_compact_decode_merges_its_own_splits_and_notes_its_drops():
+    b, h, g, s, d = 2, 6, 3, 70, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    base = prune_state(b, s, 8, beta=0.1)
+    base["valid"] = None
+    lens = torch.tensor([33, 70])
+    past = torch.arange(s) >= lens[:, None]  # the cache's slots from a row's length on hold nothing
+    base["live"] &= ~past
+    base["pos"] = base["pos"].masked_fill(past, -1)
+    want_state, want_live, want_trig = in_place_state(base)
+    old_trig = want_trig.clone()
+    want, _ = reference.decode(q, k, v, scale=0.25, prune=want_state, lengths=lens)
+    got_state, got_live, got_trig = in_place_state(base)
+    got_trig.copy_(old_trig)
+    counts = torch.zeros(b * g, dtype=torch.int32)
+    got, _ = triton_attention.decode(q, k, v, scale=0.25, prune=got_state, lengths=lens, n_split=4,
+                                     merge_counts=counts)
+    close(got, want)
+    assert torch.equal(got_live, want_live) and torch.equal(got_trig, want_trig) and not counts.any()
+
+
 def test_compact_decode_refuses_in_place_notes_on_a_copy():
     state, live, trig = in_place_state(prune_state(2, 20, 8, beta=0.1))
     q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 1, 20, 16), torch.randn(2, 1, 20, 16)

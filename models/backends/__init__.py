@@ -29,8 +29,9 @@ def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
 
 def write_rotated(q, new: dict, rope, buffers: dict, cursor) -> torch.Tensor:
     """A fixed-shape step's K and V, taken out of `new` (the mixer's cache_entries), rotated and written at the
-    device-side cursor together with q's rotation, in one kernel (kernels.rope_write): returns the rotated q; what
-    is left in `new` (K_int) is the caller's to write."""
+    device-side cursor together with q's rotation, in one kernel (kernels.rope_write; rope: the angle tables and
+    the positions to read them at): returns the rotated q; what is left in `new` (K_int) is the caller's to
+    write."""
     return kernels.rope_write(q, new.pop("k"), new.pop("v"), *rope, buffers["k"], buffers["v"], cursor)
 
 

@@ -136,10 +136,12 @@ def decode(mixer, cache, x, q, k, v, rope=None):
         cache.check_room()
         q = write_rotated(q, new, rope, cache.buffers, cache.cursor)
     cache.append(new, q_pos)
+    counts = None
     if cache.cursor is None:
         past, live, pos, lengths = cache.view(), cache.live[:, :cache.end], cache.pos[:, :cache.end], None
     else:  # fixed shapes: the whole buffers, each row read up to the device-side cursor
         past, live, pos, lengths = cache.buffers, cache.live, cache.pos, cache.cursor.expand(q.shape[0])
+        counts = cache.merge_counts
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
     if cache.policy is not None:
@@ -149,13 +151,15 @@ def decode(mixer, cache, x, q, k, v, rope=None):
         if mixer.pattern != "dense":
             allowed = allowed & pattern_allows(q_pos, pos, mixer.pattern, mixer.pattern_k)
         cache.count_seen(allowed)
-        return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False, lengths=lengths)
+        return mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None, None], None, causal=False, lengths=lengths,
+                            merge_counts=counts)
     # with the cache's drop notes: the kernel writes keep over `live` and notes what this query dropped in place
     # (CompactCache.update_kept's work, without its four kernels a layer)
     trig = cache.trig if cache.cursor is not None else cache.trig[:, :cache.end]
     prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": c["beta"], "live": live,
              "pos": pos, "q_pos": q_pos[:, 0], "valid": None, "lam": c["lam"], "sinks": c["sinks"], "trig": trig}
-    o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, lengths=lengths, **mixer.head_maps())
+    o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, lengths=lengths, merge_counts=counts,
+                                     **mixer.head_maps())
     cache.count_seen(keep)
     cache.kept_in_place(every=ALIGN)
     return mixer.output(o)

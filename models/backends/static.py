@@ -43,8 +43,9 @@ def attend_fixed(mixer, cache, x, q, k, v, rope=None):
     vv = kk if mixer.kv_shared else past["v"]
     lengths = cache.filled.expand(q.shape[0])
     if mixer.pruning is None:
-        return mixer.attend(q, kk, vv, None, None, causal=False, lengths=lengths)
+        return mixer.attend(q, kk, vv, None, None, causal=False, lengths=lengths, merge_counts=cache.merge_counts)
     j = torch.arange(cache.capacity, device=q.device)
     kept = cache.alive[:, None, :] & mixer.pruning.survival(x, past["k_int"], j, cache.cursor)   # [B,1,S]
     cache.alive.copy_(torch.where(j <= cache.cursor, kept[:, 0], cache.alive))
-    return mixer.attend(q, kk, vv, additive(kept, q.dtype)[:, None], None, causal=False, lengths=lengths)
+    return mixer.attend(q, kk, vv, additive(kept, q.dtype)[:, None], None, causal=False, lengths=lengths,
+                        merge_counts=cache.merge_counts)

@@ -46,6 +46,20 @@ def rotary_tables(positions: torch.Tensor, d: int, theta: float, dtype) -> tuple
     return memo[key]
 
 
+_TABLES: dict = {}  # (positions, width, theta, dtype, device) -> rotary_tables of every position
+
+
+def rotary_table(n: int, d: int, theta: float, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, D] of positions 0..n-1, computed once per process (a fixed-shape step looks its position up
+    on the device, kernels.rope_write: the angles are no kernels of their own). Plain tensors, as the caches
+    are: a captured graph may read them outside inference mode."""
+    key = (n, d, theta, dtype, str(device))
+    if key not in _TABLES:
+        with torch.inference_mode(False), torch.no_grad():
+            _TABLES[key] = rotary_tables(torch.arange(n, device=device), d, theta, dtype)
+    return _TABLES[key]
+
+
 def projection(d_model: int, heads: int, d_head: int, std: float) -> nn.Parameter:
     return nn.Parameter(torch.randn(d_model, heads, d_head) * std)
 
@@ -80,6 +94,7 @@ class Attention(Mixer):
         self.prune_mass = None  # training: sum over j < k of I_{k,j}, batch mean (for the sparsity loss)
         self.pattern, self.pattern_k = cfg.pattern, cfg.pattern_k
         self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else None
+        self.context = cfg.context  # (the rotary table of a fixed-shape step covers it)
         self.b_O = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.attn_bias else None
 
     n_groups = property(lambda self: self.n_heads)
@@ -124,12 +139,13 @@ class Attention(Mixer):
             new["k_int"] = self.pruning.keys(x) if k_int is None else k_int
         return new
 
-    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None):
+    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None, merge_counts=None):
         """softmax(q k^T * scale + bias) v through the kernel dispatch, then W_O; fills `record` when asked.
-        lengths [B]: each row reads its first lengths[b] slots (kernels.attention)."""
+        lengths [B]: each row reads its first lengths[b] slots; merge_counts: a fixed-shape state's workspace
+        (kernels.attention)."""
         want = record is not None and record.attention_maps
         o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=want, causal=causal,
-                                     lengths=lengths, **self.head_maps())
+                                     lengths=lengths, merge_counts=merge_counts, **self.head_maps())
         if record is not None:
             if want:
                 record.attn = probs
@@ -146,10 +162,11 @@ class Attention(Mixer):
         if self.rope_theta is None:
             return state.attend(self, x, q, k, v, record)
         # rotary embedding, Llama's half-split convention (kernels.reference.rotate_half)
-        cos, sin = rotary_tables(positions, self.d_head, self.rope_theta, q.dtype)
         fusable = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))  # (the kernel: no backward)
         if fusable and getattr(state, "rotates", None) and state.rotates(q, record):  # fused with its cache write
-            return state.attend(self, x, q, k, v, record, rope=(cos, sin))
+            table = rotary_table(self.context, self.d_head, self.rope_theta, q.dtype, q.device)
+            return state.attend(self, x, q, k, v, record, rope=(*table, positions.reshape(-1)))
+        cos, sin = rotary_tables(positions, self.d_head, self.rope_theta, q.dtype)
         return state.attend(self, x, rotate_half(q, cos, sin), rotate_half(k, cos, sin), v, record)
 
 

@@ -65,6 +65,7 @@ class CompactCache:
         # fixed shapes: compaction in place, capacity never shrinks; `cursor` (the device's `end`) set by fix_shapes
         self.fixed, self.cursor, self.allocations = fixed, None, 0
         self.packed: dict | None = None  # fixed shapes: the block's packed projections (models.packing)
+        self.merge_counts: torch.Tensor | None = None  # fixed shapes: the decode kernel's (models.cache.merge_counts)
 
     def attend(self, mixer, x, q, k, v, record, rope=None):
         """The attention backend over this cache (models.backends.compacted); rope: see `rotates`."""
@@ -156,6 +157,8 @@ class CompactCache:
         if self.cursor is None:
             with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
                 self.cursor = torch.zeros(1, dtype=torch.long, device=self.device)
+            from models.cache import merge_counts  # (models.cache imports the backends, which import this module)
+            self.merge_counts = merge_counts(self.buffers)
         self.cursor.fill_(self.end)
 
     def insert(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> None:
