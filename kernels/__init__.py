@@ -51,7 +51,7 @@ def _triton_ops() -> dict[str, object]:
         return {}
     return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": triton_attention.decode,
             "log_keep": triton_keep.log_keep, "log_keep_grad": triton_keep.log_keep_grad,
-            "rope_write": triton_step.rope_write, "silu_mul": triton_step.silu_mul, "add_norm": triton_step.add_norm}
+            "step_write": triton_step.step_write, "silu_mul": triton_step.silu_mul, "add_norm": triton_step.add_norm}
 
 
 def backend_for(op: str, tensor) -> str:
@@ -164,12 +164,17 @@ def lag_conv(x, w, start: int = 0):
     return _run("lag_conv", x, reference.lag_conv, x, w, start)
 
 
-def rope_write(q, k, v, cos, sin, at, k_buf, v_buf, cursor):
-    """A static-shape decode step's rotary embedding of q and k and its cache write at the device-side cursor, in
-    one launch on a GPU; returns the rotated q. See kernels.reference.rope_write. Inference only."""
-    if _needs_grad(q, k, v):
-        raise RuntimeError("rope_write is a decode-step op: it takes no gradient")
-    return _run("rope_write", q, reference.rope_write, q, k, v, cos, sin, at, k_buf, v_buf, cursor)
+def step_write(q, new: dict, buffers: dict, cursor, rope=None, slots=None):
+    """A fixed-shape decode step's cache writes at the device-side cursor (K, V, the rule's K_int; with `slots`
+    the compacted cache's position and live bit), with q and K rotated on the way when `rope` is given (angle
+    tables and the rows' positions): one launch on a GPU; returns q, rotated with rope. See
+    kernels.reference.step_write. A write of values that need a gradient takes the reference (index copies)."""
+    if _needs_grad(q if rope is not None else None, *new.values()):
+        if rope is not None:
+            raise RuntimeError("step_write rotates at inference only: rotate in PyTorch when a gradient is wanted")
+        _note("step_write", "reference")
+        return reference.step_write(q, new, buffers, cursor, None, slots)
+    return _run("step_write", new["k"], reference.step_write, q, new, buffers, cursor, rope, slots)
 
 
 def silu_mul(g, u):

@@ -253,16 +253,24 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
 
 
-def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               at: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
-    """A fixed-shape decode step's rotary and cache write: q [B,H,1,D], k, v [B,G,1,D] of the new position,
-    cos, sin [P,D] the angle tables of positions 0..P-1, at [1] (every row) or [B] (each row its own) the
-    position, k_buf, v_buf [B,G,S,D] the cache, cursor [1] the slot (int64 tensors on the device).
-    Rotates q and k, writes the rotated k and v at the cursor, returns the rotated q."""
-    c, s = cos[at].view(-1, 1, 1, cos.shape[-1]), sin[at].view(-1, 1, 1, sin.shape[-1])
-    k_buf.index_copy_(2, cursor, rotate_half(k, c, s))
-    v_buf.index_copy_(2, cursor, v)
-    return rotate_half(q, c, s)
+def step_write(q: torch.Tensor, new: dict, buffers: dict, cursor: torch.Tensor, rope=None, slots=None) -> torch.Tensor:
+    """A fixed-shape decode step's cache writes at the cursor [1] (int64, on the device), and its rotary: new holds
+    the new position's entries (k, v [B,G,1,D]; the rule's k_int [B,1,r]), each written into its buffer of
+    `buffers` ([B,G,S,D], [B,S,r]) at slot cursor. rope: (cos, sin [P,D] angle tables of positions 0..P-1, at [1]
+    or [B] the row's position): q [B,H,1,D] and k are rotated first, and the rotated q returned (else q itself).
+    slots: (live [B,S] bool, pos [B,S], q_pos [B,1]) of the compacted cache: the slot becomes live at q_pos."""
+    if rope is not None:
+        cos, sin, at = rope
+        c, s = cos[at].view(-1, 1, 1, cos.shape[-1]), sin[at].view(-1, 1, 1, sin.shape[-1])
+        q, new = rotate_half(q, c, s), dict(new, k=rotate_half(new["k"], c, s))
+    for name, value in new.items():
+        buf = buffers[name]
+        buf.index_copy_(buf.dim() - 2, cursor, value)
+    if slots is not None:
+        live, pos, q_pos = slots
+        live.index_fill_(1, cursor, True)
+        pos.index_copy_(1, cursor, q_pos)
+    return q
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

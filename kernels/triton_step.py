@@ -2,8 +2,9 @@
 
 At batch 1 a decode step replayed from a CUDA graph costs about what its kernels cost one after another, and
 most of them move a few kilobytes: in PyTorch the rotary embedding of q and k and the cache write are twelve
-launches a layer (four products, two sums, two concatenations, two negations, two index copies), SwiGLU's gate
-two, a residual sum and the norm after it two. Here each is one. Each rounds where PyTorch rounds (the rotary's
+launches a layer (four products, two sums, two concatenations, two negations, two index copies), and more with the
+pruning rule's key and the compacted cache's slot bookkeeping; SwiGLU's gate two, a residual sum and the norm after
+it two. Here each is one. Each rounds where PyTorch rounds (the rotary's
 products and sum, SwiGLU's silu and product, a norm once after its weight), so in half precision they give
 PyTorch's bits, save where the GPU's compiler fuses a float32 product into its sum, its exponential differs in the
 last place, or a norm sums in another order.
@@ -27,59 +28,119 @@ def _rotated(X, COS, SIN, offs, partner, first, m):
 
 
 @triton.jit
-def _rope_write_kernel(Q, K, V, COS, SIN, AT, QO, KB, VB, CUR,
-                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h, sat,
-                       skb_b, skb_h, skb_s, svb_b, svb_h, svb_s,
-                       H, D, HALF, S, P, BLOCK_D: tl.constexpr):
-    """Program (b, h): query head h < H is rotated into QO; h = H + g rotates key group g into the K cache at the
-    cursor's slot and copies value group g into the V cache there (nothing is written at a slot past the S slots
-    the cache has: the caller checks for room first). Row b is at position AT[b * sat] (sat 0: every row at one
-    position), its angles that row of the [P, D] tables (none read past them)."""
+def _step_write_kernel(Q, K, V, KI, COS, SIN, AT, QO, KB, VB, KIB, LIVE, POS, QPOS, CUR,
+                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, ski_b, so_b, so_h, sat,
+                       skb_b, skb_h, skb_s, svb_b, svb_h, svb_s, skib_b, skib_s, sl_b, sp_b, sqp_b,
+                       HQ, G, D, HALF, RI, S, P,
+                       ROTATE: tl.constexpr, HAS_V: tl.constexpr, HAS_KI: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
+    """Program (b, h), every write at the cursor's slot of row b (none past the S slots the cache has: the caller
+    checks for room first):
+    h < HQ (ROTATE): query head h rotated into QO;
+    HQ <= h < HQ + G: key group g = h - HQ (rotated with ROTATE) into KB, value group g into VB (HAS_V);
+    h = HQ + G: the rule's key K_int into KIB (HAS_KI); the slot's position QPOS[b] into POS and its live bit
+    (HAS_SLOTS: the compacted cache's slots).
+    With ROTATE row b is at position AT[b * sat] (sat 0: every row at one), its angles that row of the [P, D]
+    tables (none read past them)."""
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: batch x groups x slots x width passes 2^31 in a big cache
     h = tl.program_id(1)
-    pos = tl.load(AT + b * sat)
-    COS += pos * D
-    SIN += pos * D
+    slot = tl.load(CUR)
     offs = tl.arange(0, BLOCK_D)
-    m = (offs < D) & ((offs * 0 + pos) < P)  # (broadcast first: the interpreter refuses a scalar bool in a mask)
+    m = offs < D
     first = offs < HALF
     partner = tl.where(first, offs + HALF, offs - HALF)
-    if h < H:
+    if ROTATE:
+        at = tl.load(AT + b * sat)
+        COS += at * D
+        SIN += at * D
+        m = m & ((offs * 0 + at) < P)  # (broadcast first: the interpreter refuses a scalar bool in a mask)
+    w = m & ((offs * 0 + slot) < S)
+    if h < HQ:
         y = _rotated(Q + b * sq_b + h * sq_h, COS, SIN, offs, partner, first, m)
         tl.store(QO + b * so_b + h * so_h + offs, y, mask=m)
-    else:
-        g = h - H
-        slot = tl.load(CUR)
-        w = m & ((offs * 0 + slot) < S)  # (broadcast first: the interpreter refuses a scalar bool in a mask)
-        y = _rotated(K + b * sk_b + g * sk_h, COS, SIN, offs, partner, first, m)
+    elif h < HQ + G:
+        g = h - HQ
+        if ROTATE:
+            y = _rotated(K + b * sk_b + g * sk_h, COS, SIN, offs, partner, first, m)
+        else:
+            y = tl.load(K + b * sk_b + g * sk_h + offs, mask=m)
         tl.store(KB + b * skb_b + g * skb_h + slot * skb_s + offs, y.to(KB.dtype.element_ty), mask=w)
-        val = tl.load(V + b * sv_b + g * sv_h + offs, mask=m)
-        tl.store(VB + b * svb_b + g * svb_h + slot * svb_s + offs, val.to(VB.dtype.element_ty), mask=w)
+        if HAS_V:
+            val = tl.load(V + b * sv_b + g * sv_h + offs, mask=m)
+            tl.store(VB + b * svb_b + g * svb_h + slot * svb_s + offs, val.to(VB.dtype.element_ty), mask=w)
+    else:
+        if HAS_KI:
+            offs_i = tl.arange(0, BLOCK_RI)
+            wi = (offs_i < RI) & ((offs_i * 0 + slot) < S)
+            ki = tl.load(KI + b * ski_b + offs_i, mask=offs_i < RI)
+            tl.store(KIB + b * skib_b + slot * skib_s + offs_i, ki.to(KIB.dtype.element_ty), mask=wi)
+        if HAS_SLOTS:
+            if slot < S:
+                tl.store(POS + b * sp_b + slot, tl.load(QPOS + b * sqp_b))
+                tl.store(LIVE + b * sl_b + slot, 1)
 
 
-def rope_write(q, k, v, cos, sin, at, k_buf, v_buf, cursor):
-    b, h, t, d = q.shape
-    g = k.shape[1]
-    if t != 1 or k.shape[2] != 1 or v.shape[2] != 1 or d % 2:
-        raise ValueError("rope_write takes one new position per row and an even head width")
-    if q.dtype != k.dtype or k.dtype != v.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype:
-        raise ValueError("rope_write takes q, k, v and the angles in one dtype")
-    if k_buf.dtype != k.dtype or v_buf.dtype != v.dtype:
-        raise ValueError("rope_write writes into caches of the new positions' dtype")
-    if any(x.stride(-1) != 1 for x in (q, k, v, k_buf, v_buf)):
-        raise ValueError("rope_write takes tensors whose last dimension is contiguous")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d or not (cos.is_contiguous() and
-                                                                             sin.is_contiguous()):
-        raise ValueError(f"rope_write takes contiguous angle tables [positions, {d}]")
-    if at.dtype != torch.int64 or at.dim() != 1 or at.numel() not in (1, b):
-        raise ValueError("rope_write takes the positions as int64 [1] (every row) or [B]")
-    out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
-    _rope_write_kernel[(b, h + g)](
-        q, k, v, cos, sin, at, out, k_buf, v_buf, cursor,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        0 if at.numel() == 1 else at.stride(0),
-        k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
-        h, d, d // 2, k_buf.shape[2], cos.shape[0], BLOCK_D=triton.next_power_of_2(d))
+def _rows_of(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.stride(-1) != 1:
+        raise ValueError(f"step_write takes {what} whose last dimension is contiguous")
+    return t
+
+
+def step_write(q, new, buffers, cursor, rope=None, slots=None):
+    k, v, ki = new["k"], new.get("v"), new.get("k_int")
+    if set(new) != set(buffers) or not set(new) <= {"k", "v", "k_int"}:
+        raise ValueError(f"step_write writes the cache's entries {sorted(buffers)}, got {sorted(new)}")
+    kb, vb, kib = buffers["k"], buffers.get("v"), buffers.get("k_int")
+    b, g, t, d = k.shape
+    if t != 1 or (v is not None and v.shape != k.shape) or (ki is not None and ki.shape[-2] != 1):
+        raise ValueError("step_write takes one new position per row")
+    if kb.dtype != k.dtype or (v is not None and vb.dtype != v.dtype) or (ki is not None and kib.dtype != ki.dtype):
+        raise ValueError("step_write writes into caches of the new positions' dtype")
+    for x, what in ((k, "k"), (v, "v"), (kb, "the K cache"), (vb, "the V cache"), (ki, "K_int"),
+                    (kib, "the K_int cache")):
+        if x is not None:
+            _rows_of(x, what)
+    dummy = k.new_empty(1)
+    hq, out = 0, q
+    cos = sin = at = dummy
+    sat = p = 0
+    if rope is not None:
+        cos, sin, at = rope
+        hq = q.shape[1]
+        if q.shape[2] != 1 or q.shape[3] != d or d % 2 or q.stride(-1) != 1:
+            raise ValueError("step_write rotates one query position per row, as wide as k (an even width), "
+                             "its last dimension contiguous")
+        if q.dtype != k.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype:
+            raise ValueError("step_write takes q, k and the angles in one dtype")
+        if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d or not (cos.is_contiguous() and
+                                                                                 sin.is_contiguous()):
+            raise ValueError(f"step_write takes contiguous angle tables [positions, {d}]")
+        if at.dtype != torch.int64 or at.dim() != 1 or at.numel() not in (1, b):
+            raise ValueError("step_write takes the positions as int64 [1] (every row) or [B]")
+        sat, p = (0 if at.numel() == 1 else at.stride(0)), cos.shape[0]
+        out = torch.empty(b, hq, 1, d, dtype=q.dtype, device=q.device)
+    live = pos = q_pos = dummy
+    if slots is not None:
+        live, pos, q_pos = slots
+        if live.dtype != torch.bool or pos.dtype != torch.int64 or q_pos.dtype != torch.int64:
+            raise ValueError("step_write takes the slots' live mask (bool), positions and new positions (int64)")
+        live, pos = _rows_of(live, "the live mask").view(torch.uint8), _rows_of(pos, "the positions")
+    ri = 1 if ki is None else ki.shape[-1]
+    ki_t = dummy if ki is None else ki.reshape(b, ri)
+    extra = int(ki is not None or slots is not None)
+    _step_write_kernel[(b, hq + g + extra)](
+        q, k, dummy if v is None else v, ki_t, cos, sin, at, out, kb, dummy if vb is None else vb,
+        dummy if kib is None else kib, live, pos, q_pos, cursor,
+        q.stride(0), q.stride(1) if hq else 0, k.stride(0), k.stride(1),
+        0 if v is None else v.stride(0), 0 if v is None else v.stride(1), ki_t.stride(0) if ki is not None else 0,
+        out.stride(0), out.stride(1), sat,
+        kb.stride(0), kb.stride(1), kb.stride(2), 0 if vb is None else vb.stride(0), 0 if vb is None else vb.stride(1),
+        0 if vb is None else vb.stride(2), 0 if kib is None else kib.stride(0), 0 if kib is None else kib.stride(-2),
+        live.stride(0) if slots is not None else 0, pos.stride(0) if slots is not None else 0,
+        q_pos.stride(0) if slots is not None else 0,
+        hq, g, d, d // 2, ri, kb.shape[2], p,
+        ROTATE=rope is not None, HAS_V=v is not None, HAS_KI=ki is not None, HAS_SLOTS=slots is not None,
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_RI=triton.next_power_of_2(ri))
     return out
 
 

@@ -47,14 +47,6 @@ class LayerCache:
 
     rotates = fixed_step  # a static-shape step takes q and k unrotated: it rotates them as it writes K (one kernel)
 
-    def write_at(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Static shapes (after DecodeCache.fix_shapes): write one new position at the device-side `cursor` and
-        return the whole buffers; nothing here reads the host, so a CUDA graph can hold the call."""
-        for name, value in new.items():
-            buf = self.buffers[name]
-            buf.index_copy_(buf.dim() - 2, self.cursor, value)
-        return self.buffers
-
     def attend(self, mixer, x, q, k, v, record, rope=None):
         """The attention backend over this cache (models.backends.static); Extractors read the buffers alone.
         rope: the rotary (cos, sin) of q and k, not applied yet (only where `rotates` said so)."""

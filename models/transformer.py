@@ -259,7 +259,7 @@ class DecoderLM(nn.Module):
         if pending is not None:
             x = x + pending
         if compact_fixed:
-            cache.next_pos.add_(1)
+            cache.step_done()
         elif isinstance(cache, CompactDecodeCache) and cache.next_pos is not None:
             if valid is not None:
                 raise ValueError("a fixed-shape compacted cache takes rows of one length (no padding)")

@@ -161,8 +161,8 @@ def test_the_pool_hands_out_emptied_compacted_entries():
                          ids=["mha-distance", "smollm2-like"])
 def test_the_triton_decode_kernel_takes_the_fixed_shape_path(overrides, monkeypatch):
     """The whole fixed-shape decode through the Triton kernels (interpreter), against the dynamic cache on the
-    reference: the kernel reads each row up to the cursor and keeps nothing after it; a rotary model rotates K
-    as it writes it (kernels.rope_write), and its norms and SwiGLU run fused too."""
+    reference: the kernel reads each row up to the cursor and keeps nothing after it; every write of a step is one
+    kernel (kernels.step_write, a rotary model's rotation of q and K too), and its norms and SwiGLU run fused."""
     model = DecoderLM(tiny_config(context=96, prune=True, **overrides)).eval()
     randomize(model, std=0.3, seed=7)
     for block in model.blocks:
@@ -173,8 +173,9 @@ def test_the_triton_decode_kernel_takes_the_fixed_shape_path(overrides, monkeypa
     monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
     got, got_drops, dec = run(model, idx, 5, fixed=True, noise=True)
     assert dec.kernel_paths.get("compact_decode") == "triton" and dec.kernel_paths.get("add_norm") == "triton"
+    assert dec.kernel_paths.get("step_write") == "triton"
     if overrides.get("positions") == "rope":
-        assert dec.kernel_paths.get("rope_write") == dec.kernel_paths.get("silu_mul") == "triton"
+        assert dec.kernel_paths.get("silu_mul") == "triton"
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert got_drops == want_drops and len(want_drops) > 0
 

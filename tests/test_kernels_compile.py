@@ -63,11 +63,12 @@ def cases():
                     {n: "*fp32" for n in ("GLOG", "GKEEP", "KEEP", "RATIO", "DX")},
                     dict(HAS_LOG=has_log, HAS_KEEP=has_keep, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
     for dtype in ("bf16", "fp16", "fp32"):  # a decode step's small ops (kernels.triton_step)
-        for d in (64, 128):
-            out.append((f"rope_write {dtype} d={d}", ts._rope_write_kernel,
+        for d, rotate, rule in ((64, True, True), (128, True, False), (64, False, True)):
+            out.append((f"step_write {dtype} d={d} rotate={rotate} rule={rule}", ts._step_write_kernel,
                         {n: f"*{dtype}" for n in ("Q", "K", "V", "COS", "SIN", "QO", "KB", "VB")}
-                        | {"CUR": "*i64", "AT": "*i64"},
-                        dict(BLOCK_D=d), 4, 3))
+                        | {"KI": "*fp32", "KIB": "*fp32", "LIVE": "*u8", "POS": "*i64", "QPOS": "*i64", "CUR": "*i64",
+                           "AT": "*i64"},
+                        dict(ROTATE=rotate, HAS_V=True, HAS_KI=rule, HAS_SLOTS=rule, BLOCK_D=d, BLOCK_RI=64), 4, 3))
         out.append((f"silu_mul {dtype}", ts._silu_mul_kernel, {n: f"*{dtype}" for n in ("G", "U", "OUT")},
                     dict(BLOCK=ts.SILU_BLOCK), 4, 3))
         for rms, has_h, has_w, width in ((True, True, True, 1024), (True, False, True, 64), (False, True, True, 1024),

@@ -1,4 +1,4 @@
-"""A decode step's small fused ops (kernels.triton_step): the rotary embedding with the cache write, SwiGLU's gate,
+"""A decode step's small fused ops (kernels.triton_step): the cache writes with the rotary embedding, SwiGLU's gate,
 and the residual sum with the next norm. Each reference against a naive form written from its equation, each
 Triton kernel (interpreter, outputs poisoned) against its reference on fresh random inputs, whole models on
 either path, and the number of kernels a step launches (bench.step_launches), which is what these ops are for."""
@@ -54,25 +54,60 @@ def rope_case(b, h, g, d, s, slot, per_row=False, dtype=torch.float32):
     return q, k, v, cos, sin, at, bufs, torch.tensor([slot])
 
 
+def both(q, new, buffers, cursor, rope=None, slots=None):
+    """step_write on copies of the buffers (and slots) by the reference and by the kernel: (want, got) as (q,
+    buffers, slots)."""
+    out = []
+    for fn in (reference.step_write, triton_step.step_write):
+        bufs = {n: t.clone() for n, t in buffers.items()}
+        sl = None if slots is None else tuple(t.clone() for t in slots[:2]) + (slots[2],)
+        out.append((fn(q, new, bufs, cursor, rope, sl), bufs, sl))
+    return out
+
+
 @pytest.mark.parametrize("b,h,g,d,s,slot,per_row", [(1, 9, 3, 64, 20, 7, False), (2, 4, 4, 16, 5, 0, False),
                                                     (3, 6, 1, 6, 9, 8, True), (1, 2, 2, 130, 3, 2, False),
                                                     (2, 9, 3, 64, 12, 11, True)])
-def test_rope_write_matches_the_reference(b, h, g, d, s, slot, per_row):
+def test_step_write_rotates_and_writes_as_the_reference(b, h, g, d, s, slot, per_row):
     q, k, v, cos, sin, at, (kb, vb), cursor = rope_case(b, h, g, d, s, slot, per_row)
-    kb_ref, vb_ref = kb.clone(), vb.clone()
-    want = reference.rope_write(q, k, v, cos, sin, at, kb_ref, vb_ref, cursor)
-    got = triton_step.rope_write(q, k, v, cos, sin, at, kb, vb, cursor)
+    (want, wb, _), (got, gb, _) = both(q, {"k": k, "v": v}, {"k": kb, "v": vb}, cursor, (cos, sin, at))
     close(got, want, tol=1e-6)
-    assert torch.equal(kb, kb_ref) or torch.allclose(kb, kb_ref, atol=1e-6, rtol=0)
-    assert torch.equal(vb, vb_ref)  # V is copied, and nothing else in either buffer moved
+    assert torch.allclose(gb["k"], wb["k"], atol=1e-6, rtol=0)
+    assert torch.equal(gb["v"], wb["v"])  # V is copied, and nothing else in either buffer moved
     others = torch.arange(s) != slot
-    assert torch.equal(kb[:, :, others], kb_ref[:, :, others])
+    assert torch.equal(gb["k"][:, :, others], kb[:, :, others]) and torch.equal(gb["v"][:, :, others], vb[:, :, others])
     for r in range(b):  # row r's key rotated by its own position
         p = slot + 3 * r if per_row else slot
-        assert torch.allclose(kb[r, :, slot], naive_rotary(k[r, :, 0], p, 10000.0).float(), atol=1e-5)
+        assert torch.allclose(gb["k"][r, :, slot], naive_rotary(k[r, :, 0], p, 10000.0).float(), atol=1e-5)
 
 
-def test_rope_write_reads_projections_in_place_and_refuses_what_it_cannot_write():
+@pytest.mark.parametrize("kv_shared", [False, True])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_step_write_writes_the_rules_key_and_the_compacted_slot(kv_shared, rotate):
+    """Every write of a compacted cache's step in one launch: K (rotated or not), V unless K is V, the rule's
+    K_int (a float32 view of a wider product, as the rule hands it), the slot's position and live bit; nothing
+    else moves, and q comes back unrotated without rope."""
+    b, h, g, d, s, r, slot = 3, 4, 2, 8, 10, 6, 4
+    q, k, v, cos, sin, at, (kb, vb), cursor = rope_case(b, h, g, d, s, slot, per_row=True)
+    qk = torch.randn(b, 1, 2 * r)
+    new = {"k": k, "k_int": qk[..., r:]} | ({} if kv_shared else {"v": v})
+    buffers = {"k": kb, "k_int": torch.randn(b, s, r)} | ({} if kv_shared else {"v": vb})
+    slots = (torch.rand(b, s) < 0.5, torch.randint(-1, 40, (b, s)), torch.tensor([[7], [12], [30]]))
+    rope = (cos, sin, at) if rotate else None
+    (want, wb, ws), (got, gb, gs) = both(q, new, buffers, cursor, rope, slots)
+    close(got, want, tol=1e-6)
+    if not rotate:
+        assert got is q
+    for n in buffers:
+        assert torch.allclose(gb[n], wb[n], atol=1e-6, rtol=0), n
+    assert torch.equal(gs[0], ws[0]) and torch.equal(gs[1], ws[1])
+    assert bool(gs[0][:, slot].all()) and torch.equal(gs[1][:, slot], slots[2][:, 0])
+    others = torch.arange(s) != slot
+    assert torch.equal(gb["k_int"][:, others], buffers["k_int"][:, others])
+    assert torch.equal(gs[0][:, others], slots[0][:, others]) and torch.equal(gs[1][:, others], slots[1][:, others])
+
+
+def test_step_write_reads_projections_in_place_and_refuses_what_it_cannot_write():
     """q and k as the mixer hands them (views of one projection, transposed), and the refusals."""
     b, h, g, d = 2, 4, 2, 8
     y = torch.randn(b, 1, (h + 2 * g) * d)
@@ -80,22 +115,24 @@ def test_rope_write_reads_projections_in_place_and_refuses_what_it_cannot_write(
     k = y[..., h * d:(h + g) * d].unflatten(-1, (g, d)).transpose(1, 2)
     v = y[..., (h + g) * d:].unflatten(-1, (g, d)).transpose(1, 2)
     cos, sin = rotary_tables(torch.arange(8), d, 10000.0, torch.float32)
-    at = torch.tensor([3])
-    kb, vb = torch.zeros(b, g, 6, d), torch.zeros(b, g, 6, d)
-    kb_ref, vb_ref = kb.clone(), vb.clone()
-    close(triton_step.rope_write(q, k, v, cos, sin, at, kb, vb, torch.tensor([3])),
-          reference.rope_write(q, k, v, cos, sin, at, kb_ref, vb_ref, torch.tensor([3])), tol=1e-6)
-    assert torch.allclose(kb, kb_ref, atol=1e-6) and torch.equal(vb, vb_ref)
+    at, cur = torch.tensor([3]), torch.tensor([3])
+    rope = (cos, sin, at)
+    new, bufs = {"k": k, "v": v}, {"k": torch.zeros(b, g, 6, d), "v": torch.zeros(b, g, 6, d)}
+    (want, wb, _), (got, gb, _) = both(q, new, bufs, cur, rope)
+    close(got, want, tol=1e-6)
+    assert torch.allclose(gb["k"], wb["k"], atol=1e-6) and torch.equal(gb["v"], wb["v"])
     with pytest.raises(ValueError, match="one new position"):
-        triton_step.rope_write(torch.randn(b, h, 2, d), k, v, cos, sin, at, kb, vb, torch.tensor([3]))
+        triton_step.step_write(q, {"k": torch.randn(b, g, 2, d), "v": torch.randn(b, g, 2, d)}, bufs, cur, rope)
     with pytest.raises(ValueError, match="one dtype"):
-        triton_step.rope_write(q.double(), k, v, cos, sin, at, kb, vb, torch.tensor([3]))
+        triton_step.step_write(q.double(), new, bufs, cur, rope)
     with pytest.raises(ValueError, match="int64"):
-        triton_step.rope_write(q, k, v, cos, sin, at.int(), kb, vb, torch.tensor([3]))
+        triton_step.step_write(q, new, bufs, cur, (cos, sin, at.int()))
     with pytest.raises(ValueError, match="angle tables"):
-        triton_step.rope_write(q, k, v, cos[3:4, None], sin[3:4, None], at, kb, vb, torch.tensor([3]))
-    with pytest.raises(RuntimeError, match="no gradient"):
-        kernels.rope_write(q.requires_grad_(), k, v, cos, sin, at, kb, vb, torch.tensor([3]))
+        triton_step.step_write(q, new, bufs, cur, (cos[3:4, None], sin[3:4, None], at))
+    with pytest.raises(ValueError, match="entries"):
+        triton_step.step_write(q, {"k": k}, bufs, cur, rope)
+    with pytest.raises(RuntimeError, match="inference only"):
+        kernels.step_write(q.requires_grad_(), new, bufs, cur, rope)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 5, 7), (2, 1025)])
@@ -162,25 +199,27 @@ def test_add_norm_rounds_as_torch_in_half_precision(rms):
         assert bool(((y.float() - y_ref.float()).abs() <= ulp).all())
 
 
-def test_rope_write_and_silu_mul_round_as_torch_in_half_precision():
+def test_step_write_and_silu_mul_round_as_torch_in_half_precision():
     q, k, v, cos, sin, at, (kb, vb), cursor = rope_case(2, 9, 3, 64, 12, 5, per_row=True, dtype=torch.float16)
-    kb_ref, vb_ref = kb.clone(), vb.clone()
-    assert torch.equal(triton_step.rope_write(q, k, v, cos, sin, at, kb, vb, cursor),
-                       reference.rope_write(q, k, v, cos, sin, at, kb_ref, vb_ref, cursor))
-    assert torch.equal(kb, kb_ref) and torch.equal(vb, vb_ref)
+    (want, wb, _), (got, gb, _) = both(q, {"k": k, "v": v}, {"k": kb, "v": vb}, cursor, (cos, sin, at))
+    assert torch.equal(got, want) and torch.equal(gb["k"], wb["k"]) and torch.equal(gb["v"], wb["v"])
     g, u = torch.randn(4, 1536).half() * 3, torch.randn(4, 1536).half()
     got, want = triton_step.silu_mul(g, u), reference.silu_mul(g, u)
     assert (got != want).float().mean() < 1e-3  # the exponential may differ in its last place
     assert torch.allclose(got.float(), want.float(), rtol=2e-3, atol=1e-6)
 
 
-def test_rope_write_writes_nothing_past_the_cache():
+def test_step_write_writes_nothing_past_the_cache():
     """A cursor at the end of the buffers (a caller that did not make room) writes nowhere; q is still rotated."""
-    q, k, v, cos, sin, at, (kb, vb), _ = rope_case(1, 4, 2, 16, 6, 6)
+    q, k, v, cos, sin, at, (kb, vb), _ = rope_case(2, 4, 2, 16, 6, 6)
     before = kb.clone(), vb.clone()
-    want = reference.rotate_half(q, cos[at], sin[at])
-    close(triton_step.rope_write(q, k, v, cos, sin, at, kb, vb, torch.tensor([6])), want, tol=1e-6)
-    assert torch.equal(kb, before[0]) and torch.equal(vb, before[1])
+    slots = (torch.zeros(2, 6, dtype=torch.bool), torch.full((2, 6), -1), torch.tensor([[6], [6]]))
+    new = {"k": k, "v": v, "k_int": torch.randn(2, 1, 4)}
+    bufs = {"k": kb, "v": vb, "k_int": torch.zeros(2, 6, 4)}
+    got = triton_step.step_write(q, new, bufs, torch.tensor([6]), (cos, sin, at), slots)
+    close(got, reference.rotate_half(q, cos[at], sin[at]), tol=1e-6)
+    assert torch.equal(kb, before[0]) and torch.equal(vb, before[1]) and not bufs["k_int"].any()
+    assert not slots[0].any() and bool((slots[1] == -1).all())
 
 
 def test_add_norm_reads_strided_rows():
@@ -261,7 +300,7 @@ def test_static_shape_decode_on_the_fused_kernels_equals_the_reference_and_the_f
     assert torch.allclose(want, full, atol=1e-4, rtol=1e-4)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     fused = {"add_norm"} | ({"silu_mul"} if overrides.get("ffn") == "swiglu" else set()) | (
-        {"rope_write"} if overrides.get("positions") == "rope" else set())
+        {"step_write"})
     assert {op for op, path in dec.kernel_paths.items() if path == "triton"} >= fused
 
 
@@ -289,7 +328,7 @@ def test_a_smollm2_shaped_layer_launches_nine_kernels_a_step():
     packing 14; nothing elementwise may creep back in."""
     cost = layer_cost(**SMOLLM2_LIKE)
     assert sum(cost.values()) == 9, cost
-    assert cost["mm"] == 4 and cost["triton:_add_norm_kernel"] == 2 and cost["triton:_rope_write_kernel"] == 1
+    assert cost["mm"] == 4 and cost["triton:_add_norm_kernel"] == 2 and cost["triton:_step_write_kernel"] == 1
     assert cost["triton:_silu_mul_kernel"] == 1 and "add" not in cost and "triton:_merge_kernel" not in cost, cost
 
 
@@ -300,13 +339,14 @@ def test_a_zoo_layer_launches_its_norms_with_the_residual_sums():
     assert cost["triton:_add_norm_kernel"] == 2 and "native_layer_norm" not in cost, cost
 
 
-def test_a_pruned_smollm2_shaped_layer_on_the_compacted_cache_launches_fourteen_kernels_a_step():
+def test_a_pruned_smollm2_shaped_layer_on_the_compacted_cache_launches_ten_kernels_a_step():
     """The same layer with the learned rule over the compacted cache: the rule's [W^Qint | W^Kint] product, the
     fused decode that scores, attends, keeps and notes its drops in the cache (it was four more kernels a layer
-    after it), and the cache's writes of K_int, the position, the live bit and the cursor."""
+    after it), and one write of everything the step stores (K, V, K_int, the slot's position and live bit: five
+    kernels and the cursor's step before); the cursors move on once a step, for every layer."""
     cost = layer_cost("compacted", **SMOLLM2_LIKE, prune=True)
-    assert sum(cost.values()) == 14, cost
-    assert cost["mm"] == 5 and cost["triton:_decode_kernel"] == 1 and cost["triton:_rope_write_kernel"] == 1, cost
+    assert sum(cost.values()) == 10, cost
+    assert cost["mm"] == 5 and cost["triton:_decode_kernel"] == 1 and cost["triton:_step_write_kernel"] == 1, cost
     assert not {"where", "bitwise_xor", "copy_"} & set(cost), cost
 
 
@@ -319,7 +359,7 @@ def test_a_fixed_step_with_a_gradient_rotates_in_pytorch():
     dec = Decoder(model, 1, "static", fixed=True)
     with kernels.record_paths() as paths:
         out = [dec.prefill(idx[:, :4].tolist(), last_only=False)] + [dec.step(idx[:, i])[:, None] for i in range(4, 8)]
-    assert "rope_write" not in paths
+    assert paths.get("step_write") == "reference"  # index copies, in autograd's view
     with torch.no_grad():
         assert torch.allclose(torch.cat(out, 1), model(idx).logits, atol=1e-5)
 

@@ -27,14 +27,6 @@ def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-def write_rotated(q, new: dict, rope, buffers: dict, cursor) -> torch.Tensor:
-    """A fixed-shape step's K and V, taken out of `new` (the mixer's cache_entries), rotated and written at the
-    device-side cursor together with q's rotation, in one kernel (kernels.rope_write; rope: the angle tables and
-    the positions to read them at): returns the rotated q; what is left in `new` (K_int) is the caller's to
-    write."""
-    return kernels.rope_write(q, new.pop("k"), new.pop("v"), *rope, buffers["k"], buffers["v"], cursor)
-
-
 def group_rows(mixer, q, k, v):
     """q [B,H,T,D], k, v [B,G,S,D] -> q [B*G,H/G,T,D], k, v [B*G,1,S,D]: each (batch row, KV group) a row of its
     own holding that group's query heads (head i reads group i // (H/G)), for attention per group."""

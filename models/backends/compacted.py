@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from models.backends import additive, group_rows, write_rotated
+from models.backends import additive, group_rows
 from models.pruning import pattern_allows
 from models.pruning.interaction import widen
 from models.pruning.compact_cache import ALIGN
@@ -39,8 +39,9 @@ class _GroupRows:
     def output(self, o):
         return o
 
-    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None):
-        return kernels.attention(q, k, v, scale=self._mixer.scale, bias=bias, causal=causal, lengths=lengths)[0]
+    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None, merge_counts=None):
+        return kernels.attention(q, k, v, scale=self._mixer.scale, bias=bias, causal=causal, lengths=lengths,
+                                 merge_counts=merge_counts)[0]
 
 
 def attend(mixer, cache, x, q, k, v, record, rope=None):
@@ -132,15 +133,14 @@ def decode(mixer, cache, x, q, k, v, rope=None):
     else:
         q_int, k_int = None, False
     new = mixer.cache_entries(x, k, v, k_int)
-    if rope is not None:  # K and V into slot `cursor` in the kernel that rotates q and k; the rest (K_int) after it
-        cache.check_room()
-        q = write_rotated(q, new, rope, cache.buffers, cache.cursor)
-    cache.append(new, q_pos)
     counts = None
     if cache.cursor is None:
+        cache.append(new, q_pos)
         past, live, pos, lengths = cache.view(), cache.live[:, :cache.end], cache.pos[:, :cache.end], None
-    else:  # fixed shapes: the whole buffers, each row read up to the device-side cursor
-        past, live, pos, lengths = cache.buffers, cache.live, cache.pos, cache.cursor.expand(q.shape[0])
+    else:  # fixed shapes: every write at the cursor in one kernel (rotating q and K there with rope), then the
+        # whole buffers, each row read up to the slot just written (the cursors move on at the step's end)
+        q = cache.write_step(q, new, q_pos, rope)
+        past, live, pos, lengths = cache.buffers, cache.live, cache.pos, cache.filled.expand(q.shape[0])
         counts = cache.merge_counts
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from models.backends import additive, write_rotated
+import kernels
+from models.backends import additive
 from models.backends.full import pattern_bias
 
 
@@ -29,16 +30,14 @@ def attend(mixer, cache, x, q, k, v, record, rope=None):
 def attend_fixed(mixer, cache, x, q, k, v, rope=None):
     """One token per row with every shape fixed (models.cache.DecodeCache.fix_shapes): write at the device-side
     cursor, attend over the whole buffers with each row reading its first cursor + 1 slots (the decode kernel
-    skips the rest). rope: (cos, sin) of the position when q and k are not rotated yet; the rotation and the
-    write of K and V are then one op (kernels.rope_write). With pruning, the step rule runs over every slot and
-    the slots after the query keep their alive bit. Only dense patterns (a local / strided window is placed by
-    the host's length)."""
+    skips the rest). Every write (K, V, the rule's K_int) is one op (kernels.step_write); rope: the angle tables
+    and the position when q and k are not rotated yet, which it rotates too. With pruning, the step rule runs
+    over every slot and the slots after the query keep their alive bit. Only dense patterns (a local / strided
+    window is placed by the host's length)."""
     if mixer.pattern != "dense":
         raise ValueError(f"static-shape decode serves dense attention, not the {mixer.pattern} pattern")
-    new = mixer.cache_entries(x, k, v)
-    if rope is not None:
-        q = write_rotated(q, new, rope, cache.buffers, cache.cursor)
-    past = cache.write_at(**new)
+    q = kernels.step_write(q, mixer.cache_entries(x, k, v), cache.buffers, cache.cursor, rope)
+    past = cache.buffers
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
     lengths = cache.filled.expand(q.shape[0])

@@ -51,7 +51,7 @@ _TABLES: dict = {}  # (positions, width, theta, dtype, device) -> rotary_tables 
 
 def rotary_table(n: int, d: int, theta: float, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [n, D] of positions 0..n-1, computed once per process (a fixed-shape step looks its position up
-    on the device, kernels.rope_write: the angles are no kernels of their own). Plain tensors, as the caches
+    on the device, kernels.step_write: the angles are no kernels of their own). Plain tensors, as the caches
     are: a captured graph may read them outside inference mode."""
     key = (n, d, theta, dtype, str(device))
     if key not in _TABLES:

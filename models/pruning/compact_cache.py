@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from models.pruning.interaction import state_dtype
 
 COMPACT_BELOW = 0.9
@@ -62,8 +63,9 @@ class CompactCache:
         self.valid: torch.Tensor | None = None
         # the learned rule's decode constants (ContextPruning.decode_constants), held here, never on the model
         self.rule_constants = rule_constants
-        # fixed shapes: compaction in place, capacity never shrinks; `cursor` (the device's `end`) set by fix_shapes
-        self.fixed, self.cursor, self.allocations = fixed, None, 0
+        # fixed shapes: compaction in place, capacity never shrinks; `cursor` (the device's `end`, the slot a step
+        # writes) and `filled` (cursor + 1, what the step reads) set by fix_shapes
+        self.fixed, self.cursor, self.filled, self.allocations = fixed, None, None, 0
         self.packed: dict | None = None  # fixed shapes: the block's packed projections (models.packing)
         self.merge_counts: torch.Tensor | None = None  # fixed shapes: the decode kernel's (models.cache.merge_counts)
 
@@ -137,29 +139,38 @@ class CompactCache:
         if self.end >= self.capacity:
             raise RuntimeError(f"compacted cache full ({self.capacity} slots): make_room() before a fixed-shape step")
 
-    def _append_at_cursor(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor) -> None:
-        """append() with fixed shapes: slot `cursor` (on the device) of every row; the host's `end` is moved on by
-        the caller (advance), since a replayed graph runs no Python."""
+    def write_step(self, q: torch.Tensor, new: dict[str, torch.Tensor], q_pos: torch.Tensor, rope=None):
+        """A fixed-shape step's writes at slot `cursor` of every row (the new entries, the slot's position and live
+        bit; q and K rotated with rope), one kernel (kernels.step_write): returns q (rotated with rope). The
+        cursors move on at the step's end (CompactDecodeCache.step_done), the host's `end` with advance()."""
         self.check_room()
-        c = self.cursor
-        for n, value in new.items():
-            buf = self.buffers[n]
-            buf.index_copy_(buf.dim() - 2, c, value)
-        self.live.index_fill_(1, c, True)
-        self.pos.index_copy_(1, c, q_pos)
-        c.add_(1)
+        return kernels.step_write(q, new, self.buffers, self.cursor, rope, (self.live, self.pos, q_pos))
 
-    def fix_shapes(self) -> None:
+    def _append_at_cursor(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor) -> None:
+        """append() with fixed shapes outside a step (a one-token call with diagnostics): the writes, then this
+        layer's cursor moves on by itself."""
+        self.write_step(None, new, q_pos)
+        self.set_cursor(self.cursor + 1)
+
+    def fix_shapes(self, marks: torch.Tensor | None = None) -> None:
         """From here on a one-token step of every row writes at the device-side cursor (= end) and reads the
-        buffers up to it: nothing in the step depends on the host."""
+        buffers up to it: nothing in the step depends on the host. marks: the two longs that hold this layer's
+        cursor and filled count (CompactDecodeCache keeps every layer's in one tensor; default: new)."""
         if not self.fixed:
             raise ValueError("fix_shapes() needs a cache built with fixed=True (compaction in place)")
         if self.cursor is None:
-            with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
-                self.cursor = torch.zeros(1, dtype=torch.long, device=self.device)
+            if marks is None:
+                with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
+                    marks = torch.zeros(2, dtype=torch.long, device=self.device)
+            self.cursor, self.filled = marks[:1], marks[1:2]
             from models.cache import merge_counts  # (models.cache imports the backends, which import this module)
             self.merge_counts = merge_counts(self.buffers)
-        self.cursor.fill_(self.end)
+        self.set_cursor(self.end)
+
+    def set_cursor(self, n) -> None:
+        """The slot the next fixed-shape step writes (an int or a one-element tensor), and what it reads."""
+        self.cursor.copy_(n) if torch.is_tensor(n) else self.cursor.fill_(n)
+        self.filled.copy_(self.cursor + 1)
 
     def insert(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Write each valid new token ([B, *lead, T, w] per name) into a free slot of its own row (valid None:
@@ -256,7 +267,7 @@ class CompactCache:
             self.live[:, :most], self.pos[:, :most] = live, pos
             self.end = most
             if self.cursor is not None:
-                self.cursor.fill_(most)
+                self.set_cursor(most)
         else:  # new tensors, never in place: the step that triggered this still attends over views of the old
             self.buffers, self.live, self.pos, self.slot_state = buffers, live, pos, state
             self.trig = torch.full_like(pos, -1)
@@ -301,7 +312,10 @@ class CompactCache:
 class CompactDecodeCache:
     def __init__(self, layers: list[CompactCache]):
         self.layers = layers
-        self.next_pos: torch.Tensor | None = None  # fixed shapes: each row's next position [B,1], on the device
+        # fixed shapes: every layer's cursor and filled count and each row's next position [B,1], on the device,
+        # views of one tensor (`marks`) so that a step moves them all with one launch (step_done)
+        self.marks: torch.Tensor | None = None
+        self.next_pos: torch.Tensor | None = None
         self.steps = 0  # fixed-shape steps since the last compaction check
 
     @property
@@ -314,13 +328,19 @@ class CompactDecodeCache:
         (next_pos [B,1]: each row's next position; held on the device and moved on by the step itself)."""
         if any(layer.policy is not None for layer in self.layers):
             raise ValueError("fixed-shape decode serves the learned rule or a dense model, not an eviction policy")
-        for layer in self.layers:
-            layer.fix_shapes()
-        if self.next_pos is None:
-            with torch.inference_mode(False):
-                self.next_pos = torch.zeros_like(next_pos, dtype=torch.long)
+        if self.marks is None:
+            n = 2 * len(self.layers)
+            with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
+                self.marks = torch.zeros(n + next_pos.numel(), dtype=torch.long, device=next_pos.device)
+            self.next_pos = self.marks[n:].view(next_pos.shape)
+        for i, layer in enumerate(self.layers):
+            layer.fix_shapes(self.marks[2 * i:2 * i + 2])
         self.next_pos.copy_(next_pos)
         self.steps = 0
+
+    def step_done(self) -> None:
+        """A fixed-shape step wrote each layer's slot: every cursor, read length and next position moves on."""
+        self.marks.add_(1)
 
     def advance(self, t: int = 1) -> None:
         """The host's count, after a fixed-shape step (t = 1) that the device already counted."""
@@ -350,7 +370,7 @@ class CompactDecodeCache:
             layer.end, layer.compactions, layer.steps_since_check, layer.drops = 0, 0, 0, []
             layer.seen = None
             if layer.cursor is not None:
-                layer.cursor.zero_()
+                layer.set_cursor(0)
         if self.next_pos is not None:
             self.next_pos.zero_()
         self.steps = 0
