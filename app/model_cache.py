@@ -13,11 +13,15 @@ import threading
 import time
 from collections import OrderedDict
 
+from models import packing
+
 
 def nbytes(loaded) -> int:
-    """Bytes of a loaded model's parameters and buffers."""
+    """Bytes of a loaded model's parameters and buffers, and on a GPU the packed copies its CUDA-graph decode
+    keeps (models.packing)."""
     model = loaded.model
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return own + (packing.size(model) if model.wte.weight.is_cuda else 0)
 
 
 class ModelCache:

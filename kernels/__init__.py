@@ -168,12 +168,11 @@ def step_write(q, new: dict, buffers: dict, cursor, rope=None, slots=None):
     """A fixed-shape decode step's cache writes at the device-side cursor (K, V, the rule's K_int; with `slots`
     the compacted cache's position and live bit), with q and K rotated on the way when `rope` is given (angle
     tables and the rows' positions): one launch on a GPU; returns q, rotated with rope. See
-    kernels.reference.step_write. A write of values that need a gradient takes the reference (index copies)."""
+    kernels.reference.step_write. Values that need a gradient take the reference (autograd's rotary and index
+    copies)."""
     if _needs_grad(q if rope is not None else None, *new.values()):
-        if rope is not None:
-            raise RuntimeError("step_write rotates at inference only: rotate in PyTorch when a gradient is wanted")
         _note("step_write", "reference")
-        return reference.step_write(q, new, buffers, cursor, None, slots)
+        return reference.step_write(q, new, buffers, cursor, rope, slots)
     return _run("step_write", new["k"], reference.step_write, q, new, buffers, cursor, rope, slots)
 
 

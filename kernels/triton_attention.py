@@ -228,6 +228,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         tl.debug_barrier()
         done = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
         if done == n_split - 1:
+            tl.debug_barrier()  # (the count's acquire came before any of this program's threads loads)
             _merge_group(PO, PL, O, OM, OA, (b * H + heads) * n_split, b * sob + heads * soh, heads, offs_d,
                          r_mask, d_mask, D, n_split, HAS_OM, HAS_OA, BLOCK_R, BLOCK_D)
             tl.atomic_xchg(CNT + pid, 0)

@@ -41,7 +41,8 @@ def _step_write_kernel(Q, K, V, KI, COS, SIN, AT, QO, KB, VB, KIB, LIVE, POS, QP
     h = HQ + G: the rule's key K_int into KIB (HAS_KI); the slot's position QPOS[b] into POS and its live bit
     (HAS_SLOTS: the compacted cache's slots).
     With ROTATE row b is at position AT[b * sat] (sat 0: every row at one), its angles that row of the [P, D]
-    tables (none read past them)."""
+    tables; the callers keep positions under P (the context), and a row past the tables is neither rotated nor
+    written."""
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: batch x groups x slots x width passes 2^31 in a big cache
     h = tl.program_id(1)
     slot = tl.load(CUR)
@@ -131,7 +132,7 @@ def step_write(q, new, buffers, cursor, rope=None, slots=None):
     _step_write_kernel[(b, hq + g + extra)](
         q, k, dummy if v is None else v, ki_t, cos, sin, at, out, kb, dummy if vb is None else vb,
         dummy if kib is None else kib, live, pos, q_pos, cursor,
-        q.stride(0), q.stride(1) if hq else 0, k.stride(0), k.stride(1),
+        q.stride(0) if hq else 0, q.stride(1) if hq else 0, k.stride(0), k.stride(1),
         0 if v is None else v.stride(0), 0 if v is None else v.stride(1), ki_t.stride(0) if ki is not None else 0,
         out.stride(0), out.stride(1), sat,
         kb.stride(0), kb.stride(1), kb.stride(2), 0 if vb is None else vb.stride(0), 0 if vb is None else vb.stride(1),

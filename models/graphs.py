@@ -118,10 +118,12 @@ _free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key:
 
 
 def _weights(model) -> tuple:
-    """Where every weight lives, its dtype and the kernel choice: a captured step reads them as they were
-    (moving or recasting the model reallocates them)."""
-    return (tuple(p.data_ptr() for p in model.parameters()), model.wte.weight.dtype,
-            os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
+    """Where every weight lives, its dtype, its version (an in-place update, training, moves it) and the kernel
+    choice: a captured step reads them as they were (moving or recasting the model reallocates them), and a pooled
+    entry's cache holds what was computed from them once (the learned rule's constants, the packed products)."""
+    params = list(model.parameters())
+    return (tuple(p.data_ptr() for p in params), tuple(0 if p.is_inference() else p._version for p in params),
+            model.wte.weight.dtype, os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
 
 
 def checkout(model, batch: int, capacity: int, kind: str = "static") -> Captured:
@@ -130,7 +132,7 @@ def checkout(model, batch: int, capacity: int, kind: str = "static") -> Captured
     key = (batch, capacity, weights, kind)
     with _lock:
         kept = _free.setdefault(model, {})
-        for stale in [k for k in kept if k[2] != weights]:  # captured over weights that have moved since
+        for stale in [k for k in kept if k[2] != weights]:  # captured over weights that have changed since
             del kept[stale]
         entries = kept.get(key, [])
         entry = entries.pop() if entries else None

@@ -6,9 +6,12 @@ product (gpt-fast's wqkv and w1/w3 packing): two kernels a layer fewer for atten
 
 The packed copies are not put on the model, which app sessions share and whose state dict stays as it is: they
 are kept here per model and handed to a fixed-shape decode state's layers (`layer.packed`). A decoder's start
-refills them in place from the weights as they are then, so a captured graph keeps reading the same addresses
-and a weight trained since is read as it is now. They cost memory: one more copy of the packed weights (for
-SmolLM2-135M, 70 M parameters), for as long as the model lives.
+refills them in place from the weights as they are then: a state that already holds copies (a pooled entry of
+models.graphs, whose captured graph reads them) keeps their addresses, and a model trained between two
+generations decodes with its new weights. Like the learned rule's constants (models.pruning.CompactCache), they
+are read once, when the decoder starts: a weight changed while a decoder runs is not seen by its q, k, v, gate and
+up products. They cost memory: one more copy of the packed weights (for SmolLM2-135M 69.7 M parameters, 139 MB in
+bf16), for as long as the model lives (`size` says how much; the app counts it for a model on a GPU).
 """
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (wher
 
 def sources(block) -> dict[str, tuple]:
     """What one block packs: "qkv", the mixer's (weight [d_m,n,d_h], bias) pairs (Attention.projections), when
-    there are two or more; "gate_up", SwiGLU's (weight [d_ff,d_m], bias) pairs."""
+    there are two or more and `project` is the generic one that applies just them (a variant with a `project` of
+    its own is left alone); "gate_up", SwiGLU's (weight [d_ff,d_m], bias) pairs."""
+    from models.mixers.attention import Attention  # (it imports this module)
     out = {}
-    proj = getattr(block.mixer, "projections", lambda: None)()
+    mixer = block.mixer
+    proj = mixer.projections() if isinstance(mixer, Attention) and type(mixer).project is Attention.project else None
     if proj is not None and len(proj) > 1:
         out["qkv"] = proj
     if block.ffn.gate is not None:
@@ -41,8 +47,19 @@ def _biases(pairs, flat) -> list[torch.Tensor] | None:
             for w, b in pairs]
 
 
+def _cat(parts: list[torch.Tensor], dim: int, into: torch.Tensor | None) -> torch.Tensor:
+    """torch.cat(parts, dim), written into `into` when it has the result's shape, dtype and device (never resized:
+    a captured graph holds its address)."""
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    if into is not None and (list(into.shape) == shape and into.dtype == parts[0].dtype
+                             and into.device == parts[0].device):
+        return torch.cat(parts, dim, out=into)
+    return torch.cat(parts, dim)
+
+
 def _fill(layer: dict | None, src: dict[str, tuple]) -> dict:
-    """The packed weights of one block, written into `layer`'s tensors when given (same shapes), else new."""
+    """The packed weights of one block, written into `layer`'s tensors where they fit, else new ones."""
     out = {}
     for name, pairs in src.items():
         if name == "qkv":  # x @ [W_Q | W_K | W_V], each flattened to [d_m, n d_h]
@@ -51,12 +68,8 @@ def _fill(layer: dict | None, src: dict[str, tuple]) -> dict:
         else:              # F.linear(x, [gate; up]), nn.Linear's [out, in]
             parts, dim, shapes = [w for w, _ in pairs], 0, None
             bias = _biases(pairs, lambda w: w.t())
-        old = None if layer is None else layer[name]
-        w = torch.cat(parts, dim, out=old[0]) if old is not None else torch.cat(parts, dim)
-        b = None
-        if bias is not None:
-            b = torch.cat(bias, out=old[1]) if old is not None else torch.cat(bias)
-        out[name] = (w, b, shapes)
+        old = (layer or {}).get(name, (None, None, None))
+        out[name] = (_cat(parts, dim, old[0]), None if bias is None else _cat(bias, 0, old[1]), shapes)
     return out
 
 
@@ -68,15 +81,24 @@ def _where(model) -> tuple:
 
 def attach(model, state) -> None:
     """Give each layer of a fixed-shape decode state (`state.layers`) the packed weights of its block, refilled
-    from the model's weights now."""
+    from the model's weights now: into the state's own copies when it has them (a pooled entry's graph reads
+    those), else into the model's kept ones (new ones when its weights moved)."""
     key = _where(model)
     with _lock, torch.inference_mode(False), torch.no_grad():  # plain tensors, as the caches are (models.graphs)
-        kept = _kept.get(model)
-        old = kept[1] if kept is not None and kept[0] == key else None
-        layers = [_fill(None if old is None else old[i], sources(block)) for i, block in enumerate(model.blocks)]
+        old = [getattr(layer, "packed", None) for layer in state.layers]
+        if any(p is None for p in old):
+            kept = _kept.get(model)
+            old = kept[1] if kept is not None and kept[0] == key else [None] * len(model.blocks)
+        layers = [_fill(old[i], sources(block)) for i, block in enumerate(model.blocks)]
         _kept[model] = (key, layers)
     for layer, packed in zip(state.layers, layers):
         layer.packed = packed
+
+
+def size(model) -> int:
+    """Bytes one set of the model's packed copies takes."""
+    return sum(w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
+               for block in model.blocks for pairs in sources(block).values() for w, b in pairs)
 
 
 def release(model) -> None:

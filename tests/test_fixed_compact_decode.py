@@ -180,6 +180,38 @@ def test_the_triton_decode_kernel_takes_the_fixed_shape_path(overrides, monkeypa
     assert got_drops == want_drops and len(want_drops) > 0
 
 
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_a_one_token_call_with_diagnostics_between_fixed_steps(path, monkeypatch):
+    """A fixed-shape compacted cache fed one token with diagnostics (not a fixed-shape step: the general insert,
+    then the cursors follow the host's count), then fixed-shape steps again: the dynamic cache's logits
+    throughout, and every layer's cursor and read length where its host count is."""
+    monkeypatch.setenv("MIXSCOPE_KERNELS", path)
+    model = model_for(dict(mixer="gqa", n_kv_heads=2, positions="rope", prune=True), seed=11)
+    if path == "triton":
+        model = model.float()
+    idx = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(11))
+    outs = []
+    for fixed in (False, True):
+        cache = model.new_compact_cache(batch=1, capacity=16, fixed=fixed)
+        pos = torch.arange(12)[None]
+        with torch.inference_mode():
+            got = [model(idx[:, :5], cache=cache, positions=pos[:, :5]).logits]
+            if fixed:
+                cache.fix_shapes(pos[:, 5:6])
+            got.append(model(idx[:, 5:6], cache=cache, positions=pos[:, 5:6], diagnostics=True).logits)
+            for i in range(6, 12):
+                if fixed:  # what models.decode.Decoder does around a fixed-shape step
+                    cache.make_room()
+                    got.append(model(idx[:, i:i + 1], cache=cache).logits)
+                    cache.advance(1)
+                else:
+                    got.append(model(idx[:, i:i + 1], cache=cache, positions=pos[:, i:i + 1]).logits)
+        outs.append(torch.cat(got, 1))
+        if fixed:
+            assert all(int(layer.cursor) == layer.end and int(layer.filled) == layer.end + 1 for layer in cache.layers)
+    assert torch.allclose(outs[1], outs[0], atol=1e-4 if path == "triton" else 1e-10, rtol=0)
+
+
 def test_a_pooled_cache_grown_in_inference_mode_is_reset_outside_it_and_decodes_again():
     """The app decodes under inference mode; the cache grows there; the pool resets it from anywhere and the
     next generation over it decodes what a fresh cache decodes."""

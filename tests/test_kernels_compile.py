@@ -15,6 +15,9 @@ import pytest
 pytest.importorskip("triton")
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory a block may use on an H100
+# the split-K semaphore of a decode that merges its own splits: every thread's stores, a barrier, one thread's
+# acquire-release count at GPU scope; the last split's loads from L2
+MERGE_MARKS = ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg", "atom.global.gpu.acq_rel.exch")
 FLOATS = {"qk_scale", "int_scale", "beta", "lam", "lim", "half", "log_floor", "eps"}
 
 
@@ -91,7 +94,8 @@ def compile_all() -> None:
         try:
             k = triton.compile(ASTSource(fn, sig, constexprs=const), target=h100,
                                options=dict(num_warps=warps, num_stages=stages))
-            print(json.dumps({"case": name, "shared": k.metadata.shared}))
+            marks = [m for m in MERGE_MARKS if m in k.asm["ptx"]] if const.get("MERGE") else None
+            print(json.dumps({"case": name, "shared": k.metadata.shared, "merge_marks": marks}))
         except Exception as e:  # noqa: BLE001 - reported per case
             print(json.dumps({"case": name, "error": f"{type(e).__name__}: {e}"[:2000]}))
 
@@ -109,3 +113,5 @@ def test_every_kernel_compiles_for_an_h100():
     assert len(rows) == len(cases()), rows  # every case ran
     too_big = [r for r in rows if r["shared"] > SHARED_LIMIT]
     assert not too_big, too_big
+    merging = [r for r in rows if r["merge_marks"] is not None]
+    assert merging and all(r["merge_marks"] == list(MERGE_MARKS) for r in merging), merging

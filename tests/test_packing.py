@@ -63,14 +63,21 @@ def greedy_logits(model, idx, n_prompt, state="static", fixed=True):
     dict(mixer="mhe-add", ffn="swiglu", prune=True, prune_beta=0.3, adapter="compacter++", adapter_reduction=4,
          phm_n=2, state="compacted"),
 ], ids=lambda o: "-".join(f"{v}" for v in o.values()))
-def test_fixed_steps_with_packed_products_equal_the_full_forward(overrides):
+def test_fixed_steps_with_packed_products_equal_the_full_forward(overrides, monkeypatch):
     overrides = dict(overrides)
     state = overrides.pop("state", "static")
     seed = int(torch.randint(0, 10_000, ()))
     model = model_for(seed, **overrides)
     idx = torch.randint(0, 61, (2, 18))
+    calls = {"project": 0, "gate_up": 0}
+    for name in calls:
+        real = getattr(packing, name)
+        monkeypatch.setattr(packing, name, lambda *a, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
+                            or real(*a))
     got, dec = greedy_logits(model, idx, 5, state)
     assert all(layer.packed for layer in dec.state.layers)
+    steps = (idx.shape[1] - 5) * model.config.n_layers
+    assert calls == {"project": steps, "gate_up": steps}  # every layer of every step took both packed products
     with torch.inference_mode():
         full = model(idx).logits
     assert torch.allclose(got, full, atol=1e-10, rtol=0), f"seed {seed}"
@@ -108,3 +115,64 @@ def test_only_one_token_steps_at_inference_take_the_packed_products():
     assert packing.step_weights(layer, one, None) == {}               # gradients on: the copies carry none
     assert packing.step_weights(None, one, None) == {}                # no cache: the full forward
     assert Decoder(model, 1, "static").state.layers[0].packed is None  # only fixed-shape decoders pack
+
+
+def test_a_pooled_state_keeps_its_copies_addresses():
+    """A state that holds copies (a pooled graph entry, whose captured graph reads them) gets them refilled in
+    place, whatever the model's kept set became meanwhile (released, or another state attached first)."""
+    from models import graphs
+    model = model_for(6, mixer="gqa", n_kv_heads=2, **SWIGLU)
+    entry = graphs.checkout(model, batch=1, capacity=8)
+    packing.attach(model, entry.state)
+    where = [p["qkv"][0].data_ptr() for p in (lay.packed for lay in entry.state.layers)]
+    packing.release(model)
+    other = model.new_cache(batch=1, capacity=8)
+    packing.attach(model, other)
+    with torch.no_grad():
+        model.blocks[0].mixer.W_K.mul_(2.0)
+    packing.attach(model, entry.state)
+    assert [p["qkv"][0].data_ptr() for p in (lay.packed for lay in entry.state.layers)] == where
+    w = model.blocks[0].mixer.W_K
+    packed = entry.state.layers[0].packed["qkv"][0]
+    assert torch.equal(packed[:, model.blocks[0].mixer.W_Q[0].numel():][:, :w[0].numel()], w.flatten(1))
+    graphs.release(model)
+
+
+def test_a_pooled_graph_entry_is_not_reused_after_the_weights_change_in_place():
+    """The pool's key holds the weights' versions: an in-place update (a training step) retires the entries
+    captured before it, whose caches hold constants computed from the old weights (the rule's, the packed ones)."""
+    from models import graphs
+    model = model_for(7, mixer="mha", prune=True, prune_beta=0.3)
+    first = graphs.checkout(model, batch=1, capacity=8, kind="compacted")
+    graphs.give_back(model, first)
+    assert graphs.checkout(model, batch=1, capacity=8, kind="compacted") is first
+    graphs.give_back(model, first)
+    with torch.no_grad():
+        model.blocks[0].mixer.pruning.W_Kint.add_(0.1)
+    assert graphs.checkout(model, batch=1, capacity=8, kind="compacted") is not first
+    graphs.release(model)
+
+
+def test_a_variant_with_a_projection_of_its_own_is_not_packed():
+    from models.mixers.attention import MHA
+
+    class Scaled(MHA):
+        def project(self, x):
+            q, k, v = super().project(x)
+            return 2 * q, k, v
+
+    model = model_for(8, mixer="mha", **SWIGLU)
+    for block in model.blocks:
+        block.mixer.__class__ = Scaled
+    state = model.new_cache(batch=1, capacity=8)
+    packing.attach(model, state)
+    assert all("qkv" not in layer.packed and "gate_up" in layer.packed for layer in state.layers)
+
+
+def test_the_size_is_what_the_copies_take():
+    model = model_for(9, mixer="gqa", n_kv_heads=2, attn_bias=True, ffn="swiglu", ffn_bias=True)
+    state = model.new_cache(batch=1, capacity=8)
+    packing.attach(model, state)
+    held = sum(t.numel() * t.element_size() for layer in state.layers for w, b, _ in layer.packed.values()
+               for t in (w, b) if t is not None)
+    assert packing.size(model) == held > 0

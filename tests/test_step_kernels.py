@@ -131,8 +131,9 @@ def test_step_write_reads_projections_in_place_and_refuses_what_it_cannot_write(
         triton_step.step_write(q, new, bufs, cur, (cos[3:4, None], sin[3:4, None], at))
     with pytest.raises(ValueError, match="entries"):
         triton_step.step_write(q, {"k": k}, bufs, cur, rope)
-    with pytest.raises(RuntimeError, match="inference only"):
-        kernels.step_write(q.requires_grad_(), new, bufs, cur, rope)
+    with kernels.record_paths() as paths:  # a gradient: autograd's rotary and copies
+        got = kernels.step_write(q.detach().requires_grad_(), new, bufs, cur, rope)
+    assert paths["step_write"] == "reference" and got.requires_grad and torch.allclose(got, want, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 5, 7), (2, 1025)])
@@ -362,6 +363,25 @@ def test_a_fixed_step_with_a_gradient_rotates_in_pytorch():
     assert paths.get("step_write") == "reference"  # index copies, in autograd's view
     with torch.no_grad():
         assert torch.allclose(torch.cat(out, 1), model(idx).logits, atol=1e-5)
+
+
+def test_a_fixed_step_where_only_the_rule_wants_a_gradient_equals_the_full_forward(monkeypatch):
+    """The base frozen, the learned rule's projections wanting gradients, outside inference mode: q, k and v need
+    none, so the step rotates in the write, whose K_int needs one: the write takes the reference, rotary and all
+    (it raised before), and the step equals the full forward."""
+    model = DecoderLM(tiny_config(**SMOLLM2_LIKE, prune=True, prune_beta=0.3)).eval()
+    randomize(model, std=0.3, seed=4)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".pruning." in name)
+    idx = torch.randint(0, 61, (1, 8))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    dec = Decoder(model, 1, "static", fixed=True)
+    with kernels.record_paths() as paths:
+        out = [dec.prefill(idx[:, :4].tolist(), last_only=False)] + [dec.step(idx[:, i])[:, None] for i in range(4, 8)]
+    assert paths.get("step_write") == "reference"
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    with torch.no_grad():
+        assert torch.allclose(torch.cat(out, 1), model(idx).logits, atol=1e-4)
 
 
 def test_a_full_compacted_cache_refuses_the_step_before_writing():

@@ -8,6 +8,7 @@ MQA and both MHE variants keep a single group, so their cache is one head wide.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ def rotary_tables(positions: torch.Tensor, d: int, theta: float, dtype) -> tuple
 
 
 _TABLES: dict = {}  # (positions, width, theta, dtype, device) -> rotary_tables of every position
+_TABLES_LOCK = threading.Lock()
 
 
 def rotary_table(n: int, d: int, theta: float, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +56,14 @@ def rotary_table(n: int, d: int, theta: float, dtype, device) -> tuple[torch.Ten
     on the device, kernels.step_write: the angles are no kernels of their own). Plain tensors, as the caches
     are: a captured graph may read them outside inference mode."""
     key = (n, d, theta, dtype, str(device))
-    if key not in _TABLES:
-        with torch.inference_mode(False), torch.no_grad():
-            _TABLES[key] = rotary_tables(torch.arange(n, device=device), d, theta, dtype)
-    return _TABLES[key]
+    got = _TABLES.get(key)
+    if got is None:
+        with _TABLES_LOCK:  # one table per key, ever: a captured graph may hold the first one's address
+            got = _TABLES.get(key)
+            if got is None:
+                with torch.inference_mode(False), torch.no_grad():
+                    got = _TABLES[key] = rotary_tables(torch.arange(n, device=device), d, theta, dtype)
+    return got
 
 
 def projection(d_model: int, heads: int, d_head: int, std: float) -> nn.Parameter:

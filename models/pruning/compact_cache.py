@@ -123,7 +123,7 @@ class CompactCache:
         """A decode step with every row real: the new token ([B, *lead, 1, w] per name) goes into slot `end`
         of each row. Nothing here waits for the device."""
         if self.cursor is not None:
-            return self._append_at_cursor(new, q_pos)
+            raise RuntimeError("a fixed-shape compacted cache writes a step at its cursor (write_step)")
         if self.end == self.capacity:
             self._resize(self.capacity * 2)
         e = self.end
@@ -145,12 +145,6 @@ class CompactCache:
         cursors move on at the step's end (CompactDecodeCache.step_done), the host's `end` with advance()."""
         self.check_room()
         return kernels.step_write(q, new, self.buffers, self.cursor, rope, (self.live, self.pos, q_pos))
-
-    def _append_at_cursor(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor) -> None:
-        """append() with fixed shapes outside a step (a one-token call with diagnostics): the writes, then this
-        layer's cursor moves on by itself."""
-        self.write_step(None, new, q_pos)
-        self.set_cursor(self.cursor + 1)
 
     def fix_shapes(self, marks: torch.Tensor | None = None) -> None:
         """From here on a one-token step of every row writes at the device-side cursor (= end) and reads the
