@@ -13,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from models import packing
+from models import graphs, packing
 
 
 def nbytes(loaded) -> int:
@@ -21,7 +21,8 @@ def nbytes(loaded) -> int:
     keeps (models.packing)."""
     model = loaded.model
     own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return own + (packing.size(model) if model.wte.weight.is_cuda else 0)
+    decodes_from_graphs = model.wte.weight.is_cuda and graphs.refusal(model, "static") is None
+    return own + (packing.size(model) if decodes_from_graphs else 0)
 
 
 class ModelCache:

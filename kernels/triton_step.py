@@ -41,8 +41,8 @@ def _step_write_kernel(Q, K, V, KI, COS, SIN, AT, QO, KB, VB, KIB, LIVE, POS, QP
     h = HQ + G: the rule's key K_int into KIB (HAS_KI); the slot's position QPOS[b] into POS and its live bit
     (HAS_SLOTS: the compacted cache's slots).
     With ROTATE row b is at position AT[b * sat] (sat 0: every row at one), its angles that row of the [P, D]
-    tables; the callers keep positions under P (the context), and a row past the tables is neither rotated nor
-    written."""
+    tables. The callers keep positions under P (the context): a row past the tables would write neither its q
+    nor its K and V (K_int, the position and the live bit still go in)."""
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: batch x groups x slots x width passes 2^31 in a big cache
     h = tl.program_id(1)
     slot = tl.load(CUR)

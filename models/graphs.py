@@ -118,12 +118,27 @@ _free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key:
 
 
 def _weights(model) -> tuple:
-    """Where every weight lives, its dtype, its version (an in-place update, training, moves it) and the kernel
-    choice: a captured step reads them as they were (moving or recasting the model reallocates them), and a pooled
-    entry's cache holds what was computed from them once (the learned rule's constants, the packed products)."""
-    params = list(model.parameters())
-    return (tuple(p.data_ptr() for p in params), tuple(0 if p.is_inference() else p._version for p in params),
-            model.wte.weight.dtype, os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
+    """Where every weight lives, its dtype and the kernel choice: a captured step reads them as they were
+    (moving or recasting the model reallocates them)."""
+    return (tuple(p.data_ptr() for p in model.parameters()), model.wte.weight.dtype,
+            os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
+
+
+def _constants_current(model, entry: Captured) -> bool:
+    """Whether a pooled entry's cache still holds the learned rule's constants as the model has them now (a
+    training step may have moved them in place, and a fused optimizer step does not move a tensor's version):
+    [W^Qint | W^Kint] is refilled in place where it moved (the graph reads it there); False when beta, lambda or
+    the sink count moved, which the captured kernels hold as numbers."""
+    for block, layer in zip(model.blocks, entry.state.layers):
+        held = getattr(layer, "rule_constants", None)
+        if held is None:
+            continue
+        now = block.mixer.pruning.decode_constants()
+        if (held["beta"], held["lam"], held["sinks"]) != (now["beta"], now["lam"], now["sinks"]):
+            return False
+        if not torch.equal(held["qk"], now["qk"]):
+            held["qk"].copy_(now["qk"])
+    return True
 
 
 def checkout(model, batch: int, capacity: int, kind: str = "static") -> Captured:
@@ -132,10 +147,13 @@ def checkout(model, batch: int, capacity: int, kind: str = "static") -> Captured
     key = (batch, capacity, weights, kind)
     with _lock:
         kept = _free.setdefault(model, {})
-        for stale in [k for k in kept if k[2] != weights]:  # captured over weights that have changed since
+        for stale in [k for k in kept if k[2] != weights]:  # captured over weights that have moved since
             del kept[stale]
         entries = kept.get(key, [])
         entry = entries.pop() if entries else None
+    if entry is not None:
+        with torch.no_grad():
+            entry = entry if _constants_current(model, entry) else None
     if entry is None:
         entry = Captured(model, batch, capacity, kind)
     else:

@@ -8,10 +8,11 @@ The packed copies are not put on the model, which app sessions share and whose s
 are kept here per model and handed to a fixed-shape decode state's layers (`layer.packed`). A decoder's start
 refills them in place from the weights as they are then: a state that already holds copies (a pooled entry of
 models.graphs, whose captured graph reads them) keeps their addresses, and a model trained between two
-generations decodes with its new weights. Like the learned rule's constants (models.pruning.CompactCache), they
-are read once, when the decoder starts: a weight changed while a decoder runs is not seen by its q, k, v, gate and
-up products. They cost memory: one more copy of the packed weights (for SmolLM2-135M 69.7 M parameters, 139 MB in
-bf16), for as long as the model lives (`size` says how much; the app counts it for a model on a GPU).
+generations decodes with its new weights (a state whose copies no longer fit the model is refused). They are
+read when a decoder starts: a weight changed while a decoder runs is not seen by its q, k, v, gate and up
+products until a decoder of the model starts (it refills the set fresh decoders share). They cost memory: one more
+copy of the packed weights (for SmolLM2-135M 69.7 M parameters, 139 MB in bf16), for as long as the model lives
+(`size` says how much; the app counts it for a model on a GPU).
 """
 from __future__ import annotations
 
@@ -47,29 +48,36 @@ def _biases(pairs, flat) -> list[torch.Tensor] | None:
             for w, b in pairs]
 
 
-def _cat(parts: list[torch.Tensor], dim: int, into: torch.Tensor | None) -> torch.Tensor:
-    """torch.cat(parts, dim), written into `into` when it has the result's shape, dtype and device (never resized:
-    a captured graph holds its address)."""
+def _parts(name: str, pairs) -> tuple[list[torch.Tensor], int, tuple | None, list[torch.Tensor] | None]:
+    """(weights to concatenate, along which dim, the q/k/v heads' shapes, biases) of one packed product."""
+    if name == "qkv":  # x @ [W_Q | W_K | W_V], each flattened to [d_m, n d_h]
+        return ([w.flatten(1) for w, _ in pairs], 1, tuple(tuple(w.shape[1:]) for w, _ in pairs),
+                _biases(pairs, lambda w: w.flatten(1)))
+    return [w for w, _ in pairs], 0, None, _biases(pairs, lambda w: w.t())  # F.linear(x, [gate; up])
+
+
+def _fits(into: torch.Tensor | None, parts: list[torch.Tensor], dim: int) -> bool:
     shape = list(parts[0].shape)
     shape[dim] = sum(p.shape[dim] for p in parts)
-    if into is not None and (list(into.shape) == shape and into.dtype == parts[0].dtype
-                             and into.device == parts[0].device):
-        return torch.cat(parts, dim, out=into)
-    return torch.cat(parts, dim)
+    return into is not None and (list(into.shape) == shape and into.dtype == parts[0].dtype
+                                 and into.device == parts[0].device)
 
 
-def _fill(layer: dict | None, src: dict[str, tuple]) -> dict:
-    """The packed weights of one block, written into `layer`'s tensors where they fit, else new ones."""
+def _fill(layer: dict | None, src: dict[str, tuple], own: bool = False) -> dict:
+    """The packed weights of one block, written into `layer`'s tensors where they fit (never resized: a captured
+    graph holds their addresses), else new ones. own: `layer` is a decode state's own set, which a captured graph
+    may read: every tensor must fit, else a ValueError."""
     out = {}
     for name, pairs in src.items():
-        if name == "qkv":  # x @ [W_Q | W_K | W_V], each flattened to [d_m, n d_h]
-            parts, dim, shapes = [w.flatten(1) for w, _ in pairs], 1, tuple(tuple(w.shape[1:]) for w, _ in pairs)
-            bias = _biases(pairs, lambda w: w.flatten(1))
-        else:              # F.linear(x, [gate; up]), nn.Linear's [out, in]
-            parts, dim, shapes = [w for w, _ in pairs], 0, None
-            bias = _biases(pairs, lambda w: w.t())
-        old = (layer or {}).get(name, (None, None, None))
-        out[name] = (_cat(parts, dim, old[0]), None if bias is None else _cat(bias, 0, old[1]), shapes)
+        parts, dim, shapes, bias = _parts(name, pairs)
+        w_old, b_old, _ = (layer or {}).get(name, (None, None, None))
+        fit_w, fit_b = _fits(w_old, parts, dim), bias is None or _fits(b_old, bias, 0)
+        if own and not (fit_w and fit_b and set(layer) == set(src)):
+            raise ValueError("this decode state's packed copies no longer fit the model (its projections changed): "
+                             "give the state back and start a new decoder")
+        w = torch.cat(parts, dim, out=w_old) if fit_w else torch.cat(parts, dim)
+        b = None if bias is None else (torch.cat(bias, out=b_old) if fit_b else torch.cat(bias))
+        out[name] = (w, b, shapes)
     return out
 
 
@@ -86,10 +94,11 @@ def attach(model, state) -> None:
     key = _where(model)
     with _lock, torch.inference_mode(False), torch.no_grad():  # plain tensors, as the caches are (models.graphs)
         old = [getattr(layer, "packed", None) for layer in state.layers]
-        if any(p is None for p in old):
+        own = all(p is not None for p in old)
+        if not own:
             kept = _kept.get(model)
             old = kept[1] if kept is not None and kept[0] == key else [None] * len(model.blocks)
-        layers = [_fill(old[i], sources(block)) for i, block in enumerate(model.blocks)]
+        layers = [_fill(old[i], sources(block), own) for i, block in enumerate(model.blocks)]
         _kept[model] = (key, layers)
     for layer, packed in zip(state.layers, layers):
         layer.packed = packed

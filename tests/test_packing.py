@@ -138,19 +138,41 @@ def test_a_pooled_state_keeps_its_copies_addresses():
     graphs.release(model)
 
 
-def test_a_pooled_graph_entry_is_not_reused_after_the_weights_change_in_place():
-    """The pool's key holds the weights' versions: an in-place update (a training step) retires the entries
-    captured before it, whose caches hold constants computed from the old weights (the rule's, the packed ones)."""
+def test_a_pooled_entry_follows_the_rule_trained_since_it_was_captured():
+    """A pooled compacted entry holds the learned rule's constants from when it was made. After a training step
+    (a fused AdamW step, which does not move the tensors' versions) the checkout refills [W^Qint | W^Kint] in
+    place, where the captured graph reads it, and retires an entry whose beta moved (a number the captured
+    kernels hold)."""
     from models import graphs
-    model = model_for(7, mixer="mha", prune=True, prune_beta=0.3)
+    model = model_for(7, mixer="mha", prune=True, prune_beta=0.3).float()
     first = graphs.checkout(model, batch=1, capacity=8, kind="compacted")
+    held = first.state.layers[0].rule_constants
+    where = held["qk"].data_ptr()
     graphs.give_back(model, first)
-    assert graphs.checkout(model, batch=1, capacity=8, kind="compacted") is first
-    graphs.give_back(model, first)
+    rule = [p for name, p in model.named_parameters() if ".pruning.W_" in name]
+    opt = torch.optim.AdamW(rule, lr=0.1, fused=True)
+    sum((p * p).sum() for p in rule).backward()
+    opt.step()
+    again = graphs.checkout(model, batch=1, capacity=8, kind="compacted")
+    assert again is first and held["qk"].data_ptr() == where
+    for block, layer in zip(model.blocks, again.state.layers):
+        assert torch.equal(layer.rule_constants["qk"], block.mixer.pruning.decode_constants()["qk"])
+    graphs.give_back(model, again)
     with torch.no_grad():
-        model.blocks[0].mixer.pruning.W_Kint.add_(0.1)
+        model.blocks[1].mixer.pruning.beta.add_(0.5)
     assert graphs.checkout(model, batch=1, capacity=8, kind="compacted") is not first
     graphs.release(model)
+
+
+def test_a_state_whose_copies_no_longer_fit_is_refused():
+    """A state's own copies are never replaced (a captured graph holds their addresses): when the model's
+    projections no longer fit them, attaching it again is refused."""
+    model = model_for(10, mixer="mha", **SWIGLU)
+    state = model.new_cache(batch=1, capacity=8)
+    packing.attach(model, state)
+    model.blocks[0].ffn.gate = None  # (SwiGLU's gate gone: nothing to pack there)
+    with pytest.raises(ValueError, match="no longer fit"):
+        packing.attach(model, state)
 
 
 def test_a_variant_with_a_projection_of_its_own_is_not_packed():

@@ -61,6 +61,8 @@ def rotary_table(n: int, d: int, theta: float, dtype, device) -> tuple[torch.Ten
         with _TABLES_LOCK:  # one table per key, ever: a captured graph may hold the first one's address
             got = _TABLES.get(key)
             if got is None:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (its memory: the graph's)
+                    raise RuntimeError("the rotary table is made before a CUDA graph capture (a warm-up step)")
                 with torch.inference_mode(False), torch.no_grad():
                     got = _TABLES[key] = rotary_tables(torch.arange(n, device=device), d, theta, dtype)
     return got
@@ -168,7 +170,7 @@ class Attention(Mixer):
         if self.rope_theta is None:
             return state.attend(self, x, q, k, v, record)
         # rotary embedding, Llama's half-split convention (kernels.reference.rotate_half)
-        fusable = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))  # (the kernel: no backward)
+        fusable = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))  # (else autograd's rotary)
         if fusable and getattr(state, "rotates", None) and state.rotates(q, record):  # fused with its cache write
             table = rotary_table(self.context, self.d_head, self.rope_theta, q.dtype, q.device)
             return state.attend(self, x, q, k, v, record, rope=(*table, positions.reshape(-1)))
