@@ -51,7 +51,8 @@ def _triton_ops() -> dict[str, object]:
         return {}
     return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": triton_attention.decode,
             "log_keep": triton_keep.log_keep, "log_keep_grad": triton_keep.log_keep_grad,
-            "step_write": triton_step.step_write, "silu_mul": triton_step.silu_mul, "add_norm": triton_step.add_norm}
+            "step_write": triton_step.step_write, "rule_product": triton_step.rule_product,
+            "silu_mul": triton_step.silu_mul, "add_norm": triton_step.add_norm}
 
 
 def backend_for(op: str, tensor) -> str:
@@ -174,6 +175,17 @@ def step_write(q, new: dict, buffers: dict, cursor, rope=None, slots=None):
         _note("step_write", "reference")
         return reference.step_write(q, new, buffers, cursor, rope, slots)
     return _run("step_write", new["k"], reference.step_write, q, new, buffers, cursor, rope, slots)
+
+
+def rule_product(x, w):
+    """The learned rule's projection of a decode step's hidden state x in float32 at least (w: [W^Qint | W^Kint]
+    in the rule's precision): for a half-precision x one launch on a GPU (PyTorch: the widening copy and the
+    product); any other x, or one that needs a gradient, is the reference's one matmul. See
+    kernels.reference.rule_product."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or _needs_grad(x, w):
+        _note("rule_product", "reference")
+        return reference.rule_product(x, w)
+    return _run("rule_product", x, reference.rule_product, x, w)
 
 
 def silu_mul(g, u):

@@ -273,6 +273,12 @@ def step_write(q: torch.Tensor, new: dict, buffers: dict, cursor: torch.Tensor, 
     return q
 
 
+def rule_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The pruning rule's projection of a hidden state in float32 at least: x @ w with a half-precision x widened
+    first (w [d, n] in the rule's precision, [W^Qint | W^Kint] for a decode step)."""
+    return (x.float() if x.dtype in (torch.bfloat16, torch.float16) else x) @ w
+
+
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: silu(g) * u."""
     return F.silu(g) * u

@@ -227,3 +227,36 @@ def add_norm(x, h, weight, bias, eps, rms):
             y_rows.stride(0), HAS_H=hs is not None, HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
             BLOCK_D=triton.next_power_of_2(d))
     return s, y
+
+
+@triton.jit
+def _rule_product_kernel(X, W, Y, D, N, sx, sw, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row, block of columns): y = float32(x) @ w over d in blocks, in float32 (no tl.dot: one row)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        x = tl.load(X + r * sx + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        w = tl.load(W + offs_d[:, None] * sw + offs_n[None, :], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.sum(x[:, None] * w.to(tl.float32), 0)
+    tl.store(Y + r * N + offs_n, acc, mask=n_mask)
+
+
+RULE_BLOCK_D, RULE_BLOCK_N = 64, 32
+
+
+def rule_product(x, w):
+    d, n = w.shape
+    if x.shape[-1] != d or w.dtype != torch.float32 or w.stride(-1) != 1:
+        raise ValueError(f"rule_product takes x [..., {d}] and a float32 weight [d, n] with contiguous rows")
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _rule_product_kernel[(rows.shape[0], triton.cdiv(n, RULE_BLOCK_N))](
+            rows, w, y, d, n, rows.stride(0), w.stride(0), BLOCK_D=RULE_BLOCK_D, BLOCK_N=RULE_BLOCK_N)
+    return y

@@ -193,6 +193,16 @@ def test_compacted_decode_notes_drops_in_place_as_the_fresh_mask_says(b, h, g, s
     assert rel_err(got, want) < TOL[f32]
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rows,d,n", [(1, 576, 128), (64, 2048, 128), (3, 960, 40)])
+def test_rule_product_in_float32_from_half_precision(rows, d, n, dtype):
+    """The rule's projection of a half-precision hidden state: float32 accumulation, as the widened product."""
+    from kernels import triton_step
+    x, w = rand(rows, 1, d, dtype=dtype), rand(d, n, dtype=torch.float32)
+    got = triton_step.rule_product(x, w)
+    assert got.dtype == torch.float32 and rel_err(got, x.double() @ w.double()) < 1e-6
+
+
 @pytest.mark.parametrize("n_split", [2, 8, 128, None])
 @pytest.mark.parametrize("b,h,g,s,prune", [(1, 9, 3, 16384, False), (64, 9, 3, 4096, False), (1, 16, 1, 32768, False),
                                            (2, 9, 3, 16384, True)])

@@ -72,6 +72,10 @@ def cases():
                         | {"KI": "*fp32", "KIB": "*fp32", "LIVE": "*u8", "POS": "*i64", "QPOS": "*i64", "CUR": "*i64",
                            "AT": "*i64"},
                         dict(ROTATE=rotate, HAS_V=True, HAS_KI=rule, HAS_SLOTS=rule, BLOCK_D=d, BLOCK_RI=64), 4, 3))
+        if dtype != "fp32":
+            out.append((f"rule_product {dtype}", ts._rule_product_kernel,
+                        {"X": f"*{dtype}", "W": "*fp32", "Y": "*fp32"},
+                        dict(BLOCK_D=ts.RULE_BLOCK_D, BLOCK_N=ts.RULE_BLOCK_N), 4, 3))
         out.append((f"silu_mul {dtype}", ts._silu_mul_kernel, {n: f"*{dtype}" for n in ("G", "U", "OUT")},
                     dict(BLOCK=ts.SILU_BLOCK), 4, 3))
         for rms, has_h, has_w, width in ((True, True, True, 1024), (True, False, True, 64), (False, True, True, 1024),

@@ -154,6 +154,30 @@ def test_silu_mul_reads_the_halves_of_a_packed_product_in_place(rows):
     assert got.is_contiguous() and torch.allclose(got, reference.silu_mul(g, u), atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,d,n", [(1, 576, 128), (3, 100, 40), (2, 16, 8)])
+def test_rule_product_is_the_widened_product(dtype, rows, d, n):
+    """The rule's projection of a half-precision hidden state in float32, one kernel: float32(x) @ w (in float64
+    from the same half-precision values, to float32 rounding), read in place from a view of wider rows."""
+    x = (torch.randn(rows, 1, d + 5) * 2).to(dtype)[..., :d]
+    w = torch.randn(d, n)
+    got = triton_step.rule_product(x, w)
+    want = (x.double() @ w.double()).float()
+    assert got.dtype == torch.float32 and got.shape == (rows, 1, n)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(got, reference.rule_product(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_rule_product_takes_the_reference_where_there_is_nothing_to_widen():
+    w = torch.randn(8, 4, dtype=torch.float64)
+    x = torch.randn(2, 1, 8, dtype=torch.float64)
+    with kernels.record_paths() as paths:
+        assert torch.equal(kernels.rule_product(x, w), x @ w)  # float64 stays float64
+    assert paths["rule_product"] == "reference"
+    with pytest.raises(ValueError, match="float32 weight"):
+        triton_step.rule_product(x.half(), w)
+
+
 def naive_norm(s: torch.Tensor, w, b, eps: float, rms: bool) -> torch.Tensor:
     """RMSNorm: s / sqrt(mean(s^2) + eps) * w; LayerNorm: (s - mean) / sqrt(var + eps) * w + b (float64)."""
     s = s.double()
@@ -305,7 +329,7 @@ def test_static_shape_decode_on_the_fused_kernels_equals_the_reference_and_the_f
     assert {op for op, path in dec.kernel_paths.items() if path == "triton"} >= fused
 
 
-def layer_cost(state: str = "static", **overrides) -> "Counter":  # noqa: F821
+def layer_cost(state: str = "static", dtype=torch.float32, **overrides) -> "Counter":  # noqa: F821
     """The kernels one more layer adds to a fixed-shape batch-1 step (a 3-layer model's count less a 2-layer one's,
     same shapes): what the per-step constant (embedding, rotary angles, final norm, head) does not blur."""
     from collections import Counter
@@ -315,7 +339,7 @@ def layer_cost(state: str = "static", **overrides) -> "Counter":  # noqa: F821
     for n_layers in (2, 3):
         torch.manual_seed(0)
         cfg = tiny_config(**{**overrides, "n_layers": n_layers}, context=64)
-        counts.append(count_step(DecoderLM(cfg).eval(), state, prompt=6, capacity=32))
+        counts.append(count_step(DecoderLM(cfg).to(dtype).eval(), state, prompt=6, capacity=32))
     diff = Counter(counts[1])
     diff.subtract(counts[0])
     return +diff
@@ -349,6 +373,13 @@ def test_a_pruned_smollm2_shaped_layer_on_the_compacted_cache_launches_ten_kerne
     assert sum(cost.values()) == 10, cost
     assert cost["mm"] == 5 and cost["triton:_decode_kernel"] == 1 and cost["triton:_step_write_kernel"] == 1, cost
     assert not {"where", "bitwise_xor", "copy_"} & set(cost), cost
+
+
+def test_in_bf16_a_pruned_layer_launches_no_widening_copy():
+    """In bf16 the rule's projection reads the half-precision hidden state and computes in float32 in one kernel
+    (it was a widening copy and a product): the same ten kernels as in float32."""
+    cost = layer_cost("compacted", dtype=torch.bfloat16, **SMOLLM2_LIKE, prune=True)
+    assert sum(cost.values()) == 10 and cost["triton:_rule_product_kernel"] == 1 and "_to_copy" not in cost, cost
 
 
 def test_a_fixed_step_with_a_gradient_rotates_in_pytorch():

@@ -9,7 +9,6 @@ import torch
 import kernels
 from models.backends import additive, group_rows
 from models.pruning import pattern_allows
-from models.pruning.interaction import widen
 from models.pruning.compact_cache import ALIGN
 from models.pruning.replay import CHUNK  # the replay sums the prompt's attention in the same blocks
 
@@ -128,7 +127,7 @@ def decode(mixer, cache, x, q, k, v, rope=None):
     rule = mixer.pruning if cache.policy is None else None
     if rule is not None:
         c = rule_constants(mixer, cache)
-        qk = widen(x) @ c["qk"]  # the rule scores in float32 at least (models.pruning.interaction.HALF)
+        qk = kernels.rule_product(x, c["qk"])  # the rule scores in float32 at least (models.pruning.interaction.HALF)
         q_int, k_int = qk[..., :rule.r], qk[..., rule.r:]
     else:
         q_int, k_int = None, False
