@@ -49,7 +49,7 @@ class LayerCache:
 
     def attend(self, mixer, x, q, k, v, record, rope=None):
         """The attention backend over this cache (models.backends.static); Extractors read the buffers alone.
-        rope: the rotary (cos, sin) of q and k, not applied yet (only where `rotates` said so)."""
+        rope: the angle tables and positions of q and k, not rotated yet (only where `rotates` said so)."""
         return static.attend(mixer, self, x, q, k, v, record, rope)
 
     def buffers_device(self) -> torch.device:

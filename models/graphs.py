@@ -120,8 +120,7 @@ _free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key:
 def _weights(model) -> tuple:
     """Where every weight lives, its dtype and the kernel choice: a captured step reads them as they were
     (moving or recasting the model reallocates them)."""
-    return (tuple(p.data_ptr() for p in model.parameters()), model.wte.weight.dtype,
-            os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
+    return (*packing.where(model), os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
 
 
 def _constants_current(model, entry: Captured) -> bool:

@@ -81,9 +81,9 @@ def _fill(layer: dict | None, src: dict[str, tuple], own: bool = False) -> dict:
     return out
 
 
-def _where(model) -> tuple:
+def where(model) -> tuple:
     """Where every weight lives and its dtype: packed copies belong to those tensors (models.graphs keys its
-    captured steps the same way)."""
+    captured steps by it too)."""
     return tuple(p.data_ptr() for p in model.parameters()), model.wte.weight.dtype
 
 
@@ -91,7 +91,7 @@ def attach(model, state) -> None:
     """Give each layer of a fixed-shape decode state (`state.layers`) the packed weights of its block, refilled
     from the model's weights now: into the state's own copies when it has them (a pooled entry's graph reads
     those), else into the model's kept ones (new ones when its weights moved)."""
-    key = _where(model)
+    key = where(model)
     with _lock, torch.inference_mode(False), torch.no_grad():  # plain tensors, as the caches are (models.graphs)
         old = [getattr(layer, "packed", None) for layer in state.layers]
         own = all(p is not None for p in old)

@@ -44,7 +44,7 @@ class _GroupRows:
 
 
 def attend(mixer, cache, x, q, k, v, record, rope=None):
-    """rope: the rotary (cos, sin) of q and k, not applied yet (a fixed-shape step: CompactCache.rotates)."""
+    """rope: the angle tables and positions of q and k, not rotated yet (a fixed-shape step: CompactCache.rotates)."""
     if cache.groups > 1:
         return by_group(mixer, cache, x, q, k, v, record)
     return attend_rows(mixer, cache, x, q, k, v, record, rope)
@@ -122,7 +122,7 @@ def decode(mixer, cache, x, q, k, v, rope=None):
     """One new token per row, every row real: the fast path (no host synchronisation, no sort). The token joins
     slot `end`; with pruning, one fused pass scores it against the live slots, attends over what survives and
     says what survives; the compaction question is asked every few steps. rope (fixed shapes only): q and k
-    come unrotated, and K is rotated as it is written (kernels.rope_write)."""
+    come unrotated, and are rotated as K is written (kernels.step_write)."""
     q_pos = cache.q_pos
     rule = mixer.pruning if cache.policy is None else None
     if rule is not None:
@@ -132,15 +132,16 @@ def decode(mixer, cache, x, q, k, v, rope=None):
     else:
         q_int, k_int = None, False
     new = mixer.cache_entries(x, k, v, k_int)
-    counts = None
     if cache.cursor is None:
         cache.append(new, q_pos)
-        past, live, pos, lengths = cache.view(), cache.live[:, :cache.end], cache.pos[:, :cache.end], None
+        e = cache.end
+        past, live, pos, trig = cache.view(), cache.live[:, :e], cache.pos[:, :e], cache.trig[:, :e]
+        lengths = counts = None
     else:  # fixed shapes: every write at the cursor in one kernel (rotating q and K there with rope), then the
         # whole buffers, each row read up to the slot just written (the cursors move on at the step's end)
         q = cache.write_step(q, new, q_pos, rope)
-        past, live, pos, lengths = cache.buffers, cache.live, cache.pos, cache.filled.expand(q.shape[0])
-        counts = cache.merge_counts
+        past, live, pos, trig = cache.buffers, cache.live, cache.pos, cache.trig
+        lengths, counts = cache.filled.expand(q.shape[0]), cache.merge_counts
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
     if cache.policy is not None:
@@ -154,7 +155,6 @@ def decode(mixer, cache, x, q, k, v, rope=None):
                             merge_counts=counts)
     # with the cache's drop notes: the kernel writes keep over `live` and notes what this query dropped in place
     # (CompactCache.update_kept's work, without its four kernels a layer)
-    trig = cache.trig if cache.cursor is not None else cache.trig[:, :cache.end]
     prune = {"q_int": q_int[:, 0], "k_int": past["k_int"], "beta": c["beta"], "live": live,
              "pos": pos, "q_pos": q_pos[:, 0], "valid": None, "lam": c["lam"], "sinks": c["sinks"], "trig": trig}
     o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, lengths=lengths, merge_counts=counts,

@@ -170,8 +170,8 @@ class Attention(Mixer):
         if self.rope_theta is None:
             return state.attend(self, x, q, k, v, record)
         # rotary embedding, Llama's half-split convention (kernels.reference.rotate_half)
-        fusable = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))  # (else autograd's rotary)
-        if fusable and getattr(state, "rotates", None) and state.rotates(q, record):  # fused with its cache write
+        # a fixed-shape step rotates as it writes (kernels.step_write; a gradient takes its reference there)
+        if getattr(state, "rotates", None) and state.rotates(q, record):
             table = rotary_table(self.context, self.d_head, self.rope_theta, q.dtype, q.device)
             return state.attend(self, x, q, k, v, record, rope=(*table, positions.reshape(-1)))
         cos, sin = rotary_tables(positions, self.d_head, self.rope_theta, q.dtype)

@@ -80,8 +80,8 @@ class CompactCache:
         return q.shape[2] == 1 and self.valid is None and record is None
 
     def rotates(self, q: torch.Tensor, record) -> bool:
-        """Whether this call takes q and k unrotated with their rotary (cos, sin) as `rope`: a fixed-shape step of
-        every row, the learned rule or no rule deciding, rotates K as it writes it (one kernel with V's write)."""
+        """Whether this call takes q and k unrotated, with their angle tables and positions as `rope`: a fixed-shape
+        step of every row, the learned rule or no rule deciding, rotates them as it writes (kernels.step_write)."""
         return self.cursor is not None and self.decode_step(q, record) and self.policy is None and self.groups == 1
 
     @property
@@ -161,10 +161,10 @@ class CompactCache:
             self.merge_counts = merge_counts(self.buffers)
         self.set_cursor(self.end)
 
-    def set_cursor(self, n) -> None:
-        """The slot the next fixed-shape step writes (an int or a one-element tensor), and what it reads."""
-        self.cursor.copy_(n) if torch.is_tensor(n) else self.cursor.fill_(n)
-        self.filled.copy_(self.cursor + 1)
+    def set_cursor(self, n: int) -> None:
+        """The slot the next fixed-shape step writes, and what it reads (on the device, in place)."""
+        self.cursor.fill_(n)
+        self.filled.fill_(n + 1)
 
     def insert(self, new: dict[str, torch.Tensor], q_pos: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Write each valid new token ([B, *lead, T, w] per name) into a free slot of its own row (valid None:
