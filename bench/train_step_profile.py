@@ -6,8 +6,9 @@
 Builds the model of the config with random weights (the cost does not depend on their values), freezes what the
 run freezes, and times forward + backward + AdamW on random tokens at each alpha of the schedule (the alpha-sigmoid
 takes a closed form at 1 and 2 and an interpolated table elsewhere), then lists the operators that took the most
-time in the last step (torch.profiler). As in training, where alpha moves every step, each timed step rebuilds the
-alpha-sigmoid's table. Threads: torch's setting, reported.
+time in the last step (torch.profiler). Alpha moves every training step, so each step needs a new table: step_s
+adds its share, built as models.train builds them (table_cost: on a GPU 64 steps' tables in one batched
+bisection, on a CPU one a step). Threads: torch's setting, reported.
 
 A config that prunes is timed beside its dense twin in the same run: the same model without the rule, every
 parameter training (what a dense run of it does). Each pruned row carries vs_dense, its tokens/s over the twin's
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -29,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from models.adapters import set_trainable_params, trainable_params
 from models.pruning import pair_count, sparsity_loss
-from models.pruning.alpha_sigmoid import _table as alpha_table
+from models.pruning.alpha_sigmoid import AHEAD, clear_tables, prepare_tables
 from models.device import describe as device_name
 from models.train import load_run_config
 from models.transformer import DecoderLM
@@ -38,8 +40,7 @@ from models.transformer import DecoderLM
 def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[float]:
     out = []
     cuda = x.is_cuda
-    for _ in range(steps):
-        alpha_table.cache_clear()   # training's alpha moves every step: a new table each step
+    for _ in range(steps):  # (the alpha-sigmoid's table is kept from the warm-up: table_cost adds its share)
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as models.train runs on a GPU
             res = model(x, targets=y)
@@ -51,6 +52,29 @@ def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[f
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def table_cost(alpha: float, dev) -> dict:
+    """What a training step pays for its alpha-sigmoid table, built as models.train builds them: on a GPU AHEAD
+    steps' tables in one batched bisection (this times AHEAD alphas next to `alpha`, their share per step), on
+    a CPU one table a step. Nothing at alpha 1, 2 or inf (closed forms)."""
+    if not 1 < alpha < math.inf or alpha == 2:
+        return {"table_s_per_step": 0.0}
+    ahead = AHEAD if dev.type == "cuda" else 1
+    near = [alpha * (1 + 1e-7 * k) for k in range(ahead)]
+    times = []
+    for _ in range(3):
+        clear_tables()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prepare_tables(near, dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    clear_tables()
+    block = statistics.median(times)
+    return {"table_s_per_step": block / ahead, "table_block_s": block, "tables_per_block": ahead}
 
 
 def build(cfg, freeze_base: bool, dev):
@@ -73,13 +97,14 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
     key = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"  # where the time is
     top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
            for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:args.top]]
-    step = statistics.median(times)
+    table = table_cost(alpha, x.device) if alpha is not None else {}
+    step = statistics.median(times) + table.get("table_s_per_step", 0.0)
     label = "dense twin" if alpha is None else f"alpha {alpha:g}"
     print(f"{label}: {step:.2f} s/step ({x.shape[0]} x {x.shape[1]} tokens); top: "
           + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
     rule = sum(p.numel() for b in model.blocks if getattr(b.mixer, "pruning", None) is not None
                for p in b.mixer.pruning.parameters())
-    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step,
+    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step, **table,
             "tokens_per_s": x.numel() / step, "trainable_params": sum(p.numel() for p in model.parameters()
                                                                       if p.requires_grad),
             "rule_params": rule, "top_ops": top}

@@ -44,6 +44,22 @@ def record_paths():
             outer.update(paths)
 
 
+def recorder() -> dict[str, str] | None:
+    """The dict record_paths() fills in this context (None outside one), for work begun here that runs in another
+    thread: a CUDA backward runs on autograd's device thread, which does not inherit context variables."""
+    return _recording.get()
+
+
+@contextmanager
+def recording_into(paths: dict[str, str] | None):
+    """Note paths into `paths` (a recorder() taken where the work began) for the calls made inside."""
+    token = _recording.set(paths)
+    try:
+        yield
+    finally:
+        _recording.reset(token)
+
+
 def _triton_ops() -> dict[str, object]:
     try:
         from kernels import triton_attention, triton_keep, triton_lag, triton_step

@@ -496,6 +496,9 @@ def environment(dev) -> dict:
     return env
 
 
+SECTIONS = ["prefill", "decode", "compact", "lag", "train_attention", "log_I_chain"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results here")
@@ -504,8 +507,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
     ap.add_argument("--tune", action="store_true", help="CUDA: also sweep the kernels' launch shapes")
     ap.add_argument("--models", default="assets/models/mha,assets/models/mhe-mul,assets/models/mha-1024-pruned",
-                    help="comma-separated model directories for the end-to-end decode rows")
+                    help="comma-separated model directories for the end-to-end decode rows ('' for none)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma-separated: which of these to time (a short GPU call times only some)")
+    ap.add_argument("--contexts", default=None, help="decode contexts, comma-separated (default: the device's)")
     args = ap.parse_args(argv)
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if set(sections) - set(SECTIONS):
+        ap.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}; known: {', '.join(SECTIONS)}")
     from models.device import resolve
     dev = resolve(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -520,11 +529,14 @@ def main(argv=None) -> int:
     else:
         sizes = dict(prefill=[512, 1024, 2048], contexts=[1024, 4096, 16384], batches=[1, 8],
                      lag=[256, 1024], reps=5, tokens=32, compact_s=16384, compact_b=[1])
+    if args.contexts:
+        sizes["contexts"] = [int(c) for c in args.contexts.split(",")]
     budget = (40 if cuda else 2) * 2 ** 30
     fl = floors(dev, dtype)
     print(f"device {dev}: copy {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {fl['matmul_flops_per_s'] / 1e12:.2f} "
           f"TFLOP/s", file=sys.stderr)
-    flex = flex_fn(dev) if not args.quick else (None, "skipped in --quick")
+    flex = flex_fn(dev) if not args.quick and "prefill" in sections \
+        else (None, "skipped in --quick or with its sections left out")
     rows = []
     steps = [("prefill", lambda: bench_prefill(dev, dtype, sizes["prefill"], fl, sizes["reps"], flex)),
              ("decode", lambda: bench_decode(dev, dtype, sizes["contexts"], sizes["batches"], fl, sizes["reps"],
@@ -537,6 +549,8 @@ def main(argv=None) -> int:
              ("log I chain", lambda: bench_keep(dev, fl, sizes["reps"], *((1, 64) if args.quick else
                                                                          (32, 1024) if cuda else (2, 1024))))]
     for name, fn in steps:
+        if name.replace(" ", "_") not in sections:
+            continue
         t0 = time.perf_counter()
         rows += fn()
         print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)

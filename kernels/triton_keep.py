@@ -28,7 +28,7 @@ def _mul(a, b):
 
 
 @triton.jit
-def _gates(X, P, D, offs, m, j, lim, half, sinks, MODE: tl.constexpr):
+def _gates(X, P, D, offs, m, j, lim, scale, half, sinks, MODE: tl.constexpr):
     """sigma_alpha(x) and sigma'(x) for one tile, as kernels.reference.log_keep's alpha_sigmoid_slope computes them
     (a NaN score stays NaN in sigma, slope 0)."""
     x = tl.load(X + offs, mask=m, other=0.0)
@@ -42,7 +42,10 @@ def _gates(X, P, D, offs, m, j, lim, half, sinks, MODE: tl.constexpr):
         s = tl.minimum(tl.maximum(y, 0.0), 1.0)
         d = tl.where((y >= 0.0) & (y <= 1.0), 0.5, 0.0)
     else:  # the index counted from the grid's centre, as alpha_sigmoid._lerp_tables does
-        u = tl.minimum(tl.maximum(xs, -lim), lim) * (half / lim)
+        # scale = half / lim from the host, as alpha_sigmoid._lerp_tables has it (a GPU's float32 division is
+        # approximate); u clamped too: the product can pass half by an ulp, and w outside [0, 1] made sigma
+        # negative at the grid's end (NaN log I on an H200 at alpha 4 and 8, 2026-11-27)
+        u = tl.minimum(tl.maximum(tl.minimum(tl.maximum(xs, -lim), lim) * scale, -half), half)
         i0 = tl.minimum(tl.maximum(tl.floor(u), -half), half - 1)
         w = u - i0
         idx = (i0 + half).to(tl.int32)
@@ -56,7 +59,7 @@ def _gates(X, P, D, offs, m, j, lim, half, sinks, MODE: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(X, P, D, LOG, KEEP, RATIO, T, lim, half, log_floor, sinks,
+def _forward_kernel(X, P, D, LOG, KEEP, RATIO, T, lim, scale, half, log_floor, sinks,
                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: B x T x T passes 2^31 at batch 32, 8k tokens
     j0 = tl.program_id(1) * BLOCK_J
@@ -74,7 +77,7 @@ def _forward_kernel(X, P, D, LOG, KEEP, RATIO, T, lim, half, log_floor, sinks,
             tl.store(KEEP + offs, tl.zeros([BLOCK_N, BLOCK_J], tl.float32), mask=m)
             tl.store(RATIO + offs, tl.zeros([BLOCK_N, BLOCK_J], tl.float32), mask=m)
         else:
-            s, d = _gates(X, P, D, offs, m, j, lim, half, sinks, MODE)
+            s, d = _gates(X, P, D, offs, m, j, lim, scale, half, sinks, MODE)
             later = j[None, :] < n[:, None]
             causal = j[None, :] <= n[:, None]
             # the floor 1e-40 is a subnormal, which a GPU's log may flush to 0 (then -inf, floored here alike)
@@ -140,7 +143,7 @@ def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0):
         p_tab, d_tab = _table(float(alpha), str(x.device))
         mode, lim, half = TABLE, table_range(float(alpha)), float((p_tab.shape[0] - 1) // 2)  # (an integer)
     log_i, keep, ratio = (torch.empty_like(x) for _ in range(3))
-    _forward_kernel[(b, triton.cdiv(t, BLOCK_J))](x, p_tab, d_tab, log_i, keep, ratio, t, lim, half,
+    _forward_kernel[(b, triton.cdiv(t, BLOCK_J))](x, p_tab, d_tab, log_i, keep, ratio, t, lim, half / lim, half,
                                                   math.log(LOG_FLOOR), sinks, MODE=mode, BLOCK_N=BLOCK_N,
                                                   BLOCK_J=BLOCK_J, num_warps=WARPS)
     return log_i, keep, ratio

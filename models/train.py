@@ -41,6 +41,7 @@ from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
 from models.params import components, count_trainable
 from models.pruning import alpha_schedule, mean_sparsity, pair_count, sparsity_loss
+from models.pruning.alpha_sigmoid import prefetch_schedule
 from models.transformer import DecoderLM
 
 log = logging.getLogger("models.train")
@@ -465,6 +466,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
             offsets = batch_offsets(tc.seed, step, train_tokens.size, ctx, tc.batch_size)[rank::world]
             x, y = get_batch(train_tokens, offsets, ctx, dev)
             if pruning:
+                if dev.type == "cuda":  # the next steps' alpha-sigmoid tables in one batched build
+                    prefetch_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end, dev)
                 model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end))
             with autocast:
                 res = fwd(x, targets=y)

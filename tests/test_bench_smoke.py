@@ -1,6 +1,8 @@
 """The benchmarks run end to end at toy sizes (their numbers are not checked: timing is not a unit test)."""
 import json
 
+import pytest
+
 from bench import pruning_decode
 
 
@@ -27,6 +29,18 @@ def test_kernel_bench_runs_quick(tmp_path):
     assert {"prefill mhe-mul t=64", "decode mqa ctx=128 batch=2", "lag she s=64 c=128"} <= cases
     assert all(r["x_floor"] > 0 for r in res["rows"] if "ms" in r)
     assert res["end_to_end"][0]["mixer"] == "mhe-mul" and res["end_to_end"][0]["tokens_per_s"] > 0
+
+
+def test_kernel_bench_times_only_the_sections_asked_for(tmp_path, capsys):
+    from kernels import bench
+    out = tmp_path / "k.json"
+    assert bench.main(["--quick", "--sections", "compact", "--models", "", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["rows"] and all(r["case"].startswith("compact decode") for r in res["rows"])
+    assert res["end_to_end"] == []
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--sections", "compact,nonsense"])
+    assert "unknown sections ['nonsense']" in capsys.readouterr().err
 
 
 def test_compacted_target_compares_like_with_like():
@@ -58,6 +72,9 @@ def test_train_step_profile_runs(tmp_path):
     assert ([(r["model"], r["alpha"]) for r in res["rows"]] == [("dense", None), ("pruned", 1.0), ("pruned", 1.02),
                                                                ("pruned", 4.0)]
             and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"]))
+    # each step's share of its alpha-sigmoid table: none at alpha 1 (a closed form), one table a step on a CPU
+    assert res["rows"][1]["table_s_per_step"] == 0
+    assert all(r["table_s_per_step"] > 0 and r["tables_per_block"] == 1 for r in res["rows"][2:])
     twin, rule = res["rows"][0], 2 * (2 * 16 * 4 + 1)
     assert twin["rule_params"] == 0 and twin["trainable_params"] > rule        # dense, every parameter training
     assert all(r["rule_params"] == r["trainable_params"] == rule for r in res["rows"][1:])

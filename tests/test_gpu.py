@@ -335,7 +335,7 @@ def test_pruned_training_under_cuda_autocast_over_the_alpha_schedule(alpha):
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("alpha", [1.0, 2.0, 1.02, 4.0])
+@pytest.mark.parametrize("alpha", [1.0, 2.0, 1.02, 2.7, 4.0, 8.0])
 def test_keep_structure_kernels_at_a_training_shape(alpha):
     """Training's log I chain (kernels.triton_keep) against the reference at batch 4 x 1024 tokens, forward and
     backward, with the GPU's own exp and log, and scores far under log I's floor (1e-40, a subnormal a GPU may
@@ -356,6 +356,25 @@ def test_keep_structure_kernels_at_a_training_shape(alpha):
     for args in ((g_log, g_keep), (g_log, None), (None, g_keep)):
         assert rel_err(triton_keep.log_keep_grad(*args, want[1], want[2]),
                        reference.log_keep_grad(*args, want[1], want[2])) < 1e-5
+
+
+def test_alpha_sigmoid_tables_built_together_on_the_gpu_equal_those_built_alone():
+    """models.train builds 64 steps' tables in one batched bisection on a GPU: each equals its alpha's table
+    built alone, and a trainer's 'cuda' finds the table a tensor's 'cuda:0' asks for."""
+    import importlib
+    tab = importlib.import_module("models.pruning.alpha_sigmoid")
+    alphas = [1.02, 1.3, 2.5, 4.0, 8.0]
+    tab.clear_tables()
+    alone = {a: tab._table(a, DEV) for a in alphas}
+    tab.clear_tables()
+    tab.prepare_tables(alphas, DEV)
+    x = torch.zeros(1, device=DEV)
+    for a in alphas:
+        assert tab.has_table(a, x.device)
+        got = tab._table(a, str(x.device))
+        assert torch.equal(got[0], alone[a][0]) and torch.equal(got[1], alone[a][1]), a
+        assert bool(((got[0] >= 0) & (got[0] <= 1)).all())
+    tab.clear_tables()
 
 
 def test_pruned_training_gradients_through_the_keep_kernels_equal_the_reference(monkeypatch):

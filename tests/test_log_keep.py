@@ -172,3 +172,61 @@ def test_a_training_step_through_the_triton_keep_equals_the_reference(interprete
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5 * float(want[name].abs().max()) + 1e-9,
                                    rtol=1e-4, msg=name)
+
+
+# alphas where float32(lim) * float32(half / lim) passes the table's half-width by an ulp (found by search over
+# 1.01, 1.02, ..., 19.99); 1.14 is one where the grid ends above P_FLOOR rather than at 0
+ULP_ALPHAS = [1.14, 2.7, 3.15, 3.91]
+
+
+@pytest.mark.parametrize("alpha", ULP_ALPHAS + [4.0, 8.0])
+def test_the_interpolated_sigma_stays_in_0_1_at_and_past_the_grids_ends(alpha):
+    """At these alphas the interpolation weight left [0, 1] at the grid's ends: sigma was -7e-8 there (a negative
+    I after a product) and 1 + 1e-7 at the other end."""
+    from models.pruning.alpha_sigmoid import _table, alpha_sigmoid, alpha_sigmoid_slope, table_range
+    lim = table_range(alpha)
+    x = torch.tensor([-1e3, -lim, -lim * (1 - 1e-7), 0.0, lim * (1 - 1e-7), lim, 1e3])
+    p_tab, _ = _table(alpha, "cpu")
+    for s in (alpha_sigmoid(x, alpha), alpha_sigmoid_slope(x, alpha)[0]):
+        assert bool(((s >= 0) & (s <= 1)).all()), s
+        assert s[0] == s[1] == p_tab[0] and s[-1] == s[-2] == p_tab[-1]
+    assert bool((alpha_sigmoid_slope(x, alpha)[1] >= 0).all())
+
+
+@pytest.mark.parametrize("alpha", ULP_ALPHAS + [8.0])
+def test_triton_keep_at_the_grids_ends(interpreter, alpha):
+    """The kernel takes the table's scale from the host and clamps the index as the reference does: scores past
+    both ends give the reference's log I, I and ratio, never NaN or a negative I (an H200's approximate float32
+    division gave NaN log I at alpha 4 and 8 before)."""
+    from models.pruning.alpha_sigmoid import table_range
+    torch.manual_seed(1)
+    t = 40
+    lim = table_range(alpha)
+    x = torch.randn(2, t, t) * lim
+    x[0, t // 2:, :t // 2] = -lim        # exactly at the ends
+    x[0, :t // 2, t // 2:] = lim
+    x[1, t // 3:, :] = -50.0             # far past them
+    x[1, :t // 3, :] = 50.0
+    got = interpreter.log_keep(x, alpha=alpha, sinks=1)
+    want = reference.log_keep(x, alpha=alpha, sinks=1)
+    assert not any(bool(g.isnan().any()) for g in got) and bool((got[1] >= 0).all())
+    for g, w in zip(got, want):
+        fin = w.isfinite()
+        assert torch.equal(g.isinf(), w.isinf())
+        torch.testing.assert_close(g[fin], w[fin], atol=1e-6, rtol=1e-5)
+
+
+def test_a_backward_on_another_thread_notes_its_path_where_its_forward_ran():
+    """On CUDA autograd runs a backward on a device thread of its own, which does not inherit the context
+    record_paths() set: log_keep_grad then went unrecorded (KeyError on an H200, 2026-11-27). Here the backward is
+    run on a thread of this test's."""
+    import threading
+    p = rule(torch.float32, 1.7)
+    x = torch.randn(1, 9, 12).requires_grad_(True)  # hidden states (the rule is 12 wide)
+    with kernels.record_paths() as paths:
+        log_i, keep = p.log_keep(x, None)
+        loss = keep.sum() + log_i.masked_fill(~below_diagonal(9, "cpu")[1], 0).sum()
+        worker = threading.Thread(target=loss.backward)
+        worker.start()
+        worker.join()
+    assert x.grad is not None and paths.get("log_keep_grad") == paths["log_keep"]

@@ -285,6 +285,40 @@ def test_alpha_sigmoid_table_near_one_keeps_log_i(alpha):
     assert torch.all(got[x > r] == 1)
 
 
+def test_tables_built_together_equal_tables_built_alone(monkeypatch):
+    """A GPU trainer builds the next steps' alpha-sigmoid tables in one batched bisection (prepare_tables): each
+    equals the table its alpha gets alone, bit for bit, across point counts and both sides of alpha 2; the kept
+    tables are bounded, and the schedule's prefetch builds only when this step's table is missing."""
+    import importlib
+    tab = importlib.import_module("models.pruning.alpha_sigmoid")  # (the package exports the function by this name)
+    alphas = [1.02, 1.0201, 1.3, 1.7, 2.5, 4.0, 8.0]
+    tab.clear_tables()
+    alone = {a: tab._table(a, "cpu") for a in alphas}
+    tab.clear_tables()
+    monkeypatch.setattr(tab, "BATCH_POINTS", 3 * 8193)  # three tables of 8193 points a bisection: chunks too
+    tab.prepare_tables(alphas + [1.0, 2.0, math.inf, 4.0], "cpu")   # closed forms and repeats are skipped
+    assert len(tab._TABLES) == len(alphas)
+    for a in alphas:
+        got = tab._table(a, "cpu")
+        assert torch.equal(got[0], alone[a][0]) and torch.equal(got[1], alone[a][1]), a
+    monkeypatch.setattr(tab, "TABLES_KEPT", 4)
+    tab.prepare_tables([3.0, 3.1], "cpu")
+    assert len(tab._TABLES) == 4 and tab.has_table(3.1, "cpu") and not tab.has_table(1.02, "cpu")
+    tab.clear_tables()
+    monkeypatch.setattr(tab, "BATCH_POINTS", 1 << 21)
+    built = []
+    real = tab._build
+    monkeypatch.setattr(tab, "_build", lambda chunk, device: built.append(chunk) or real(chunk, device))
+    tab.prefetch_schedule(0, 100, 1.0, 8.0, "cpu", ahead=4)      # alpha 1 at step 0: a closed form, nothing built
+    tab.prefetch_schedule(50, 100, 1.0, 8.0, "cpu", ahead=4)     # (past 1.05 every table has 8193 points)
+    assert built == [[tab.alpha_schedule(s, 100, 1.0, 8.0) for s in range(50, 54)]]
+    tab.prefetch_schedule(51, 100, 1.0, 8.0, "cpu", ahead=4)     # kept already
+    assert len(built) == 1
+    tab.prefetch_schedule(1, 100, 1.0, 8.0, "cpu", ahead=4)      # near 1 the point counts differ: one build each
+    assert len(built) == 5 and all(len(c) == 1 for c in built[1:])
+    tab.clear_tables()
+
+
 def test_calibration_gives_small_inputs_the_spread_the_paper_init_assumes():
     """With inputs of RMS 0.05 the paper's init leaves every score at beta (saturated alpha-sigmoid, no gradient);
     after calibrate() the scores spread as they do for unit-scale inputs."""

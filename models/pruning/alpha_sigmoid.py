@@ -6,19 +6,21 @@ alpha > 1, and the step 1[x > 0] at alpha = inf (inference).
 """
 from __future__ import annotations
 
-import functools
 import math
+import threading
+from collections import OrderedDict
 
 import torch
 
 
-def _f_log(t: torch.Tensor, alpha: float) -> torch.Tensor:
+def _f_log(t: torch.Tensor, alpha, below_two: bool | None = None) -> torch.Tensor:
     """The x at which the alpha-sigmoid equals p = e^t (its inverse, (p^(a-1) - (1-p)^(a-1)) / (a-1)). Below
     alpha 2 with expm1, so nothing cancels near alpha = 1; from 2 on with the powers themselves, since there both
-    expm1 terms sit near -1 and their difference near x = 0 would cancel (3e-4 off at alpha 50)."""
+    expm1 terms sit near -1 and their difference near x = 0 would cancel (3e-4 off at alpha 50). alpha may be a
+    tensor of one alpha per row (the batched table build), all on the side of 2 that below_two says."""
     a1 = alpha - 1.0
     log_rest = torch.log1p(-torch.exp(t))
-    if alpha < 2:
+    if (alpha < 2) if below_two is None else below_two:
         return (torch.expm1(a1 * t) - torch.expm1(a1 * log_rest)) / a1
     return (torch.exp(a1 * t) - torch.exp(a1 * log_rest)) / a1
 
@@ -41,8 +43,9 @@ class _AlphaSigmoid(torch.autograd.Function):
         return grad * derivative(q, x.to(q.dtype), ctx.alpha).to(grad.dtype), None
 
 
-def _bisect(x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigma_alpha(x) in x's dtype, q = min(sigma, 1 - sigma) in the working precision), see _AlphaSigmoid."""
+def _bisect(x: torch.Tensor, alpha, below_two: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma_alpha(x) in x's dtype, q = min(sigma, 1 - sigma) in the working precision), see _AlphaSigmoid.
+    alpha: a number, or a float64 tensor [K, 1] of one alpha per row of x [K, N] (as _f_log takes it)."""
     lim = 1.0 / (alpha - 1.0)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     tiny = torch.finfo(work).tiny
@@ -53,10 +56,11 @@ def _bisect(x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     lo, hi = torch.full_like(xd, math.log(tiny)), torch.full_like(xd, -math.log(2.0))
     for _ in range(steps):
         mid = 0.5 * (lo + hi)
-        below = _f_log(mid, alpha) < target
+        below = _f_log(mid, alpha, below_two) < target
         lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
     # 0 at saturation, and below the smallest normal q the bracket can hold (float32 near alpha 1: x < -85)
-    under = (target <= -lim) | (target < _f_log(torch.tensor(math.log(tiny), dtype=work), alpha))
+    floor = _f_log(torch.tensor(math.log(tiny), dtype=work, device=xd.device), alpha, below_two)
+    under = (target <= -lim) | (target < floor)
     q = torch.where(under, torch.zeros_like(xd), (0.5 * (lo + hi)).exp())
     p = torch.where(xd > 0, 1 - q, q)
     p = torch.where(xd.isnan(), xd, p)   # a NaN score stays NaN (training reports the divergence)
@@ -86,17 +90,102 @@ def table_range(alpha: float) -> float:
     return min(1.0 / a1, -math.expm1(a1 * math.log(P_FLOOR)) / a1)
 
 
-@functools.lru_cache(maxsize=4)
-def _table(alpha: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """sigma_alpha and its derivative on a uniform grid over [-R, R] (table_range), exact (float64), then stored
-    in float32. Built on `device` itself: alpha moves every training step, and a host-built table would cost
-    each GPU step a host bisection and a copy."""
+# Tables by (alpha, device), newest last. Training moves alpha every step, so each step needs a new table, and
+# on a GPU one table's bisection is some 750 small launches (about 15 ms of a 44 ms step of configs/gpu/mha-pruned
+# on an H200, 2026-11-27): a trainer builds the next steps' tables in one batched bisection (prepare_tables).
+_TABLES: OrderedDict[tuple[float, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_TABLES_LOCK = threading.Lock()
+TABLES_KEPT = 128        # at most ~40 MB (37k points each near alpha = 1, 8193 from 1.05 on)
+BATCH_POINTS = 1 << 21   # grid points in one batched build: its float64 bisection holds a few [K, points] tensors
+AHEAD = 64               # the steps a GPU trainer builds tables for at once (prefetch_schedule)
+
+
+def _where(device) -> str:
+    """The device as tensors name it ('cuda' is 'cuda:0' on a tensor there): the tables' key."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def _grid(alpha: float) -> tuple[float, int]:
+    """The table's half-range R and its (odd) point count: the grid is symmetric about 0."""
     lim = table_range(alpha)
-    points = max(TABLE_POINTS, 2 * math.ceil(lim / TABLE_STEP) + 1)  # odd: the grid is symmetric about 0
-    x = torch.linspace(-lim, lim, points, dtype=torch.float64, device=device)
-    p = _AlphaSigmoid.apply(x, alpha)
-    d = derivative(torch.minimum(p, p.flip(0)), x, alpha)  # p(-x) = 1 - p(x), unrounded (grid symmetric to 1e-14)
-    return p.float(), d.float()
+    return lim, max(TABLE_POINTS, 2 * math.ceil(lim / TABLE_STEP) + 1)
+
+
+def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """sigma_alpha and its derivative on each alpha's grid, exact (float64 bisection), stored in float32; every
+    alpha of one call shares its point count and its side of 2, so one bisection over [K, points] serves all
+    (built on `device` itself: a host-built table would cost each GPU step a host bisection and a copy). A
+    table's values do not depend on what it was built beside (tests/test_log_keep.py)."""
+    points = _grid(alphas[0])[1]
+    x = torch.stack([torch.linspace(-_grid(a)[0], _grid(a)[0], points, dtype=torch.float64, device=device)
+                     for a in alphas])
+    a = torch.tensor(alphas, dtype=torch.float64, device=device)[:, None]
+    p, _ = _bisect(x, a, below_two=alphas[0] < 2)
+    d = derivative(torch.minimum(p, p.flip(-1)), x, a)  # p(-x) = 1 - p(x), unrounded (grid symmetric to 1e-14)
+    p, d = p.float(), d.float()
+    return [(p[i], d[i]) for i in range(len(alphas))]
+
+
+def prepare_tables(alphas, device) -> None:
+    """Build the tables of these alphas that are not kept yet, those of one point count and one side of 2 in one
+    batched bisection each (up to BATCH_POINTS grid points at a time). Closed forms (alpha 1, 2, inf) need none."""
+    device = _where(device)
+    with _TABLES_LOCK:
+        todo = list(dict.fromkeys(float(a) for a in alphas
+                                  if 1 < a < math.inf and a != 2 and (float(a), device) not in _TABLES))
+    groups: dict[tuple[int, bool], list[float]] = {}
+    for a in todo:
+        groups.setdefault((_grid(a)[1], a < 2), []).append(a)
+    for (points, _), group in groups.items():
+        per = max(1, BATCH_POINTS // points)
+        for i in range(0, len(group), per):
+            chunk = group[i:i + per]
+            built = _build(chunk, device)
+            with _TABLES_LOCK:
+                for a, tables in zip(chunk, built):
+                    _TABLES[(a, device)] = tables
+                    _TABLES.move_to_end((a, device))
+                while len(_TABLES) > TABLES_KEPT:
+                    _TABLES.popitem(last=False)
+
+
+def has_table(alpha: float, device) -> bool:
+    with _TABLES_LOCK:
+        return (float(alpha), _where(device)) in _TABLES
+
+
+def clear_tables() -> None:
+    with _TABLES_LOCK:
+        _TABLES.clear()
+
+
+def prefetch_schedule(step: int, total: int, start: float, end: float, device, ahead: int = AHEAD) -> None:
+    """Before a training step: when this step's table is missing, build it with the next `ahead` steps' in one
+    batched bisection (a GPU trainer's call; on a CPU ahead=1 builds only this step's, as _table would)."""
+    alpha = alpha_schedule(step, total, start, end)
+    if 1 < alpha < math.inf and alpha != 2 and not has_table(alpha, device):
+        prepare_tables([alpha_schedule(s, total, start, end) for s in range(step, step + max(ahead, 1))], device)
+
+
+def _table(alpha: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """sigma_alpha and its derivative on a uniform grid over [-R, R] (table_range), float32: the kept one, else
+    built now (alone)."""
+    key = (float(alpha), _where(device))
+    with _TABLES_LOCK:
+        if key in _TABLES:
+            _TABLES.move_to_end(key)
+            return _TABLES[key]
+    if not 1 < key[0] < math.inf or key[0] == 2:
+        raise ValueError(f"alpha {alpha} takes a closed form, not a table")
+    tables = _build([key[0]], key[1])[0]
+    with _TABLES_LOCK:
+        _TABLES[key] = tables
+        while len(_TABLES) > TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return tables
 
 
 def _lerp_tables(tables: tuple[torch.Tensor, ...], x: torch.Tensor, lim: float) -> list[torch.Tensor]:
@@ -107,6 +196,9 @@ def _lerp_tables(tables: tuple[torch.Tensor, ...], x: torch.Tensor, lim: float) 
     x = x.float()
     nan = x.isnan()
     u = x.nan_to_num(0.0).clamp(-lim, lim) * (half / lim)   # (a NaN would index out of range: NaN comes back below)
+    # float32(lim) * float32(half / lim) can pass half by an ulp (at 88 of the alphas 1.01, 1.02, ..., 19.99): w
+    # then leaves [0, 1] and sigma went to -7e-8 below the grid (negative I) and 1 + 1e-7 above it
+    u = u.clamp(-half, half)
     i0 = u.floor().clamp(-half, half - 1)
     w = u - i0
     i0 = i0.long() + half

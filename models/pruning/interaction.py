@@ -260,6 +260,7 @@ class _LogKeep(torch.autograd.Function):
         import kernels  # (kernels.reference imports this module)
         log_i, keep, ratio = kernels.log_keep(x, alpha=alpha, sinks=sinks)
         ctx.save_for_backward(keep, ratio)
+        ctx.paths = kernels.recorder()  # the backward may run on another thread (CUDA): it notes its path here
         ctx.set_materialize_grads(False)
         return log_i, keep
 
@@ -270,7 +271,8 @@ class _LogKeep(torch.autograd.Function):
         if g_log is None and g_keep is None:
             return None, None, None
         keep, ratio = ctx.saved_tensors
-        return kernels.log_keep_grad(g_log, g_keep, keep, ratio), None, None
+        with kernels.recording_into(ctx.paths):
+            return kernels.log_keep_grad(g_log, g_keep, keep, ratio), None, None
 
 
 def keep_from_gates(sig: torch.Tensor, masks=None) -> torch.Tensor:
