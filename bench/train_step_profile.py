@@ -7,8 +7,8 @@ Builds the model of the config with random weights (the cost does not depend on 
 run freezes, and times forward + backward + AdamW on random tokens at each alpha of the schedule (the alpha-sigmoid
 takes a closed form at 1 and 2 and an interpolated table elsewhere), then lists the operators that took the most
 time in the last step (torch.profiler). Alpha moves every training step, so each step needs a new table: step_s
-adds its share, built as models.train builds them (table_cost: on a GPU 64 steps' tables in one batched
-bisection, on a CPU one a step). Threads: torch's setting, reported.
+adds its share, built as models.train builds them over the config's schedule (table_cost: on a GPU 64 steps'
+tables at once, one batched bisection per point count; on a CPU one a step). Threads: torch's setting, reported.
 
 A config that prunes is timed beside its dense twin in the same run: the same model without the rule, every
 parameter training (what a dense run of it does). Each pruned row carries vs_dense, its tokens/s over the twin's
@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from models.adapters import set_trainable_params, trainable_params
-from models.pruning import pair_count, sparsity_loss
+from models.pruning import alpha_schedule, pair_count, sparsity_loss
 from models.pruning.alpha_sigmoid import AHEAD, clear_tables, prepare_tables
 from models.device import describe as device_name
 from models.train import load_run_config
@@ -54,27 +54,31 @@ def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[f
     return out
 
 
-def table_cost(alpha: float, dev) -> dict:
-    """What a training step pays for its alpha-sigmoid table, built as models.train builds them: on a GPU AHEAD
-    steps' tables in one batched bisection (this times AHEAD alphas next to `alpha`, their share per step), on
-    a CPU one table a step. Nothing at alpha 1, 2 or inf (closed forms)."""
+def table_cost(alpha: float, dev, schedule: tuple[int, float, float]) -> dict:
+    """What a training step pays for its alpha-sigmoid table, built as models.train builds them over the run's
+    schedule (total steps, start, end): on a GPU the AHEAD steps' tables from the schedule's step nearest `alpha`
+    in one call (one batched bisection per point count: near alpha 1 a block takes a few), their share per step;
+    on a CPU one table a step. Nothing at alpha 1, 2 or inf (closed forms)."""
     if not 1 < alpha < math.inf or alpha == 2:
         return {"table_s_per_step": 0.0}
+    total, start, end = schedule
     ahead = AHEAD if dev.type == "cuda" else 1
-    near = [alpha * (1 + 1e-7 * k) for k in range(ahead)]
+    at = min(range(total + 1), key=lambda s: abs(alpha_schedule(s, total, start, end) - alpha))
+    block = [alpha_schedule(s, total, start, end) for s in range(at, at + ahead)] if ahead > 1 else [alpha]
     times = []
     for _ in range(3):
         clear_tables()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        prepare_tables(near, dev)
+        prepare_tables(block, dev)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     clear_tables()
-    block = statistics.median(times)
-    return {"table_s_per_step": block / ahead, "table_block_s": block, "tables_per_block": ahead}
+    spent = statistics.median(times)
+    return {"table_s_per_step": spent / ahead, "table_block_s": spent, "tables_per_block": ahead,
+            "block_from_step": at, "block_alphas": [round(block[0], 6), round(block[-1], 6)]}
 
 
 def build(cfg, freeze_base: bool, dev):
@@ -97,7 +101,7 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
     key = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"  # where the time is
     top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
            for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:args.top]]
-    table = table_cost(alpha, x.device) if alpha is not None else {}
+    table = table_cost(alpha, x.device, args.schedule) if alpha is not None else {}
     step = statistics.median(times) + table.get("table_s_per_step", 0.0)
     label = "dense twin" if alpha is None else f"alpha {alpha:g}"
     print(f"{label}: {step:.2f} s/step ({x.shape[0]} x {x.shape[1]} tokens); top: "
@@ -123,6 +127,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     cfg, tc, _ = load_run_config(args.config)
     b = args.batch or tc.batch_size
+    args.schedule = (tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)  # (table_cost: the run's schedule)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
     y = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)

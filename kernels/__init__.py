@@ -50,10 +50,29 @@ def recorder() -> dict[str, str] | None:
     return _recording.get()
 
 
+class _Tee(dict):
+    """Notes into every recorder it was given (the dicts themselves, not copies)."""
+
+    def __init__(self, targets):
+        super().__init__()
+        self.targets = targets
+
+    def __setitem__(self, op, path):
+        for t in self.targets:
+            t[op] = path
+
+    def update(self, other):  # (an inner record_paths() merges into its enclosing one with update)
+        for op, path in other.items():
+            self[op] = path
+
+
 @contextmanager
-def recording_into(paths: dict[str, str] | None):
-    """Note paths into `paths` (a recorder() taken where the work began) for the calls made inside."""
-    token = _recording.set(paths)
+def recording_into(*recorders: dict[str, str] | None):
+    """For the calls made inside, note paths into each of `recorders` (None ones left out): recorder() as it was
+    where the work began, and as it is here. A recorder whose block has closed takes the note, but an enclosing
+    one it was merged into at exit does not see it."""
+    targets = list({id(r): r for r in recorders if r is not None}.values())
+    token = _recording.set(None if not targets else targets[0] if len(targets) == 1 else _Tee(targets))
     try:
         yield
     finally:

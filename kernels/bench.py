@@ -513,8 +513,14 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default=None, help="decode contexts, comma-separated (default: the device's)")
     args = ap.parse_args(argv)
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if not sections:
+        ap.error(f"--sections names none; known: {', '.join(SECTIONS)}")
     if set(sections) - set(SECTIONS):
         ap.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}; known: {', '.join(SECTIONS)}")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else None
+    except ValueError:
+        ap.error(f"--contexts takes comma-separated token counts, got {args.contexts!r}")
     from models.device import resolve
     dev = resolve(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -529,8 +535,8 @@ def main(argv=None) -> int:
     else:
         sizes = dict(prefill=[512, 1024, 2048], contexts=[1024, 4096, 16384], batches=[1, 8],
                      lag=[256, 1024], reps=5, tokens=32, compact_s=16384, compact_b=[1])
-    if args.contexts:
-        sizes["contexts"] = [int(c) for c in args.contexts.split(",")]
+    if contexts:
+        sizes["contexts"] = contexts
     budget = (40 if cuda else 2) * 2 ** 30
     fl = floors(dev, dtype)
     print(f"device {dev}: copy {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {fl['matmul_flops_per_s'] / 1e12:.2f} "

@@ -197,7 +197,7 @@ def test_the_interpolated_sigma_stays_in_0_1_at_and_past_the_grids_ends(alpha):
 def test_triton_keep_at_the_grids_ends(interpreter, alpha):
     """The kernel takes the table's scale from the host and clamps the index as the reference does: scores past
     both ends give the reference's log I, I and ratio, never NaN or a negative I (an H200's approximate float32
-    division gave NaN log I at alpha 4 and 8 before)."""
+    division gave NaN log I at alpha 4 before)."""
     from models.pruning.alpha_sigmoid import table_range
     torch.manual_seed(1)
     t = 40
@@ -230,3 +230,14 @@ def test_a_backward_on_another_thread_notes_its_path_where_its_forward_ran():
         worker.start()
         worker.join()
     assert x.grad is not None and paths.get("log_keep_grad") == paths["log_keep"]
+    # a forward outside any recorder, its backward inside one: noted where the backward runs
+    log_i, keep = p.log_keep(x, None)
+    with kernels.record_paths() as later:
+        keep.sum().backward()
+    assert later.get("log_keep_grad") == paths["log_keep"]
+    # both: the forward's recorder and the backward's each see it
+    with kernels.record_paths() as first:
+        log_i, keep = p.log_keep(x, None)
+    with kernels.record_paths() as second:
+        keep.sum().backward()
+    assert first.get("log_keep_grad") == second.get("log_keep_grad") == paths["log_keep"]

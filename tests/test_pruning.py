@@ -316,6 +316,12 @@ def test_tables_built_together_equal_tables_built_alone(monkeypatch):
     assert len(built) == 1
     tab.prefetch_schedule(1, 100, 1.0, 8.0, "cpu", ahead=4)      # near 1 the point counts differ: one build each
     assert len(built) == 5 and all(len(c) == 1 for c in built[1:])
+    # below 1.05 the point counts come in steps of 2048, so a long schedule's neighbouring steps share them
+    assert tab._grid(1.02)[1] == tab._grid(1.0201)[1] == 2 * 9216 + 1
+    built.clear()
+    tab.clear_tables()
+    tab.prefetch_schedule(129, 5000, 1.0, 8.0, "cpu", ahead=16)  # alpha 1.0115 to 1.0137
+    assert sum(map(len, built)) == 16 and len(built) <= 3
     tab.clear_tables()
 
 

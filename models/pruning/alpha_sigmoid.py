@@ -13,14 +13,14 @@ from collections import OrderedDict
 import torch
 
 
-def _f_log(t: torch.Tensor, alpha, below_two: bool | None = None) -> torch.Tensor:
-    """The x at which the alpha-sigmoid equals p = e^t (its inverse, (p^(a-1) - (1-p)^(a-1)) / (a-1)). Below
-    alpha 2 with expm1, so nothing cancels near alpha = 1; from 2 on with the powers themselves, since there both
-    expm1 terms sit near -1 and their difference near x = 0 would cancel (3e-4 off at alpha 50). alpha may be a
-    tensor of one alpha per row (the batched table build), all on the side of 2 that below_two says."""
-    a1 = alpha - 1.0
+def _f_log(t: torch.Tensor, a1, below_two: bool) -> torch.Tensor:
+    """The x at which the alpha-sigmoid equals p = e^t (its inverse, (p^(a-1) - (1-p)^(a-1)) / (a-1)), for
+    a1 = alpha - 1: a number, or a tensor of one per row (the batched table build), every alpha on the side of 2
+    that below_two says. Below alpha 2 with expm1, so nothing cancels near alpha = 1; from 2 on with the powers
+    themselves, since there both expm1 terms sit near -1 and their difference near x = 0 would cancel (3e-4 off at
+    alpha 50)."""
     log_rest = torch.log1p(-torch.exp(t))
-    if (alpha < 2) if below_two is None else below_two:
+    if below_two:
         return (torch.expm1(a1 * t) - torch.expm1(a1 * log_rest)) / a1
     return (torch.exp(a1 * t) - torch.exp(a1 * log_rest)) / a1
 
@@ -46,7 +46,10 @@ class _AlphaSigmoid(torch.autograd.Function):
 def _bisect(x: torch.Tensor, alpha, below_two: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sigma_alpha(x) in x's dtype, q = min(sigma, 1 - sigma) in the working precision), see _AlphaSigmoid.
     alpha: a number, or a float64 tensor [K, 1] of one alpha per row of x [K, N] (as _f_log takes it)."""
-    lim = 1.0 / (alpha - 1.0)
+    if below_two is None:
+        below_two = alpha < 2
+    a1 = alpha - 1.0  # (once: with a tensor alpha each use would be a launch)
+    lim = 1.0 / a1
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     tiny = torch.finfo(work).tiny
     # log q lies in [log tiny, log 1/2]; 63 halvings of that span (31 in float32) reach the working precision
@@ -56,10 +59,10 @@ def _bisect(x: torch.Tensor, alpha, below_two: bool | None = None) -> tuple[torc
     lo, hi = torch.full_like(xd, math.log(tiny)), torch.full_like(xd, -math.log(2.0))
     for _ in range(steps):
         mid = 0.5 * (lo + hi)
-        below = _f_log(mid, alpha, below_two) < target
+        below = _f_log(mid, a1, below_two) < target
         lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
     # 0 at saturation, and below the smallest normal q the bracket can hold (float32 near alpha 1: x < -85)
-    floor = _f_log(torch.tensor(math.log(tiny), dtype=work, device=xd.device), alpha, below_two)
+    floor = _f_log(torch.tensor(math.log(tiny), dtype=work, device=xd.device), a1, below_two)
     under = (target <= -lim) | (target < floor)
     q = torch.where(under, torch.zeros_like(xd), (0.5 * (lo + hi)).exp())
     p = torch.where(xd > 0, 1 - q, q)
@@ -67,9 +70,10 @@ def _bisect(x: torch.Tensor, alpha, below_two: bool | None = None) -> tuple[torc
     return p.to(x.dtype), q
 
 
-def derivative(q: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
+def derivative(q: torch.Tensor, x: torch.Tensor, alpha) -> torch.Tensor:
     """d sigma / dx from q = min(sigma, 1 - sigma) (the derivative is symmetric in the two): the entmax
-    Jacobian for [x, 0], s1 s2 / (s1 + s2) with s = p^(2 - alpha); 0 where sigma saturates."""
+    Jacobian for [x, 0], s1 s2 / (s1 + s2) with s = p^(2 - alpha); 0 where sigma saturates. alpha: a number or
+    a tensor that broadcasts against q (one per row)."""
     tiny = torch.finfo(q.dtype).tiny
     d = 1.0 / (q.clamp_min(tiny).pow(alpha - 2) + (1 - q).pow(alpha - 2))
     inside = (x.abs() < 1.0 / (alpha - 1.0)) & (q > 0)
@@ -91,8 +95,9 @@ def table_range(alpha: float) -> float:
 
 
 # Tables by (alpha, device), newest last. Training moves alpha every step, so each step needs a new table, and
-# on a GPU one table's bisection is some 750 small launches (about 15 ms of a 44 ms step of configs/gpu/mha-pruned
-# on an H200, 2026-11-27): a trainer builds the next steps' tables in one batched bisection (prepare_tables).
+# one table's bisection is about 930 small operations (counted on the CPU). On an H200 (2026-11-27) a
+# configs/gpu/mha-pruned step that built one took 13-17 ms more than one at alpha 2, which needs none: a GPU trainer
+# builds the next steps' tables in one batched bisection per point count (prepare_tables).
 _TABLES: OrderedDict[tuple[float, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
 TABLES_KEPT = 128        # at most ~40 MB (37k points each near alpha = 1, 8193 from 1.05 on)
@@ -109,9 +114,12 @@ def _where(device) -> str:
 
 
 def _grid(alpha: float) -> tuple[float, int]:
-    """The table's half-range R and its (odd) point count: the grid is symmetric about 0."""
+    """The table's half-range R and its (odd) point count: the grid is symmetric about 0. Below alpha 1.05, where R
+    passes 20, the half count (R / TABLE_STEP at least) is rounded up to a multiple of 1024, so that the steps of a
+    schedule there share a few point counts and build their tables together (each count its own bisection)."""
     lim = table_range(alpha)
-    return lim, max(TABLE_POINTS, 2 * math.ceil(lim / TABLE_STEP) + 1)
+    half = max((TABLE_POINTS - 1) // 2, -(-math.ceil(lim / TABLE_STEP) // 1024) * 1024)
+    return lim, 2 * half + 1
 
 
 def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -126,7 +134,7 @@ def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.T
     p, _ = _bisect(x, a, below_two=alphas[0] < 2)
     d = derivative(torch.minimum(p, p.flip(-1)), x, a)  # p(-x) = 1 - p(x), unrounded (grid symmetric to 1e-14)
     p, d = p.float(), d.float()
-    return [(p[i], d[i]) for i in range(len(alphas))]
+    return [(p[i].clone(), d[i].clone()) for i in range(len(alphas))]  # (a kept row must not hold its batch)
 
 
 def prepare_tables(alphas, device) -> None:

@@ -271,7 +271,7 @@ class _LogKeep(torch.autograd.Function):
         if g_log is None and g_keep is None:
             return None, None, None
         keep, ratio = ctx.saved_tensors
-        with kernels.recording_into(ctx.paths):
+        with kernels.recording_into(ctx.paths, kernels.recorder()):  # where the forward ran, and where this runs
             return kernels.log_keep_grad(g_log, g_keep, keep, ratio), None, None
 
 
