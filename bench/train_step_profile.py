@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from models.adapters import set_trainable_params, trainable_params
 from models.pruning import alpha_schedule, pair_count, sparsity_loss
-from models.pruning.alpha_sigmoid import AHEAD, clear_tables, prepare_tables
+from models.pruning.alpha_sigmoid import AHEAD, clear_tables, needs_table, prepare_tables
 from models.device import describe as device_name
 from models.train import load_run_config
 from models.transformer import DecoderLM
@@ -59,7 +58,7 @@ def table_cost(alpha: float, dev, schedule: tuple[int, float, float]) -> dict:
     schedule (total steps, start, end): on a GPU the AHEAD steps' tables from the schedule's step nearest `alpha`
     in one call (one batched bisection per point count: near alpha 1 a block takes a few), their share per step;
     on a CPU one table a step. Nothing at alpha 1, 2 or inf (closed forms)."""
-    if not 1 < alpha < math.inf or alpha == 2:
+    if not needs_table(alpha):
         return {"table_s_per_step": 0.0}
     total, start, end = schedule
     ahead = AHEAD if dev.type == "cuda" else 1

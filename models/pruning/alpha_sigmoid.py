@@ -113,6 +113,22 @@ def _where(device) -> str:
     return str(d)
 
 
+def needs_table(alpha: float) -> bool:
+    """Whether the alpha-sigmoid at alpha is interpolated in a table: every finite alpha but the closed forms,
+    1 (the sigmoid) and 2 (a clamp)."""
+    return 1 < alpha < math.inf and alpha != 2
+
+
+def _keep(built) -> None:
+    """Put (key, tables) pairs in the kept set, newest last, dropping the oldest past TABLES_KEPT."""
+    with _TABLES_LOCK:
+        for key, tables in built:
+            _TABLES[key] = tables
+            _TABLES.move_to_end(key)
+        while len(_TABLES) > TABLES_KEPT:
+            _TABLES.popitem(last=False)
+
+
 def _grid(alpha: float) -> tuple[float, int]:
     """The table's half-range R and its (odd) point count: the grid is symmetric about 0. Below alpha 1.05, where R
     passes 20, the half count (R / TABLE_STEP at least) is rounded up to a multiple of 1024, so that the steps of a
@@ -126,9 +142,9 @@ def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.T
     """sigma_alpha and its derivative on each alpha's grid, exact (float64 bisection), stored in float32; every
     alpha of one call shares its point count and its side of 2, so one bisection over [K, points] serves all
     (built on `device` itself: a host-built table would cost each GPU step a host bisection and a copy). A
-    table's values do not depend on what it was built beside (tests/test_log_keep.py)."""
+    table's values do not depend on what it was built beside (tests/test_pruning.py)."""
     points = _grid(alphas[0])[1]
-    x = torch.stack([torch.linspace(-_grid(a)[0], _grid(a)[0], points, dtype=torch.float64, device=device)
+    x = torch.stack([torch.linspace(-table_range(a), table_range(a), points, dtype=torch.float64, device=device)
                      for a in alphas])
     a = torch.tensor(alphas, dtype=torch.float64, device=device)[:, None]
     p, _ = _bisect(x, a, below_two=alphas[0] < 2)
@@ -142,8 +158,7 @@ def prepare_tables(alphas, device) -> None:
     batched bisection each (up to BATCH_POINTS grid points at a time). Closed forms (alpha 1, 2, inf) need none."""
     device = _where(device)
     with _TABLES_LOCK:
-        todo = list(dict.fromkeys(float(a) for a in alphas
-                                  if 1 < a < math.inf and a != 2 and (float(a), device) not in _TABLES))
+        todo = list(dict.fromkeys(float(a) for a in alphas if needs_table(a) and (float(a), device) not in _TABLES))
     groups: dict[tuple[int, bool], list[float]] = {}
     for a in todo:
         groups.setdefault((_grid(a)[1], a < 2), []).append(a)
@@ -151,13 +166,7 @@ def prepare_tables(alphas, device) -> None:
         per = max(1, BATCH_POINTS // points)
         for i in range(0, len(group), per):
             chunk = group[i:i + per]
-            built = _build(chunk, device)
-            with _TABLES_LOCK:
-                for a, tables in zip(chunk, built):
-                    _TABLES[(a, device)] = tables
-                    _TABLES.move_to_end((a, device))
-                while len(_TABLES) > TABLES_KEPT:
-                    _TABLES.popitem(last=False)
+            _keep(zip([(a, device) for a in chunk], _build(chunk, device)))
 
 
 def has_table(alpha: float, device) -> bool:
@@ -174,7 +183,7 @@ def prefetch_schedule(step: int, total: int, start: float, end: float, device, a
     """Before a training step: when this step's table is missing, build it with the next `ahead` steps' in one
     batched bisection (a GPU trainer's call; on a CPU ahead=1 builds only this step's, as _table would)."""
     alpha = alpha_schedule(step, total, start, end)
-    if 1 < alpha < math.inf and alpha != 2 and not has_table(alpha, device):
+    if needs_table(alpha) and not has_table(alpha, device):
         prepare_tables([alpha_schedule(s, total, start, end) for s in range(step, step + max(ahead, 1))], device)
 
 
@@ -186,13 +195,10 @@ def _table(alpha: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         if key in _TABLES:
             _TABLES.move_to_end(key)
             return _TABLES[key]
-    if not 1 < key[0] < math.inf or key[0] == 2:
+    if not needs_table(key[0]):
         raise ValueError(f"alpha {alpha} takes a closed form, not a table")
     tables = _build([key[0]], key[1])[0]
-    with _TABLES_LOCK:
-        _TABLES[key] = tables
-        while len(_TABLES) > TABLES_KEPT:
-            _TABLES.popitem(last=False)
+    _keep([(key, tables)])
     return tables
 
 
