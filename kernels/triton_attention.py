@@ -111,13 +111,84 @@ def _share(n, parts, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _slot_keep(b, offs_n, n_mask, LIVE, POS, KINT, slb, spb, skib, skis, q_int, offs_i, i_mask, int_scale, beta, lam,
+               sinks, q_pos, valid):
+    """models.pruning.survives for one block of slots, restated in Triton: the interaction score
+    x = q_int . k_int / sqrt(r) + beta (- lam log(q_pos - pos)) keeps a live slot when x > 0, when it is the query's
+    own or later, one of the first `sinks`, or its row is padding (valid = 0). Returns (keep, pos, live)."""
+    live = tl.load(LIVE + b * slb + offs_n, mask=n_mask, other=0) != 0
+    pos = tl.load(POS + b * spb + offs_n, mask=n_mask, other=-1)
+    kint = tl.load(KINT + b * skib + offs_n[:, None] * skis + offs_i[None, :],
+                   mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+    x = tl.sum(kint * q_int[None, :], 1) * int_scale + beta
+    if lam != 0.0:  # the distance term -lam log(n - j) (models.pruning.interaction.distance_term)
+        x = x - lam * tl.log(tl.maximum(q_pos - pos, 1).to(tl.float32))
+    keep = live & ((x > 0) | (pos >= q_pos) | (pos < sinks) | (valid == 0))
+    return keep, pos, live
+
+
+@triton.jit
+def _write_keep(LIVE_OUT, TRIG, b, offs_n, n_mask, keep, live, q_pos, slob, stb, BLOCK_N: tl.constexpr,
+                HAS_TRIG: tl.constexpr):
+    """keep into LIVE_OUT; with HAS_TRIG the query's position into TRIG at each live slot it dropped."""
+    tl.store(LIVE_OUT + b * slob + offs_n, keep.to(LIVE_OUT.dtype.element_ty), mask=n_mask)
+    if HAS_TRIG:
+        tl.store(TRIG + b * stb + offs_n, tl.zeros([BLOCK_N], tl.int64) + q_pos, mask=n_mask & live & (keep == 0))
+
+
+@triton.jit
+def _clear_tail(LIVE_OUT, b, slob, length, S, part, parts, BLOCK_N: tl.constexpr):
+    """Part `part` of `parts` clears its share of LIVE_OUT's slots [length, S) (nothing there is kept)."""
+    tail = _share(S - length, parts, BLOCK_N)
+    t0 = length + part * tail
+    t1 = tl.minimum(t0 + tail, S)
+    for z in range(t0, t1, BLOCK_N):
+        offs_z = z + tl.arange(0, BLOCK_N)
+        tl.store(LIVE_OUT + b * slob + offs_z, tl.zeros([BLOCK_N], LIVE_OUT.dtype.element_ty), mask=offs_z < t1)
+
+
+@triton.jit
+def _keep_kernel(QINT, KINT, LIVE, POS, QPOS, VALID, LENS, LIVE_OUT, TRIG,
+                 sqib, skib, skis, slb, spb, slob, stb, slens, S, RI, int_scale, beta, lam, sinks,
+                 HAS_LENS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_TRIG: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_RI: tl.constexpr):
+    """The keep pass (decode's keep_pass): program (b, part) decides keep for its share of row b's slots, once for
+    every head group, and writes it as the decode kernel's PRUNE path would (LIVE_OUT, TRIG, the cleared tail);
+    the decode that follows reads one byte a slot where it would read the rule's K_int once per group."""
+    b = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    length = S
+    if HAS_LENS:
+        length = tl.load(LENS + b * slens)
+    chunk = _share(length, parts, BLOCK_N)
+    start = part * chunk
+    end = tl.minimum(start + chunk, length)
+    offs_i = tl.arange(0, BLOCK_RI)
+    i_mask = offs_i < RI
+    q_int = tl.load(QINT + b * sqib + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+    q_pos = tl.load(QPOS + b)
+    valid = 1
+    if HAS_VALID:
+        valid = tl.load(VALID + b)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        keep, pos, live = _slot_keep(b, offs_n, n_mask, LIVE, POS, KINT, slb, spb, skib, skis, q_int, offs_i, i_mask,
+                                     int_scale, beta, lam, sinks, q_pos, valid)
+        _write_keep(LIVE_OUT, TRIG, b, offs_n, n_mask, keep, live, q_pos, slob, stb, BLOCK_N, HAS_TRIG)
+    if HAS_LENS:
+        _clear_tail(LIVE_OUT, b, slob, length, S, part, parts, BLOCK_N)
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, QPOS, VALID, LIVE_OUT, TRIG,
                    O, OM, OA, CNT,
                    sqb, sqh, skb, skg, sks, svb, svg, svs, sbb, sbs, slens, skib, skis, sqib, slb, spb, stb, slob,
                    sob, soh, H, G, R, S, D, RI, split_len, qk_scale, int_scale, beta, lam, sinks,
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
                    PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_TRIG: tl.constexpr, PRECISION: tl.constexpr,
-                   MERGE: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr,
+                   MERGE: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, KEEP_READY: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
@@ -133,7 +204,9 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
     HAS_TRIG (the step's bookkeeping in place): LIVE_OUT is LIVE itself, and group 0 also writes the query's
     position into TRIG at each slot it dropped (the slots from a row's length on hold nothing live, as the cache
     keeps them, so clearing them notes nothing). The other groups may then read a slot's live bit after group 0
-    wrote its keep; keep = live & rule, so they compute the same keep and mask from either."""
+    wrote its keep; keep = live & rule, so they compute the same keep and mask from either.
+    KEEP_READY (decode's keep_pass): _keep_kernel ran first and wrote keep into LIVE_OUT (and the notes, and the
+    tail); every group reads it there and writes nothing."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // G).to(tl.int64)  # 64-bit offsets: b x G x S x D passes 2^31 at batch 64, 32k context
@@ -159,23 +232,18 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         q = q + tl.load(QA + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
     q = (q * qk_scale).to(K.dtype.element_ty)  # the dots run in the cache's dtype (bf16 tensor cores on GPU)
     if PRUNE:
-        offs_i = tl.arange(0, BLOCK_RI)
-        i_mask = offs_i < RI
-        q_int = tl.load(QINT + b * sqib + offs_i, mask=i_mask, other=0.0).to(tl.float32)
         q_pos = tl.load(QPOS + b)
         if HAS_VALID:
             valid = tl.load(VALID + b)
         else:
             valid = 1
-        if HAS_LENS:
+        if not KEEP_READY:
+            offs_i = tl.arange(0, BLOCK_RI)
+            i_mask = offs_i < RI
+            q_int = tl.load(QINT + b * sqib + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+        if HAS_LENS and not KEEP_READY:
             if g == 0:  # the slots after the length, shared out over the splits like the filled part
-                tail = _share(S - length, tl.num_programs(1), BLOCK_N)
-                t0 = length + split * tail
-                t1 = tl.minimum(t0 + tail, S)
-                for z in range(t0, t1, BLOCK_N):
-                    offs_z = z + tl.arange(0, BLOCK_N)
-                    tl.store(LIVE_OUT + b * slob + offs_z, tl.zeros([BLOCK_N], LIVE_OUT.dtype.element_ty),
-                             mask=offs_z < t1)
+                _clear_tail(LIVE_OUT, b, slob, length, S, split, tl.num_programs(1), BLOCK_N)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -185,20 +253,14 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         n_mask = offs_n < end
         allowed = n_mask
         if PRUNE:
-            live = tl.load(LIVE + b * slb + offs_n, mask=n_mask, other=0) != 0
-            pos = tl.load(POS + b * spb + offs_n, mask=n_mask, other=-1)
-            kint = tl.load(KINT + b * skib + offs_n[:, None] * skis + offs_i[None, :],
-                           mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
-            x = tl.sum(kint * q_int[None, :], 1) * int_scale + beta
-            if lam != 0.0:  # the distance term -lam log(n - j) (models.pruning.interaction.distance_term)
-                x = x - lam * tl.log(tl.maximum(q_pos - pos, 1).to(tl.float32))
-            # models.pruning.survives, restated in Triton
-            keep = live & ((x > 0) | (pos >= q_pos) | (pos < sinks) | (valid == 0))
-            if g == 0:  # the score is shared by every head: group 0 writes it, the others only use it
-                tl.store(LIVE_OUT + b * slob + offs_n, keep.to(LIVE_OUT.dtype.element_ty), mask=n_mask)
-                if HAS_TRIG:
-                    tl.store(TRIG + b * stb + offs_n, tl.zeros([BLOCK_N], tl.int64) + q_pos,
-                             mask=n_mask & live & (keep == 0))
+            if KEEP_READY:
+                keep = tl.load(LIVE_OUT + b * slob + offs_n, mask=n_mask, other=0) != 0
+                pos = tl.load(POS + b * spb + offs_n, mask=n_mask, other=-1)
+            else:
+                keep, pos, live = _slot_keep(b, offs_n, n_mask, LIVE, POS, KINT, slb, spb, skib, skis, q_int, offs_i,
+                                             i_mask, int_scale, beta, lam, sinks, q_pos, valid)
+                if g == 0:  # the score is shared by every head: group 0 writes it, the others only use it
+                    _write_keep(LIVE_OUT, TRIG, b, offs_n, n_mask, keep, live, q_pos, slob, stb, BLOCK_N, HAS_TRIG)
             allowed = n_mask & tl.where(valid != 0, keep & (pos <= q_pos), pos >= 0)
         kt = tl.load(K + b * skb + g * skg + offs_n[None, :] * sks + offs_d[:, None],
                      mask=d_mask[:, None] & n_mask[None, :], other=0.0)
@@ -334,6 +396,9 @@ def prefill(q, k, v, *, scale: float, bias=None, causal: bool = True, q_mul=None
     return out
 
 
+KEEP_BLOCK = 32  # slots per iteration of the keep pass: a [32, r] float32 tile of K_int (r = 64: 8 KB)
+
+
 def _target_programs(device: torch.device) -> int:
     """About four programs per multiprocessor keep enough loads in flight for decode, which is bandwidth-bound."""
     if device.type != "cuda":
@@ -349,7 +414,7 @@ def _splits(s: int, b: int, g: int, block_n: int, target_programs: int = 128) ->
 
 def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=None, o_mul=None, o_add=None,
            prune: dict | None = None, block_n: int | None = None, n_split: int | None = None,
-           num_warps: int | None = None, num_stages: int | None = None, merge_counts=None):
+           num_warps: int | None = None, num_stages: int | None = None, merge_counts=None, keep_pass: bool = False):
     """One new query per sequence, q [B,H|1,1,D], over a cache k/v [B,G,S,D].
 
     merge_counts: int32 zeros, at least B*G of them, owned by the caller's decode state (one launch at a time
@@ -362,6 +427,10 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
     pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] bool, optionally lam (float), sinks (int) and
     trig [B,S] int64 (then live and trig are updated in place: kernels.reference.decode); then the return is
     (out, keep [B,S]).
+    keep_pass (with prune): decide keep in a launch of its own first (_keep_kernel), once per slot, so the decode
+    reads a byte a slot and not the rule's K_int (r floats) once per head group: for MHA at r = 64 and d = 64 those
+    re-reads are as many bytes as K and V. One more launch a layer; not measured on a GPU yet, so off by default
+    (kernels.bench times both).
     """
     b, hq, t, d = q.shape
     if t != 1:
@@ -416,6 +485,13 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         pr = (dummy,) * 8 + (0, 0, 0, 0, 0, 0, 0, 1, 1.0, 0.0, 0.0, 0)
     (qi_, ki_, live_, pos_, qpos_, valid_, live_out_, trig_, skib, skis, sqib, slb, spb, stb, slob, ri, int_scale,
      beta, lam, sinks) = pr
+    keep_ready = prune is not None and keep_pass
+    if keep_ready:
+        parts = max(1, min(_target_programs(q.device) // b, triton.cdiv(s, KEEP_BLOCK), 128))
+        _keep_kernel[(b, parts)](qi_, ki_, live_, pos_, qpos_, valid_, lens, live_out_, trig_,
+                                 sqib, skib, skis, slb, spb, slob, stb, slens, s, ri, int_scale, beta, lam, sinks,
+                                 HAS_LENS=lengths is not None, HAS_VALID=prune["valid"] is not None,
+                                 HAS_TRIG=prune.get("trig") is not None, BLOCK_N=KEEP_BLOCK, BLOCK_RI=_pow2(ri))
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     merge = merge_counts is not None
     if merge and (merge_counts.dtype != torch.int32 or merge_counts.numel() < b * g or not merge_counts.is_contiguous()
@@ -431,7 +507,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         PRUNE=prune is not None, HAS_VALID=prune is not None and prune["valid"] is not None,
         HAS_TRIG=prune is not None and prune.get("trig") is not None,
         PRECISION=precision(k.dtype), MERGE=merge, HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
-        BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        KEEP_READY=keep_ready, BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
     if not merge:
         _merge_kernel[(b * h,)](po, pl, out, om, oa, h, d, ns, out.stride(0), out.stride(1),

@@ -45,17 +45,19 @@ def test_kernel_bench_times_only_the_sections_asked_for(tmp_path, capsys):
 
 def test_compacted_target_compares_like_with_like():
     """The 5x compacted-decode target reads dense MHA decode timed the same way: launched against launched,
-    replayed from a graph against replayed."""
+    replayed from a graph against replayed (the keep pass's rows too)."""
     from kernels import bench
     rows = [{"case": "decode mha ctx=16384 batch=1", "impl": "triton", "ms": 0.2},
             {"case": "decode mha ctx=16384 batch=1", "impl": "triton_graph", "ms": 0.1},
             {"case": "compact decode mha ctx=16384 live=0.1 batch=1", "impl": "triton", "ms": 0.1, "live_share": 0.1},
             {"case": "compact decode mha ctx=16384 live=0.1 batch=1", "impl": "triton_graph", "ms": 0.02,
+             "live_share": 0.1},
+            {"case": "compact decode mha ctx=16384 live=0.1 batch=1", "impl": "triton_graph_keep_pass", "ms": 0.025,
              "live_share": 0.1}]
     got = {t["target"]: (round(t["value"], 6), t["met"]) for t in bench.targets(rows)}
-    assert got == {"compact decode mha ctx=16384 live=0.1 batch=1: >= 5x faster than dense MHA decode": (2.0, False),
-                   "compact decode mha ctx=16384 live=0.1 batch=1: >= 5x faster than dense MHA decode (graph replay)":
-                   (5.0, True)}
+    goal = "compact decode mha ctx=16384 live=0.1 batch=1: >= 5x faster than dense MHA decode"
+    assert got == {goal: (2.0, False), goal + " (graph replay)": (5.0, True),
+                   goal + " (graph replay, keep pass)": (4.0, False)}
 
 
 def test_train_step_profile_runs(tmp_path):
@@ -138,3 +140,14 @@ def test_decode_zoo_times_a_pruned_model_over_both_caches(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["cache"] for r in rows] == ["static", "compacted"]
     assert all(r["eager_tokens_per_s"] > 0 and r["graphs"] == "no CUDA device" for r in rows)
+
+
+def test_gpu_check_records_which_app_packages_the_machine_has():
+    """The report's environment names each app package's version, or None where the machine lacks it: what a
+    later call must carry."""
+    from importlib import metadata
+
+    from bench import gpu_check
+    got = gpu_check.installed(("pytest", "mixscope-no-such-distribution"))
+    assert got == {"pytest": metadata.version("pytest"), "mixscope-no-such-distribution": None}
+    assert set(gpu_check.APP_DISTRIBUTIONS) >= {"streamlit", "plotly", "pandas", "spacy", "captum"}

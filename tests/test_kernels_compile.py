@@ -35,24 +35,33 @@ def cases():
                     {n: f"*{dtype}" for n in ("Q", "K", "V", "O", "QM", "QA", "OM", "OA", "BIAS")},
                     dict(HAS_QM=maps, HAS_QA=maps, HAS_OM=maps, HAS_OA=maps, HAS_BIAS=bias, CAUSAL=True,
                          PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d), warps, stages))
-    for dtype, d, prune, lens, valid in [("bf16", 64, True, True, False),   # the fixed-shape compacted step
-                                         ("bf16", 128, True, False, True),  # the eager one, with padding rows
-                                         ("bf16", 64, False, True, False),  # the static cache's step
-                                         ("fp32", 128, True, True, False)]:  # the app's float32 default
+    for dtype, d, prune, lens, valid, ready in [
+            ("bf16", 64, True, True, False, False),   # the fixed-shape compacted step
+            ("bf16", 64, True, True, False, True),    # the same after its keep pass (decode's keep_pass)
+            ("bf16", 128, True, False, True, False),  # the eager one, with padding rows
+            ("bf16", 64, False, True, False, False),  # the static cache's step
+            ("fp32", 128, True, True, False, False)]:  # the app's float32 default
         bn, warps, stages = ta.DECODE_LAUNCH[d]
         ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "QM", "QA", "BIAS")} | {
             "PO": "*fp32", "PL": "*fp32", "QINT": "*fp32", "KINT": "*fp32", "LENS": "*i64", "LIVE": "*u8",
             "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8", "TRIG": "*i64", "O": f"*{dtype}",
             "OM": f"*{dtype}", "OA": f"*{dtype}", "CNT": "*i32"}
-        out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid}", ta._decode_kernel, ptrs,
+        out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid} keep_ready={ready}",
+                    ta._decode_kernel, ptrs,
                     dict(HAS_QM=False, HAS_QA=False, HAS_BIAS=not prune, HAS_LENS=lens, PRUNE=prune, HAS_VALID=valid,
                          HAS_TRIG=prune and not valid,  # a step of every row notes its drops in place
                          MERGE=lens, HAS_OM=lens, HAS_OA=False,  # a fixed-shape step merges its splits itself
-                         PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_R=16, BLOCK_N=bn, BLOCK_D=d, BLOCK_RI=64),
+                         KEEP_READY=ready, PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_R=16, BLOCK_N=bn,
+                         BLOCK_D=d, BLOCK_RI=64),
                     warps, stages))
         out.append((f"merge {dtype} d={d}", ta._merge_kernel,
                     {"PO": "*fp32", "PL": "*fp32", "O": f"*{dtype}", "OM": f"*{dtype}", "OA": f"*{dtype}"},
                     dict(HAS_OM=False, HAS_OA=False, BLOCK_S=32, BLOCK_D=d), 4, 2))
+    for lens, valid, trig in ((True, False, True), (False, True, False)):  # the keep pass: fixed-shape, eager
+        out.append((f"keep pass lens={lens} valid={valid} trig={trig}", ta._keep_kernel,
+                    {"QINT": "*fp32", "KINT": "*fp32", "LIVE": "*u8", "POS": "*i64", "QPOS": "*i64", "VALID": "*u8",
+                     "LENS": "*i64", "LIVE_OUT": "*u8", "TRIG": "*i64"},
+                    dict(HAS_LENS=lens, HAS_VALID=valid, HAS_TRIG=trig, BLOCK_N=ta.KEEP_BLOCK, BLOCK_RI=64), 4, 2))
     for per_channel in (False, True):
         out.append((f"lag per_channel={per_channel}", tl_lag._lag_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"},
                     dict(PER_CHANNEL=per_channel, PRECISION="tf32", BLOCK_T=32 if per_channel else 64,

@@ -130,14 +130,15 @@ def prune_state(b, s, r, beta, live_share=0.7):
 
 @pytest.mark.parametrize("b,h,g,s,r,kind", with_maps([(3, 4, 1, 40, 8), (2, 6, 3, 70, 16), (1, 5, 5, 1, 8),
                                                       (2, 3, 1, 129, 12)], "add"))
-def test_compact_decode_matches_reference(b, h, g, s, r, kind):
+@pytest.mark.parametrize("keep_pass", [False, True])
+def test_compact_decode_matches_reference(b, h, g, s, r, kind, keep_pass):
     d = 16
     maps = head_maps(kind, h, d)
     q = torch.randn(b, 1 if maps else h, 1, d)
     k, v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
     state = prune_state(b, s, r, beta=0.1)
     state["valid"][-1] = b == 1                                    # a padding row (when there are several)
-    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state, n_split=2, **maps)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state, n_split=2, keep_pass=keep_pass, **maps)
     want, want_keep = reference.decode(q, k, v, scale=0.25, prune=state, **maps)
     assert torch.equal(keep, want_keep)
     close(got, want)
@@ -146,7 +147,8 @@ def test_compact_decode_matches_reference(b, h, g, s, r, kind):
 
 
 @pytest.mark.parametrize("b,h,g,s,kind", with_maps([(3, 4, 1, 40), (2, 6, 3, 70), (1, 5, 5, 1)], "mul"))
-def test_compact_decode_with_every_row_real_equals_the_general_rule(b, h, g, s, kind):
+@pytest.mark.parametrize("keep_pass", [False, True])
+def test_compact_decode_with_every_row_real_equals_the_general_rule(b, h, g, s, kind, keep_pass):
     """valid None (the decode step's fast path: no padding rows) keeps and attends exactly as valid = all True,
     in the reference's short path and in the kernel."""
     d, maps = 16, head_maps(kind, h, 16)
@@ -158,7 +160,7 @@ def test_compact_decode_with_every_row_real_equals_the_general_rule(b, h, g, s, 
     got, keep = reference.decode(q, k, v, scale=0.25, prune=fast, **maps)
     assert torch.equal(keep, want_keep)
     close(got, want)
-    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=fast, n_split=2, **maps)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=fast, n_split=2, keep_pass=keep_pass, **maps)
     assert torch.equal(keep, want_keep)
     close(got, want)
 
@@ -176,10 +178,11 @@ def in_place_state(state, extra: int = 5):
 @pytest.mark.parametrize("b,h,g,s,lengths", [(3, 4, 1, 40, None), (2, 6, 3, 70, None), (2, 6, 3, 70, [33, 70]),
                                              (1, 9, 3, 129, [100])])
 @pytest.mark.parametrize("valid", [None, "padding"])
-def test_compact_decode_notes_its_drops_in_place_as_the_reference_does(b, h, g, s, lengths, valid):
+@pytest.mark.parametrize("keep_pass", [False, True])
+def test_compact_decode_notes_its_drops_in_place_as_the_reference_does(b, h, g, s, lengths, valid, keep_pass):
     """prune["trig"]: keep written over the cache's live mask and the query's position noted where it dropped a
-    slot, by the kernel (group 0 writes while other groups read the same live bits) as by the reference; the
-    slots past the views are untouched."""
+    slot, by the kernel (group 0 writes while other groups read the same live bits; with keep_pass the keep pass
+    writes and every group reads) as by the reference; the slots past the views are untouched."""
     d = 16
     q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
     base = prune_state(b, s, 8, beta=0.1)
@@ -197,7 +200,8 @@ def test_compact_decode_notes_its_drops_in_place_as_the_reference_does(b, h, g, 
     want, want_keep = reference.decode(q, k, v, scale=0.25, prune=want_state, lengths=lens)
     got_state, got_live, got_trig = in_place_state(base)
     got_trig.copy_(old_trig)
-    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=got_state, lengths=lens, n_split=3)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=got_state, lengths=lens, n_split=3,
+                                        keep_pass=keep_pass)
     close(got, want)
     assert torch.equal(got_live, want_live) and torch.equal(got_trig, want_trig)
     assert keep.data_ptr() == got_live.data_ptr() and torch.equal(keep, want_keep)
@@ -240,7 +244,8 @@ def test_decode_merges_its_own_splits_with_merge_counts(b, h, g, s, d, kind, n_s
         triton_attention.decode(q, k, v, scale=0.3, merge_counts=counts[:b * g - 1])
 
 
-def test_compact_decode_merges_its_own_splits_and_notes_its_drops():
+@pytest.mark.parametrize("keep_pass", [False, True])
+def test_compact_decode_merges_its_own_splits_and_notes_its_drops(keep_pass):
     b, h, g, s, d = 2, 6, 3, 70, 16
     q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
     base = prune_state(b, s, 8, beta=0.1)
@@ -256,7 +261,7 @@ def test_compact_decode_merges_its_own_splits_and_notes_its_drops():
     got_trig.copy_(old_trig)
     counts = torch.zeros(b * g, dtype=torch.int32)
     got, _ = triton_attention.decode(q, k, v, scale=0.25, prune=got_state, lengths=lens, n_split=4,
-                                     merge_counts=counts)
+                                     merge_counts=counts, keep_pass=keep_pass)
     close(got, want)
     assert torch.equal(got_live, want_live) and torch.equal(got_trig, want_trig) and not counts.any()
 
@@ -268,11 +273,12 @@ def test_compact_decode_refuses_in_place_notes_on_a_copy():
         triton_attention.decode(q, k, v, scale=0.25, prune=dict(state, live=live.t().contiguous().t()[:, :20]))
 
 
-def test_compact_decode_all_dropped_but_self():
+@pytest.mark.parametrize("keep_pass", [False, True])
+def test_compact_decode_all_dropped_but_self(keep_pass):
     b, h, s, r, d = 2, 4, 33, 8, 16
     q, k, v = torch.randn(b, h, 1, d), torch.randn(b, 1, s, d), torch.randn(b, 1, s, d)
     state = prune_state(b, s, r, beta=-1e4, live_share=1.0)       # every score negative
-    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state, keep_pass=keep_pass)
     assert torch.equal(keep, state["pos"] == state["q_pos"][:, None])
     own = (state["pos"] == state["q_pos"][:, None]).float().argmax(1)
     close(got, v[torch.arange(b), 0, own][:, None, None].expand(b, h, 1, d))  # attends to itself alone
@@ -414,3 +420,24 @@ def test_gpu_kernels_in_half_precision(dtype):
     x, w = torch.randn(2, 300, 96, device=dev, dtype=dtype), torch.randn(300, 96, device=dev, dtype=dtype)
     want = reference.lag_conv(x.float(), w.float(), method="direct")
     torch.testing.assert_close(triton_lag.lag_conv(x, w).float(), want, atol=0.25, rtol=2e-2)
+
+
+@pytest.mark.parametrize("keep_pass", [False, True])
+def test_compact_decode_keeps_nothing_after_a_rows_length(keep_pass):
+    """A fixed-shape cache read up to each row's length, keep in a fresh (poisoned) buffer: every slot from the
+    length on comes back not kept, whichever launch decides keep; the rest as the reference says."""
+    b, h, g, s, d = 3, 4, 2, 90, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    state = prune_state(b, s, 8, beta=0.1)
+    state["valid"] = None
+    lens = torch.tensor([1, 47, 90])
+    past = torch.arange(s) >= lens[:, None]
+    state["live"] &= ~past
+    state["pos"] = state["pos"].masked_fill(past, -1)
+    for i, n in enumerate(lens.tolist()):  # the query in its row's last filled slot
+        state["pos"][i, n - 1], state["live"][i, n - 1] = state["q_pos"][i], True
+    want, want_keep = reference.decode(q, k, v, scale=0.25, prune=state, lengths=lens)
+    got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state, lengths=lens, n_split=3,
+                                        keep_pass=keep_pass)
+    assert torch.equal(keep, want_keep) and not keep[past].any()
+    close(got, want)
