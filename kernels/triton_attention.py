@@ -154,7 +154,8 @@ def _keep_kernel(QINT, KINT, LIVE, POS, QPOS, VALID, LENS, LIVE_OUT, TRIG,
                  BLOCK_N: tl.constexpr, BLOCK_RI: tl.constexpr):
     """The keep pass (decode's keep_pass): program (b, part) decides keep for its share of row b's slots, once for
     every head group, and writes it as the decode kernel's PRUNE path would (LIVE_OUT, TRIG, the cleared tail);
-    the decode that follows reads one byte a slot where it would read the rule's K_int once per group."""
+    the decode that follows reads a slot's keep byte (and its position, as before) where it would read the rule's
+    K_int once per group."""
     b = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -397,6 +398,7 @@ def prefill(q, k, v, *, scale: float, bias=None, causal: bool = True, q_mul=None
 
 
 KEEP_BLOCK = 32  # slots per iteration of the keep pass: a [32, r] float32 tile of K_int (r = 64: 8 KB)
+KEEP_WARPS, KEEP_STAGES = 4, 2  # (untuned: tests/test_kernels_compile.py compiles this launch)
 
 
 def _target_programs(device: torch.device) -> int:
@@ -428,7 +430,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
     trig [B,S] int64 (then live and trig are updated in place: kernels.reference.decode); then the return is
     (out, keep [B,S]).
     keep_pass (with prune): decide keep in a launch of its own first (_keep_kernel), once per slot, so the decode
-    reads a byte a slot and not the rule's K_int (r floats) once per head group: for MHA at r = 64 and d = 64 those
+    reads a keep byte a slot and not the rule's K_int (r floats) once per head group: for MHA at r = 64 and d = 64 those
     re-reads are as many bytes as K and V. One more launch a layer; not measured on a GPU yet, so off by default
     (kernels.bench times both).
     """
@@ -487,11 +489,12 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
      beta, lam, sinks) = pr
     keep_ready = prune is not None and keep_pass
     if keep_ready:
-        parts = max(1, min(_target_programs(q.device) // b, triton.cdiv(s, KEEP_BLOCK), 128))
+        parts = max(1, min(_target_programs(q.device) // max(1, b), triton.cdiv(s, KEEP_BLOCK), 128))
         _keep_kernel[(b, parts)](qi_, ki_, live_, pos_, qpos_, valid_, lens, live_out_, trig_,
                                  sqib, skib, skis, slb, spb, slob, stb, slens, s, ri, int_scale, beta, lam, sinks,
                                  HAS_LENS=lengths is not None, HAS_VALID=prune["valid"] is not None,
-                                 HAS_TRIG=prune.get("trig") is not None, BLOCK_N=KEEP_BLOCK, BLOCK_RI=_pow2(ri))
+                                 HAS_TRIG=prune.get("trig") is not None, BLOCK_N=KEEP_BLOCK, BLOCK_RI=_pow2(ri),
+                                 num_warps=KEEP_WARPS, num_stages=KEEP_STAGES)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     merge = merge_counts is not None
     if merge and (merge_counts.dtype != torch.int32 or merge_counts.numel() < b * g or not merge_counts.is_contiguous()

@@ -61,7 +61,8 @@ def cases():
         out.append((f"keep pass lens={lens} valid={valid} trig={trig}", ta._keep_kernel,
                     {"QINT": "*fp32", "KINT": "*fp32", "LIVE": "*u8", "POS": "*i64", "QPOS": "*i64", "VALID": "*u8",
                      "LENS": "*i64", "LIVE_OUT": "*u8", "TRIG": "*i64"},
-                    dict(HAS_LENS=lens, HAS_VALID=valid, HAS_TRIG=trig, BLOCK_N=ta.KEEP_BLOCK, BLOCK_RI=64), 4, 2))
+                    dict(HAS_LENS=lens, HAS_VALID=valid, HAS_TRIG=trig, BLOCK_N=ta.KEEP_BLOCK, BLOCK_RI=64),
+                    ta.KEEP_WARPS, ta.KEEP_STAGES))
     for per_channel in (False, True):
         out.append((f"lag per_channel={per_channel}", tl_lag._lag_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"},
                     dict(PER_CHANNEL=per_channel, PRECISION="tf32", BLOCK_T=32 if per_channel else 64,

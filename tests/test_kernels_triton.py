@@ -131,12 +131,13 @@ def prune_state(b, s, r, beta, live_share=0.7):
 @pytest.mark.parametrize("b,h,g,s,r,kind", with_maps([(3, 4, 1, 40, 8), (2, 6, 3, 70, 16), (1, 5, 5, 1, 8),
                                                       (2, 3, 1, 129, 12)], "add"))
 @pytest.mark.parametrize("keep_pass", [False, True])
-def test_compact_decode_matches_reference(b, h, g, s, r, kind, keep_pass):
+@pytest.mark.parametrize("terms", [{}, {"lam": 0.3, "sinks": 2}])  # the distance term and sink tokens
+def test_compact_decode_matches_reference(b, h, g, s, r, kind, keep_pass, terms):
     d = 16
     maps = head_maps(kind, h, d)
     q = torch.randn(b, 1 if maps else h, 1, d)
     k, v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
-    state = prune_state(b, s, r, beta=0.1)
+    state = prune_state(b, s, r, beta=0.1) | terms
     state["valid"][-1] = b == 1                                    # a padding row (when there are several)
     got, keep = triton_attention.decode(q, k, v, scale=0.25, prune=state, n_split=2, keep_pass=keep_pass, **maps)
     want, want_keep = reference.decode(q, k, v, scale=0.25, prune=state, **maps)
