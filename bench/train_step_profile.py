@@ -6,9 +6,11 @@
 Builds the model of the config with random weights (the cost does not depend on their values), freezes what the
 run freezes, and times forward + backward + AdamW on random tokens at each alpha of the schedule (the alpha-sigmoid
 takes a closed form at 1 and 2 and an interpolated table elsewhere), then lists the operators that took the most
-time in the last step (torch.profiler). Alpha moves every training step, so each step needs a new table: step_s
-adds its share, built as models.train builds them over the config's schedule (table_cost: on a GPU 64 steps'
-tables at once, one batched bisection per point count; on a CPU one a step). Threads: torch's setting, reported.
+time in the last step (torch.profiler) and, on a GPU, that step's summed kernel time and kernel count
+(device_busy_s, device_kernels: a wall time well above the busy time is the host's). Alpha moves every training
+step, so each step needs a new table: step_s adds its share, built as models.train builds them over the config's
+schedule (table_cost: on a GPU 64 steps' tables at once, one batched bisection per point count; on a CPU one a
+step). Threads: torch's setting, reported.
 
 A config that prunes is timed beside its dense twin in the same run: the same model without the rule, every
 parameter training (what a dense run of it does). Each pruned row carries vs_dense, its tokens/s over the twin's
@@ -26,6 +28,7 @@ import time
 from datetime import datetime, timezone
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from models.adapters import set_trainable_params, trainable_params
@@ -80,6 +83,16 @@ def table_cost(alpha: float, dev, schedule: tuple[int, float, float]) -> dict:
             "block_from_step": at, "block_alphas": [round(block[0], 6), round(block[-1], 6)]}
 
 
+def device_busy(events) -> dict:
+    """The profiled step's GPU work: its kernels' (and copies') summed device time and how many ran. A step whose
+    wall time is well above its busy time waits on the host (launches, Python), not on the GPU. Empty on a CPU."""
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    if not kernels:
+        return {}
+    return {"device_busy_s": sum(e.self_device_time_total for e in kernels) / 1e6,
+            "device_kernels": sum(e.count for e in kernels)}
+
+
 def build(cfg, freeze_base: bool, dev):
     """The model of cfg with random weights, what the run trains set trainable, and its optimizer."""
     torch.manual_seed(0)
@@ -98,8 +111,10 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
     with profile(activities=acts) as prof:
         step_times(model, opt, x, y, gamma, pairs, 1)
     key = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"  # where the time is
+    events = prof.key_averages()
     top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
-           for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:args.top]]
+           for e in sorted(events, key=lambda e: -getattr(e, key))[:args.top]]
+    busy = device_busy(events)
     table = table_cost(alpha, x.device, args.schedule) if alpha is not None else {}
     step = statistics.median(times) + table.get("table_s_per_step", 0.0)
     label = "dense twin" if alpha is None else f"alpha {alpha:g}"
@@ -107,7 +122,7 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
           + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
     rule = sum(p.numel() for b in model.blocks if getattr(b.mixer, "pruning", None) is not None
                for p in b.mixer.pruning.parameters())
-    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step, **table,
+    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step, **table, **busy,
             "tokens_per_s": x.numel() / step, "trainable_params": sum(p.numel() for p in model.parameters()
                                                                       if p.requires_grad),
             "rule_params": rule, "top_ops": top}

@@ -157,3 +157,18 @@ def test_gpu_check_records_which_app_packages_the_machine_has():
     got = gpu_check.installed(("pytest", "mixscope-no-such-distribution"))
     assert got == {"pytest": metadata.version("pytest"), "mixscope-no-such-distribution": None}
     assert set(gpu_check.APP_DISTRIBUTIONS) >= {"streamlit", "plotly", "pandas", "spacy", "captum"}
+
+
+def test_train_step_profile_sums_the_gpu_kernels_only():
+    """A step's busy GPU time is its CUDA events' device time: an operator carries its kernels' time too, and
+    would count it twice."""
+    from types import SimpleNamespace as Event
+
+    from torch.autograd import DeviceType
+
+    from bench.train_step_profile import device_busy
+    events = [Event(device_type=DeviceType.CPU, self_device_time_total=4000.0, count=1),  # the op of the next
+              Event(device_type=DeviceType.CUDA, self_device_time_total=4000.0, count=2),
+              Event(device_type=DeviceType.CUDA, self_device_time_total=500.0, count=3)]
+    assert device_busy(events) == {"device_busy_s": 0.0045, "device_kernels": 5}
+    assert device_busy(events[:1]) == {}
