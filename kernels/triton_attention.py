@@ -300,7 +300,8 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
 @triton.jit
 def _merge_group(PO, PL, O, OM, OA, rows, out_at, heads, offs_d, r_mask, d_mask, D, n_split,
                  HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """_merge_kernel's sum for a group's heads at once, in one pass over the splits (a running maximum)."""
+    """The split partials of a group's heads combined by their log2-sum-exp weights, in one pass over the splits (a
+    running maximum): the decode kernel's last split (MERGE) and _merge_kernel both call it."""
     rd_mask = r_mask[:, None] & d_mask[None, :]
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_R], tl.float32)
@@ -324,26 +325,18 @@ def _merge_group(PO, PL, O, OM, OA, rows, out_at, heads, offs_d, r_mask, d_mask,
 
 
 @triton.jit
-def _merge_kernel(PO, PL, O, OM, OA, H, D, n_split, sob, soh,
-                  HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Combine the split partials of one (sequence, head) by their log2-sum-exp weights."""
+def _merge_kernel(PO, PL, O, OM, OA, G, R, D, n_split, sob, soh,
+                  HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program b*G + g: combine the split partials of group g's heads of sequence b by their log2-sum-exp weights,
+    as the decode kernel's last split does with MERGE (the same sum, so both give the same bits)."""
     pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    offs_s = tl.arange(0, BLOCK_S)
+    b = (pid // G).to(tl.int64)
+    g = pid % G
+    offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask, d_mask = offs_s < n_split, offs_d < D
-    lse = tl.load(PL + pid * n_split + offs_s, mask=s_mask, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - top)
-    part = tl.load(PO + (pid * n_split + offs_s)[:, None] * D + offs_d[None, :],
-                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    if HAS_OM:
-        out = out * tl.load(OM + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    if HAS_OA:
-        out = out + tl.load(OA + h * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    tl.store(O + b * sob + h * soh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+    heads = g * R + offs_r
+    _merge_group(PO, PL, O, OM, OA, (b * G * R + heads) * n_split, b * sob + heads * soh, heads, offs_d,
+                 offs_r < R, offs_d < D, D, n_split, HAS_OM, HAS_OA, BLOCK_R, BLOCK_D)
 
 
 def _heads_and_maps(q, k, q_mul, q_add, o_mul, o_add):
@@ -513,9 +506,9 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         KEEP_READY=keep_ready, BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
     if not merge:
-        _merge_kernel[(b * h,)](po, pl, out, om, oa, h, d, ns, out.stride(0), out.stride(1),
-                                HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
-                                BLOCK_S=_pow2(ns, 2), BLOCK_D=_pow2(d))
+        _merge_kernel[(b * g,)](po, pl, out, om, oa, g, r, d, ns, out.stride(0), out.stride(1),
+                                HAS_OM=o_mul is not None, HAS_OA=o_add is not None, BLOCK_R=_pow2(r),
+                                BLOCK_D=_pow2(d))
     if prune is not None:
         return out, keep
     return out

@@ -56,7 +56,7 @@ def cases():
                     warps, stages))
         out.append((f"merge {dtype} d={d}", ta._merge_kernel,
                     {"PO": "*fp32", "PL": "*fp32", "O": f"*{dtype}", "OM": f"*{dtype}", "OA": f"*{dtype}"},
-                    dict(HAS_OM=False, HAS_OA=False, BLOCK_S=32, BLOCK_D=d), 4, 2))
+                    dict(HAS_OM=False, HAS_OA=False, BLOCK_R=16, BLOCK_D=d), 4, 2))
     for lens, valid, trig in ((True, False, True), (False, True, False)):  # the keep pass: fixed-shape, eager
         out.append((f"keep pass lens={lens} valid={valid} trig={trig}", ta._keep_kernel,
                     {"QINT": "*fp32", "KINT": "*fp32", "LIVE": "*u8", "POS": "*i64", "QPOS": "*i64", "VALID": "*u8",

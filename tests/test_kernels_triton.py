@@ -225,8 +225,9 @@ class _NoMerge:
 @pytest.mark.parametrize("n_split", [1, 3, None])
 def test_decode_merges_its_own_splits_with_merge_counts(b, h, g, s, d, kind, n_split, monkeypatch):
     """With a decode state's counts, the split that finishes last combines the partials (and applies MHE's output
-    maps) in the decode kernel: the reference's output, no merge launch, and the counts left at zero for the next
-    call (here called twice). Only the first B*G counts are used (the others hold a mark that must stay)."""
+    maps) in the decode kernel: the reference's output, the separate merge's bits, no merge launch, and the counts
+    left at zero for the next call (here called twice). Only the first B*G counts are used (the others hold a mark
+    that must stay)."""
     maps = head_maps(kind, h, d)
     q = torch.randn(b, 1 if maps else h, 1, d)
     k, v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
@@ -234,10 +235,13 @@ def test_decode_merges_its_own_splits_with_merge_counts(b, h, g, s, d, kind, n_s
     counts = torch.zeros(b * g + 3, dtype=torch.int32)
     counts[b * g:] = 7
     want = reference.decode(q, k, v, scale=0.3, lengths=lengths, **maps)
+    separate = triton_attention.decode(q, k, v, scale=0.3, lengths=lengths, n_split=n_split, **maps)
     monkeypatch.setattr(triton_attention, "_merge_kernel", _NoMerge())
     for _ in range(2):
-        close(triton_attention.decode(q, k, v, scale=0.3, lengths=lengths, n_split=n_split, merge_counts=counts,
-                                      **maps), want)
+        got = triton_attention.decode(q, k, v, scale=0.3, lengths=lengths, n_split=n_split, merge_counts=counts,
+                                      **maps)
+        close(got, want)
+        assert torch.equal(got, separate)  # the separate merge sums as the last split does: the same bits
         assert not counts[:b * g].any() and bool((counts[b * g:] == 7).all())
     with pytest.raises(ValueError, match="merge_counts"):
         triton_attention.decode(q, k, v, scale=0.3, merge_counts=counts.long())
