@@ -190,7 +190,8 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
                    PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_TRIG: tl.constexpr, PRECISION: tl.constexpr,
                    MERGE: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, KEEP_READY: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
+                   MERGE_H: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
     its log2-sum-exp; _merge_kernel combines the slices, or with MERGE the split that finishes last does, here
@@ -292,51 +293,68 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         done = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
         if done == n_split - 1:
             tl.debug_barrier()  # (the count's acquire came before any of this program's threads loads)
-            _merge_group(PO, PL, O, OM, OA, (b * H + heads) * n_split, b * sob + heads * soh, heads, offs_d,
-                         r_mask, d_mask, D, n_split, HAS_OM, HAS_OA, BLOCK_R, BLOCK_D)
+            _merge_group(PO, PL, O, OM, OA, b, g, H, R, D, n_split, sob, soh, HAS_OM, HAS_OA, MERGE_H, MERGE_S,
+                         BLOCK_D)
             tl.atomic_xchg(CNT + pid, 0)
 
 
 @triton.jit
-def _merge_group(PO, PL, O, OM, OA, rows, out_at, heads, offs_d, r_mask, d_mask, D, n_split,
-                 HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The split partials of a group's heads combined by their log2-sum-exp weights, in one pass over the splits (a
-    running maximum): the decode kernel's last split (MERGE) and _merge_kernel both call it."""
-    rd_mask = r_mask[:, None] & d_mask[None, :]
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for sp in range(0, n_split):
-        lse = tl.load(PL + rows + sp, mask=r_mask, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(PO + (rows + sp)[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
+def _merge_group(PO, PL, O, OM, OA, b, g, H, R, D, n_split, sob, soh,
+                 HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """The split partials of group g's R heads of sequence b combined by their log2-sum-exp weights: the decode
+    kernel's last split (MERGE) and _merge_kernel both call it (the same bits in the interpreter). BLOCK_S splits a load
+    with a running maximum across the loads: one split a load made the merge a chain of dependent L2 round trips
+    (128 of them for MQA at batch 1, where the cache is cut into 128 splits)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask, d_mask = offs_h < R, offs_d < D
+    heads = g * R + offs_h
+    rows = (b * H + heads) * n_split                                          # [H]: each head's first split
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):
+        sp = s0 + offs_s
+        sh_mask = (sp < n_split)[:, None] & h_mask[None, :]                   # [S, H]
+        at = rows[None, :] + sp[:, None]
+        lse = tl.load(PL + at, mask=sh_mask, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(PO + at[:, :, None] * D + offs_d[None, None, :],                        # [S, H, D]
+                       mask=sh_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         c = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        w_sum = w_sum * c + w
-        acc = acc * c[:, None] + part * w[:, None]
+        w = tl.exp2(lse - m_safe[None, :])                                    # -inf (a split that saw nothing): 0
+        w_sum = w_sum * c + tl.sum(w, 0)
+        acc = acc * c[:, None] + tl.sum(part * w[:, :, None], 0)
         m = m_new
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
     if HAS_OM:
-        out = out * tl.load(OM + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
+        out = out * tl.load(OM + heads[:, None] * D + offs_d[None, :], mask=hd_mask, other=0.0).to(tl.float32)
     if HAS_OA:
-        out = out + tl.load(OA + heads[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
-    tl.store(O + out_at[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=rd_mask)
+        out = out + tl.load(OA + heads[:, None] * D + offs_d[None, :], mask=hd_mask, other=0.0).to(tl.float32)
+    tl.store(O + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(O.dtype.element_ty), mask=hd_mask)
 
 
 @triton.jit
 def _merge_kernel(PO, PL, O, OM, OA, G, R, D, n_split, sob, soh,
-                  HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program b*G + g: combine the split partials of group g's heads of sequence b by their log2-sum-exp weights,
-    as the decode kernel's last split does with MERGE (the same sum, so both give the same bits)."""
+                  HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Program b*G + g: _merge_group for group g of sequence b, where the decode did not merge its own splits."""
     pid = tl.program_id(0)
-    b = (pid // G).to(tl.int64)
-    g = pid % G
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = g * R + offs_r
-    _merge_group(PO, PL, O, OM, OA, (b * G * R + heads) * n_split, b * sob + heads * soh, heads, offs_d,
-                 offs_r < R, offs_d < D, D, n_split, HAS_OM, HAS_OA, BLOCK_R, BLOCK_D)
+    _merge_group(PO, PL, O, OM, OA, (pid // G).to(tl.int64), pid % G, G * R, R, D, n_split, sob, soh,
+                 HAS_OM, HAS_OA, BLOCK_H, BLOCK_S, BLOCK_D)
+
+
+MERGE_TILE = 2048  # elements of a merge load ([splits, heads, width], float32): 16 registers a thread at 4 warps
+
+
+def merge_tiles(r: int, d: int, n_split: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_S) of a merge: a group's heads, and as many splits a load as MERGE_TILE leaves room for."""
+    bh, bd = triton.next_power_of_2(r), _pow2(d)
+    return bh, max(1, min(triton.next_power_of_2(n_split), MERGE_TILE // (bh * bd)))
 
 
 def _heads_and_maps(q, k, q_mul, q_add, o_mul, o_add):
@@ -489,6 +507,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
                                  HAS_TRIG=prune.get("trig") is not None, BLOCK_N=KEEP_BLOCK, BLOCK_RI=_pow2(ri),
                                  num_warps=KEEP_WARPS, num_stages=KEEP_STAGES)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
+    merge_h, merge_s = merge_tiles(r, d, ns)
     merge = merge_counts is not None
     if merge and (merge_counts.dtype != torch.int32 or merge_counts.numel() < b * g or not merge_counts.is_contiguous()
                   or merge_counts.device != q.device):
@@ -503,12 +522,13 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         PRUNE=prune is not None, HAS_VALID=prune is not None and prune["valid"] is not None,
         HAS_TRIG=prune is not None and prune.get("trig") is not None,
         PRECISION=precision(k.dtype), MERGE=merge, HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
-        KEEP_READY=keep_ready, BLOCK_R=_pow2(r), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        KEEP_READY=keep_ready, MERGE_H=merge_h, MERGE_S=merge_s, BLOCK_R=_pow2(r), BLOCK_N=block_n,
+        BLOCK_D=_pow2(d),
         BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
     if not merge:
         _merge_kernel[(b * g,)](po, pl, out, om, oa, g, r, d, ns, out.stride(0), out.stride(1),
-                                HAS_OM=o_mul is not None, HAS_OA=o_add is not None, BLOCK_R=_pow2(r),
-                                BLOCK_D=_pow2(d))
+                                HAS_OM=o_mul is not None, HAS_OA=o_add is not None, BLOCK_H=merge_h, BLOCK_S=merge_s,
+                                BLOCK_D=_pow2(d), num_warps=num_warps or dw)  # (the decode's: the same layout)
     if prune is not None:
         return out, keep
     return out

@@ -35,28 +35,30 @@ def cases():
                     {n: f"*{dtype}" for n in ("Q", "K", "V", "O", "QM", "QA", "OM", "OA", "BIAS")},
                     dict(HAS_QM=maps, HAS_QA=maps, HAS_OM=maps, HAS_OA=maps, HAS_BIAS=bias, CAUSAL=True,
                          PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d), warps, stages))
-    for dtype, d, prune, lens, valid, ready in [
-            ("bf16", 64, True, True, False, False),   # the fixed-shape compacted step
-            ("bf16", 64, True, True, False, True),    # the same after its keep pass (decode's keep_pass)
-            ("bf16", 128, True, False, True, False),  # the eager one, with padding rows
-            ("bf16", 64, False, True, False, False),  # the static cache's step
-            ("fp32", 128, True, True, False, False)]:  # the app's float32 default
+    # r: query heads a K/V group (MHA 1, GQA 3, MQA 16), ns: splits (the merge's tiles follow both)
+    for dtype, d, prune, lens, valid, ready, r, ns in [
+            ("bf16", 64, True, True, False, False, 1, 33),     # the fixed-shape compacted step
+            ("bf16", 64, True, True, False, True, 3, 128),     # the same after its keep pass (decode's keep_pass)
+            ("bf16", 128, True, False, True, False, 3, 8),     # the eager one, with padding rows
+            ("bf16", 64, False, True, False, False, 16, 128),  # the static cache's step
+            ("fp32", 128, True, True, False, False, 16, 128)]:  # the app's float32 default
         bn, warps, stages = ta.DECODE_LAUNCH[d]
+        merge_h, merge_s = ta.merge_tiles(r, d, ns)
         ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "QM", "QA", "BIAS")} | {
             "PO": "*fp32", "PL": "*fp32", "QINT": "*fp32", "KINT": "*fp32", "LENS": "*i64", "LIVE": "*u8",
             "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8", "TRIG": "*i64", "O": f"*{dtype}",
             "OM": f"*{dtype}", "OA": f"*{dtype}", "CNT": "*i32"}
-        out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid} keep_ready={ready}",
-                    ta._decode_kernel, ptrs,
+        out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid} keep_ready={ready} r={r} "
+                    f"splits={ns}", ta._decode_kernel, ptrs,
                     dict(HAS_QM=False, HAS_QA=False, HAS_BIAS=not prune, HAS_LENS=lens, PRUNE=prune, HAS_VALID=valid,
                          HAS_TRIG=prune and not valid,  # a step of every row notes its drops in place
                          MERGE=lens, HAS_OM=lens, HAS_OA=False,  # a fixed-shape step merges its splits itself
-                         KEEP_READY=ready, PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_R=16, BLOCK_N=bn,
-                         BLOCK_D=d, BLOCK_RI=64),
+                         KEEP_READY=ready, PRECISION=ta.precision(torch_dtype[dtype]), MERGE_H=merge_h,
+                         MERGE_S=merge_s, BLOCK_R=max(16, merge_h), BLOCK_N=bn, BLOCK_D=d, BLOCK_RI=64),
                     warps, stages))
-        out.append((f"merge {dtype} d={d}", ta._merge_kernel,
+        out.append((f"merge {dtype} d={d} r={r} splits={ns}", ta._merge_kernel,
                     {"PO": "*fp32", "PL": "*fp32", "O": f"*{dtype}", "OM": f"*{dtype}", "OA": f"*{dtype}"},
-                    dict(HAS_OM=False, HAS_OA=False, BLOCK_R=16, BLOCK_D=d), 4, 2))
+                    dict(HAS_OM=lens, HAS_OA=False, BLOCK_H=merge_h, BLOCK_S=merge_s, BLOCK_D=d), 4, 2))
     for lens, valid, trig in ((True, False, True), (False, True, False)):  # the keep pass: fixed-shape, eager
         out.append((f"keep pass lens={lens} valid={valid} trig={trig}", ta._keep_kernel,
                     {"QINT": "*fp32", "KINT": "*fp32", "LIVE": "*u8", "POS": "*i64", "QPOS": "*i64", "VALID": "*u8",
@@ -96,8 +98,30 @@ def cases():
     return out
 
 
+# kernels whose registers ptxas reports (a spill to local memory costs a decode step memory round trips); those
+# that must not spill: the merge and the keep pass. The single-pass pruned decode does (docs/kernels.md)
+REGISTERS_OF = ("decode", "merge", "keep pass")
+NO_SPILLS = ("merge", "keep pass")
+
+
+def registers(ptx: str) -> dict:
+    """{"registers", "spill_bytes"} of a kernel's PTX for sm_90a from the ptxas Triton bundles (-v), or {}."""
+    import re
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs, spills = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
+    return {"registers": int(regs[1]), "spill_bytes": int(spills[1])} if regs and spills else {}
+
+
 def compile_all() -> None:
-    """Run in a process without TRITON_INTERPRET: prints one JSON line per case (shared bytes or the error)."""
+    """Run in a process without TRITON_INTERPRET: prints one JSON line per case (shared bytes or the error, and
+    for REGISTERS_OF the registers and spills)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -109,7 +133,8 @@ def compile_all() -> None:
             k = triton.compile(ASTSource(fn, sig, constexprs=const), target=h100,
                                options=dict(num_warps=warps, num_stages=stages))
             marks = [m for m in MERGE_MARKS if m in k.asm["ptx"]] if const.get("MERGE") else None
-            print(json.dumps({"case": name, "shared": k.metadata.shared, "merge_marks": marks}))
+            regs = registers(k.asm["ptx"]) if name.startswith(REGISTERS_OF) else {}
+            print(json.dumps({"case": name, "shared": k.metadata.shared, "merge_marks": marks} | regs))
         except Exception as e:  # noqa: BLE001 - reported per case
             print(json.dumps({"case": name, "error": f"{type(e).__name__}: {e}"[:2000]}))
 
@@ -129,3 +154,7 @@ def test_every_kernel_compiles_for_an_h100():
     assert not too_big, too_big
     merging = [r for r in rows if r["merge_marks"] is not None]
     assert merging and all(r["merge_marks"] == list(MERGE_MARKS) for r in merging), merging
+    reported = [r for r in rows if "spill_bytes" in r]
+    assert len(reported) == sum(r["case"].startswith(REGISTERS_OF) for r in rows), rows  # ptxas -v read for each
+    spilling = [r for r in reported if r["case"].startswith(NO_SPILLS) and r["spill_bytes"]]
+    assert not spilling, spilling

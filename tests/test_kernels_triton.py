@@ -221,8 +221,9 @@ class _NoMerge:
 
 
 @pytest.mark.parametrize("b,h,g,s,d,kind", with_maps([(3, 6, 2, 37, 16), (2, 5, 1, 200, 12), (1, 1, 1, 1, 16),
-                                                      (1, 9, 3, 129, 64)], "mul") + [(2, 4, 1, 50, 16, "add")])
-@pytest.mark.parametrize("n_split", [1, 3, None])
+                                                      (1, 9, 3, 129, 64), (2, 8, 2, 512, 16)], "mul")
+                         + [(2, 4, 1, 50, 16, "add"), (2, 4, 1, 512, 16, "add")])
+@pytest.mark.parametrize("n_split", [1, 3, 8, None])  # (at 512 slots: 8 real splits, and the merge's loads of several)
 def test_decode_merges_its_own_splits_with_merge_counts(b, h, g, s, d, kind, n_split, monkeypatch):
     """With a decode state's counts, the split that finishes last combines the partials (and applies MHE's output
     maps) in the decode kernel: the reference's output, the separate merge's bits, no merge launch, and the counts
@@ -446,3 +447,15 @@ def test_compact_decode_keeps_nothing_after_a_rows_length(keep_pass):
                                         keep_pass=keep_pass)
     assert torch.equal(keep, want_keep) and not keep[past].any()
     close(got, want)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_decode_of_a_row_that_sees_nothing_is_zero_as_in_the_reference(merge):
+    """A row whose length is 0 leaves every split empty (log-sum-exp -inf): both merges give the reference's 0 (the
+    separate merge's earlier formula gave NaN there)."""
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    lengths = torch.tensor([0, 5])
+    counts = torch.zeros(4, dtype=torch.int32) if merge else None
+    got = triton_attention.decode(q, k, v, scale=0.3, lengths=lengths, n_split=3, merge_counts=counts)
+    close(got, reference.decode(q, k, v, scale=0.3, lengths=lengths))
+    assert not got[0].any()
