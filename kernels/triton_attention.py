@@ -190,7 +190,8 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
                    HAS_QM: tl.constexpr, HAS_QA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
                    PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_TRIG: tl.constexpr, PRECISION: tl.constexpr,
                    MERGE: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, KEEP_READY: tl.constexpr,
-                   MERGE_H: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MERGE_H: tl.constexpr, MERGE_S: tl.constexpr, MERGE_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
@@ -294,42 +295,43 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
         if done == n_split - 1:
             tl.debug_barrier()  # (the count's acquire came before any of this program's threads loads)
             _merge_group(PO, PL, O, OM, OA, b, g, H, R, D, n_split, sob, soh, HAS_OM, HAS_OA, MERGE_H, MERGE_S,
-                         BLOCK_D)
+                         MERGE_L, BLOCK_D)
             tl.atomic_xchg(CNT + pid, 0)
 
 
 @triton.jit
 def _merge_group(PO, PL, O, OM, OA, b, g, H, R, D, n_split, sob, soh,
                  HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
     """The split partials of group g's R heads of sequence b combined by their log2-sum-exp weights: the decode
-    kernel's last split (MERGE) and _merge_kernel both call it (the same bits in the interpreter). BLOCK_S splits a load
-    with a running maximum across the loads: one split a load made the merge a chain of dependent L2 round trips
-    (128 of them for MQA at batch 1, where the cache is cut into 128 splits)."""
+    kernel's last split (MERGE) and _merge_kernel both call it (the same bits in the interpreter). Two passes: each
+    head's largest log-sum-exp first (BLOCK_L splits a load: one float a split and head), then the weighted sum,
+    BLOCK_S splits a load. With the maximum known, no load waits on the one before it; one split a load with a
+    running maximum made the merge a chain of dependent L2 reads, 128 of them for MQA at batch 1."""
     offs_h = tl.arange(0, BLOCK_H)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask, d_mask = offs_h < R, offs_d < D
     heads = g * R + offs_h
     rows = (b * H + heads) * n_split                                          # [H]: each head's first split
     hd_mask = h_mask[:, None] & d_mask[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s0 in range(0, n_split, BLOCK_L):
+        sp = s0 + tl.arange(0, BLOCK_L)
+        lse = tl.load(PL + rows[None, :] + sp[:, None], mask=(sp < n_split)[:, None] & h_mask[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(lse, 0))
+    m = tl.where(m == float("-inf"), 0.0, m)                                  # a head that saw nothing: weights 0
     w_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for s0 in range(0, n_split, BLOCK_S):
-        sp = s0 + offs_s
+        sp = s0 + tl.arange(0, BLOCK_S)
         sh_mask = (sp < n_split)[:, None] & h_mask[None, :]                   # [S, H]
         at = rows[None, :] + sp[:, None]
-        lse = tl.load(PL + at, mask=sh_mask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(tl.load(PL + at, mask=sh_mask, other=float("-inf"), cache_modifier=".cg") - m[None, :])
         part = tl.load(PO + at[:, :, None] * D + offs_d[None, None, :],                        # [S, H, D]
                        mask=sh_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        c = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe[None, :])                                    # -inf (a split that saw nothing): 0
-        w_sum = w_sum * c + tl.sum(w, 0)
-        acc = acc * c[:, None] + tl.sum(part * w[:, :, None], 0)
-        m = m_new
+        w_sum += tl.sum(w, 0)
+        acc += tl.sum(part * w[:, :, None], 0)
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
     if HAS_OM:
         out = out * tl.load(OM + heads[:, None] * D + offs_d[None, :], mask=hd_mask, other=0.0).to(tl.float32)
@@ -341,20 +343,25 @@ def _merge_group(PO, PL, O, OM, OA, b, g, H, R, D, n_split, sob, soh,
 @triton.jit
 def _merge_kernel(PO, PL, O, OM, OA, G, R, D, n_split, sob, soh,
                   HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program b*G + g: _merge_group for group g of sequence b, where the decode did not merge its own splits."""
     pid = tl.program_id(0)
     _merge_group(PO, PL, O, OM, OA, (pid // G).to(tl.int64), pid % G, G * R, R, D, n_split, sob, soh,
-                 HAS_OM, HAS_OA, BLOCK_H, BLOCK_S, BLOCK_D)
+                 HAS_OM, HAS_OA, BLOCK_H, BLOCK_S, BLOCK_L, BLOCK_D)
 
 
-MERGE_TILE = 2048  # elements of a merge load ([splits, heads, width], float32): 16 registers a thread at 4 warps
+# a merge's loads, in float32 elements a thread ([splits, heads, width] tiles; the log-sum-exps' [splits, heads]):
+# small enough to stay in registers inside the decode kernel, whose own tiles take most of them
+MERGE_PER_THREAD, LSE_PER_THREAD = 16, 8
+MERGE_WARPS, MERGE_STAGES = 4, 2  # the merge launched on its own
 
 
-def merge_tiles(r: int, d: int, n_split: int) -> tuple[int, int]:
-    """(BLOCK_H, BLOCK_S) of a merge: a group's heads, and as many splits a load as MERGE_TILE leaves room for."""
-    bh, bd = triton.next_power_of_2(r), _pow2(d)
-    return bh, max(1, min(triton.next_power_of_2(n_split), MERGE_TILE // (bh * bd)))
+def merge_tiles(r: int, d: int, warps: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_S, BLOCK_L) of a merge run by `warps` warps: a group's heads, the splits a load of partials
+    and of log-sum-exps. They depend on the shapes of the model, not on the split count, so a growing cache does
+    not compile new variants."""
+    bh, threads = triton.next_power_of_2(r), 32 * warps
+    return bh, max(1, MERGE_PER_THREAD * threads // (bh * _pow2(d))), max(1, LSE_PER_THREAD * threads // bh)
 
 
 def _heads_and_maps(q, k, q_mul, q_add, o_mul, o_add):
@@ -507,11 +514,13 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
                                  HAS_TRIG=prune.get("trig") is not None, BLOCK_N=KEEP_BLOCK, BLOCK_RI=_pow2(ri),
                                  num_warps=KEEP_WARPS, num_stages=KEEP_STAGES)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
-    merge_h, merge_s = merge_tiles(r, d, ns)
     merge = merge_counts is not None
     if merge and (merge_counts.dtype != torch.int32 or merge_counts.numel() < b * g or not merge_counts.is_contiguous()
                   or merge_counts.device != q.device):
         raise ValueError(f"merge_counts: contiguous int32 zeros on q's device, at least {b * g} of them")
+    warps = num_warps or dw
+    # (without MERGE the tiles are not used: ones, so they compile no variants of their own)
+    in_kernel = merge_tiles(r, d, warps) if merge else (1, 1, 1)
     _decode_kernel[(b * g, ns)](
         q, k, v, po, pl, qm, qa, bias_t, lens, qi_, ki_, live_, pos_, qpos_, valid_, live_out_, trig_,
         out, om, oa, merge_counts if merge else dummy,
@@ -522,13 +531,14 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         PRUNE=prune is not None, HAS_VALID=prune is not None and prune["valid"] is not None,
         HAS_TRIG=prune is not None and prune.get("trig") is not None,
         PRECISION=precision(k.dtype), MERGE=merge, HAS_OM=o_mul is not None, HAS_OA=o_add is not None,
-        KEEP_READY=keep_ready, MERGE_H=merge_h, MERGE_S=merge_s, BLOCK_R=_pow2(r), BLOCK_N=block_n,
-        BLOCK_D=_pow2(d),
-        BLOCK_RI=_pow2(ri), num_warps=num_warps or dw, num_stages=num_stages or dst)
+        KEEP_READY=keep_ready, MERGE_H=in_kernel[0], MERGE_S=in_kernel[1], MERGE_L=in_kernel[2], BLOCK_R=_pow2(r),
+        BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        BLOCK_RI=_pow2(ri), num_warps=warps, num_stages=num_stages or dst)
     if not merge:
+        bh, bs, bl = merge_tiles(r, d, warps)  # the tiles the decode's own merge takes: the same sum
         _merge_kernel[(b * g,)](po, pl, out, om, oa, g, r, d, ns, out.stride(0), out.stride(1),
-                                HAS_OM=o_mul is not None, HAS_OA=o_add is not None, BLOCK_H=merge_h, BLOCK_S=merge_s,
-                                BLOCK_D=_pow2(d), num_warps=num_warps or dw)  # (the decode's: the same layout)
+                                HAS_OM=o_mul is not None, HAS_OA=o_add is not None, BLOCK_H=bh, BLOCK_S=bs, BLOCK_L=bl,
+                                BLOCK_D=_pow2(d), num_warps=MERGE_WARPS, num_stages=MERGE_STAGES)
     if prune is not None:
         return out, keep
     return out

@@ -266,7 +266,8 @@ def test_decode_merges_its_own_splits_where_programs_run_at_once(b, h, g, s, pru
         if prune:
             assert torch.equal(got[1], want[1])
             got = got[0]
-        # the separate merge runs the last split's sum; a compiled kernel may still lay the split sum out otherwise
+        # the separate merge runs the last split's sum with the same tiles; two compiled kernels may still order a
+        # float32 sum differently (about 1e-7 apart)
         assert rel_err(got, want[0] if prune else want) < 1e-6
     assert not bool(counts.any())
 

@@ -35,30 +35,34 @@ def cases():
                     {n: f"*{dtype}" for n in ("Q", "K", "V", "O", "QM", "QA", "OM", "OA", "BIAS")},
                     dict(HAS_QM=maps, HAS_QA=maps, HAS_OM=maps, HAS_OA=maps, HAS_BIAS=bias, CAUSAL=True,
                          PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d), warps, stages))
-    # r: query heads a K/V group (MHA 1, GQA 3, MQA 16), ns: splits (the merge's tiles follow both)
-    for dtype, d, prune, lens, valid, ready, r, ns in [
-            ("bf16", 64, True, True, False, False, 1, 33),     # the fixed-shape compacted step
-            ("bf16", 64, True, True, False, True, 3, 128),     # the same after its keep pass (decode's keep_pass)
-            ("bf16", 128, True, False, True, False, 3, 8),     # the eager one, with padding rows
-            ("bf16", 64, False, True, False, False, 16, 128),  # the static cache's step
-            ("fp32", 128, True, True, False, False, 16, 128)]:  # the app's float32 default
+    # r: query heads a K/V group (MHA 1, GQA 3, MQA 16; the merge's tiles follow it)
+    for dtype, d, prune, lens, valid, ready, r in [
+            ("bf16", 64, True, True, False, False, 1),     # the fixed-shape compacted step
+            ("bf16", 64, True, True, False, True, 3),      # the same after its keep pass (decode's keep_pass)
+            ("bf16", 128, True, False, True, False, 3),    # the eager one, with padding rows
+            ("bf16", 64, False, True, False, False, 16),   # the static cache's step
+            ("bf16", 128, False, True, False, False, 4),   # the same at d = 128
+            ("fp32", 128, True, True, False, False, 16)]:  # the app's float32 default
         bn, warps, stages = ta.DECODE_LAUNCH[d]
-        merge_h, merge_s = ta.merge_tiles(r, d, ns)
+        merge_h, merge_s, merge_l = ta.merge_tiles(r, d, warps)
         ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "QM", "QA", "BIAS")} | {
             "PO": "*fp32", "PL": "*fp32", "QINT": "*fp32", "KINT": "*fp32", "LENS": "*i64", "LIVE": "*u8",
             "POS": "*i64", "QPOS": "*i64", "VALID": "*u8", "LIVE_OUT": "*u8", "TRIG": "*i64", "O": f"*{dtype}",
             "OM": f"*{dtype}", "OA": f"*{dtype}", "CNT": "*i32"}
-        out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid} keep_ready={ready} r={r} "
-                    f"splits={ns}", ta._decode_kernel, ptrs,
+        out.append((f"decode {dtype} d={d} prune={prune} lens={lens} valid={valid} keep_ready={ready} r={r}",
+                    ta._decode_kernel, ptrs,
                     dict(HAS_QM=False, HAS_QA=False, HAS_BIAS=not prune, HAS_LENS=lens, PRUNE=prune, HAS_VALID=valid,
                          HAS_TRIG=prune and not valid,  # a step of every row notes its drops in place
                          MERGE=lens, HAS_OM=lens, HAS_OA=False,  # a fixed-shape step merges its splits itself
-                         KEEP_READY=ready, PRECISION=ta.precision(torch_dtype[dtype]), MERGE_H=merge_h,
-                         MERGE_S=merge_s, BLOCK_R=max(16, merge_h), BLOCK_N=bn, BLOCK_D=d, BLOCK_RI=64),
+                         KEEP_READY=ready, PRECISION=ta.precision(torch_dtype[dtype]),
+                         **(dict(MERGE_H=merge_h, MERGE_S=merge_s, MERGE_L=merge_l) if lens else
+                            dict(MERGE_H=1, MERGE_S=1, MERGE_L=1)),
+                         BLOCK_R=max(16, merge_h), BLOCK_N=bn, BLOCK_D=d, BLOCK_RI=64),
                     warps, stages))
-        out.append((f"merge {dtype} d={d} r={r} splits={ns}", ta._merge_kernel,
+        out.append((f"merge {dtype} d={d} r={r}", ta._merge_kernel,  # as decode launches it, after these decodes
                     {"PO": "*fp32", "PL": "*fp32", "O": f"*{dtype}", "OM": f"*{dtype}", "OA": f"*{dtype}"},
-                    dict(HAS_OM=lens, HAS_OA=False, BLOCK_H=merge_h, BLOCK_S=merge_s, BLOCK_D=d), 4, 2))
+                    dict(HAS_OM=lens, HAS_OA=False, BLOCK_H=merge_h, BLOCK_S=merge_s, BLOCK_L=merge_l, BLOCK_D=d),
+                    ta.MERGE_WARPS, ta.MERGE_STAGES))
     for lens, valid, trig in ((True, False, True), (False, True, False)):  # the keep pass: fixed-shape, eager
         out.append((f"keep pass lens={lens} valid={valid} trig={trig}", ta._keep_kernel,
                     {"QINT": "*fp32", "KINT": "*fp32", "LIVE": "*u8", "POS": "*i64", "QPOS": "*i64", "VALID": "*u8",

@@ -459,3 +459,23 @@ def test_decode_of_a_row_that_sees_nothing_is_zero_as_in_the_reference(merge):
     got = triton_attention.decode(q, k, v, scale=0.3, lengths=lengths, n_split=3, merge_counts=counts)
     close(got, reference.decode(q, k, v, scale=0.3, lengths=lengths))
     assert not got[0].any()
+
+
+@pytest.mark.parametrize("splits_a_load,lse_a_load", [(1, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("scale", [0.3, 40.0])  # 40: log-sum-exps past float32's exp range unless the maximum is right
+def test_merge_over_several_loads_equals_the_reference(splits_a_load, lse_a_load, merge, scale, monkeypatch):
+    """The merge's two passes over the splits (the largest log-sum-exp, then the weighted sum) in loads of a few
+    splits each, as on a GPU where 128 splits outnumber a load (with a part-filled last
+    load: the 5 splits of 300 slots in tiles of 2 or 4): the reference's output, in the decode's own merge and in
+    the one launched after it."""
+    tiles = triton_attention.merge_tiles
+    monkeypatch.setattr(triton_attention, "merge_tiles",
+                        lambda r, d, warps: (tiles(r, d, warps)[0], splits_a_load, lse_a_load))
+    b, h, g, s, d = 2, 6, 2, 300, 16
+    q, k, v = torch.randn(b, 1, 1, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)  # MHE: one shared q
+    lengths = torch.tensor([300, 170])
+    maps = head_maps("add", h, d)
+    counts = torch.zeros(b * g, dtype=torch.int32) if merge else None
+    got = triton_attention.decode(q, k, v, scale=scale, lengths=lengths, n_split=9, merge_counts=counts, **maps)
+    close(got, reference.decode(q, k, v, scale=scale, lengths=lengths, **maps))
