@@ -306,8 +306,8 @@ def _merge_group(PO, PL, O, OM, OA, b, g, H, R, D, n_split, sob, soh,
     """The split partials of group g's R heads of sequence b combined by their log2-sum-exp weights: the decode
     kernel's last split (MERGE) and _merge_kernel both call it (the same bits in the interpreter). Two passes: each
     head's largest log-sum-exp first (BLOCK_L splits a load: one float a split and head), then the weighted sum,
-    BLOCK_S splits a load. With the maximum known, no load waits on the one before it; one split a load with a
-    running maximum made the merge a chain of dependent L2 reads, 128 of them for MQA at batch 1."""
+    BLOCK_S splits a load, nothing rescaled between loads. One split a load, as before, was 128 loads one after
+    another for MQA at batch 1 (the cache cut into 128 splits), each an L2 round trip: nothing pipelines them."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask, d_mask = offs_h < R, offs_d < D
@@ -353,7 +353,7 @@ def _merge_kernel(PO, PL, O, OM, OA, G, R, D, n_split, sob, soh,
 # a merge's loads, in float32 elements a thread ([splits, heads, width] tiles; the log-sum-exps' [splits, heads]):
 # small enough to stay in registers inside the decode kernel, whose own tiles take most of them
 MERGE_PER_THREAD, LSE_PER_THREAD = 16, 8
-MERGE_WARPS, MERGE_STAGES = 4, 2  # the merge launched on its own
+MERGE_WARPS = 4  # the merge launched on its own (its loop has no tl.dot: stages pipeline nothing, PTX the same)
 
 
 def merge_tiles(r: int, d: int, warps: int) -> tuple[int, int, int]:
@@ -538,7 +538,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         bh, bs, bl = merge_tiles(r, d, warps)  # the tiles the decode's own merge takes: the same sum
         _merge_kernel[(b * g,)](po, pl, out, om, oa, g, r, d, ns, out.stride(0), out.stride(1),
                                 HAS_OM=o_mul is not None, HAS_OA=o_add is not None, BLOCK_H=bh, BLOCK_S=bs, BLOCK_L=bl,
-                                BLOCK_D=_pow2(d), num_warps=MERGE_WARPS, num_stages=MERGE_STAGES)
+                                BLOCK_D=_pow2(d), num_warps=MERGE_WARPS)
     if prune is not None:
         return out, keep
     return out
