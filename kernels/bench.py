@@ -56,8 +56,8 @@ def timeit_graph(make, nbytes: int, dev, reps: int, max_copies: int = 512) -> fl
     step over many layers does; at most max_copies (a copy may hold more than it reads: a cache's whole capacity)."""
     import triton.testing
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    n = min(512, max_copies, max(1, -(-3 * l2 // max(nbytes, 1))))  # (64 copies left small cases in L2)
-    fns = [make(i) for i in range(max(1, n))]
+    n = max(1, min(512, max_copies, -(-3 * l2 // max(nbytes, 1))))  # (64 copies left small cases in L2)
+    fns = [make(i) for i in range(n)]
 
     def every():
         for fn in fns:
@@ -250,6 +250,9 @@ def bench_compact(dev, dtype, s, batches, fl, reps, budget_bytes, h=16, d=64, r=
             for impl, fn in impls.items():
                 out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"live_share": share})
             if "triton" in impls and 3 * full_bytes <= budget_bytes:
+                # each copy holds the whole capacity: as many as half the budget takes (64 live slots would
+                # otherwise ask for 512 copies of 71 MB at batch 1)
+                copies = max(1, budget_bytes // (2 * full_bytes))
                 # as a fixed-shape step: the splits merged in-kernel; and with keep decided first, once per slot
                 # (decode's keep_pass), against K_int read by every head group
                 for impl, keep_pass in (("triton_graph", False), ("triton_graph_keep_pass", True)):
@@ -258,9 +261,6 @@ def bench_compact(dev, dtype, s, batches, fl, reps, budget_bytes, h=16, d=64, r=
                         counts = torch.zeros(b * h, dtype=torch.int32, device=dev)
                         return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune, lengths=lengths,
                                                                merge_counts=counts, keep_pass=keep_pass)
-                    # each copy holds the whole capacity: as many as half the budget takes (64 live slots would
-                    # otherwise ask for 512 copies of 71 MB at batch 1)
-                    copies = max(1, budget_bytes // (2 * full_bytes))
                     out.append(row(name, impl, timeit_graph(make, nbytes, dev, reps, copies), nbytes, flops, fl)
                                | {"live_share": share})
     return out

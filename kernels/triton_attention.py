@@ -191,8 +191,7 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
                    PRUNE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_TRIG: tl.constexpr, PRECISION: tl.constexpr,
                    MERGE: tl.constexpr, HAS_OM: tl.constexpr, HAS_OA: tl.constexpr, KEEP_READY: tl.constexpr,
                    MERGE_H: tl.constexpr, MERGE_S: tl.constexpr, MERGE_L: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RI: tl.constexpr):
     """One query token per sequence. Program (b*G + g, split): every head of group g over one slice of the
     cache, so each K/V block is read once for all of them. Writes the slice's normalised partial output and
     its log2-sum-exp; _merge_kernel combines the slices, or with MERGE the split that finishes last does, here
@@ -240,12 +239,11 @@ def _decode_kernel(Q, K, V, PO, PL, QM, QA, BIAS, LENS, QINT, KINT, LIVE, POS, Q
             valid = tl.load(VALID + b)
         else:
             valid = 1
-        if not KEEP_READY:
+        if not KEEP_READY:  # (after a keep pass, keep and the cleared tail are already in LIVE_OUT)
             offs_i = tl.arange(0, BLOCK_RI)
             i_mask = offs_i < RI
             q_int = tl.load(QINT + b * sqib + offs_i, mask=i_mask, other=0.0).to(tl.float32)
-        if HAS_LENS and not KEEP_READY:
-            if g == 0:  # the slots after the length, shared out over the splits like the filled part
+            if HAS_LENS and g == 0:  # the slots after the length, shared out over the splits like the filled part
                 _clear_tail(LIVE_OUT, b, slob, length, S, split, tl.num_programs(1), BLOCK_N)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -507,7 +505,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
      beta, lam, sinks) = pr
     keep_ready = prune is not None and keep_pass
     if keep_ready:
-        parts = max(1, min(_target_programs(q.device) // max(1, b), triton.cdiv(s, KEEP_BLOCK), 128))
+        parts = _splits(s, b, 1, KEEP_BLOCK, _target_programs(q.device))  # (the decode's split rule, one group)
         _keep_kernel[(b, parts)](qi_, ki_, live_, pos_, qpos_, valid_, lens, live_out_, trig_,
                                  sqib, skib, skis, slb, spb, slob, stb, slens, s, ri, int_scale, beta, lam, sinks,
                                  HAS_LENS=lengths is not None, HAS_VALID=prune["valid"] is not None,
