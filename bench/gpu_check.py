@@ -323,7 +323,7 @@ def main(argv=None) -> int:
             report["train_profile"] = run_module(results / f"train_step_profile_mha-pruned_{name}.json",
                                                  "bench.train_step_profile",
                                                  "--config", "configs/gpu/mha-pruned.json", "--alphas", "1.02,2,8",
-                                                 "--steps", "3", "--batch", "8", "--device", "cuda")
+                                                 "--steps", "10", "--batch", "8", "--device", "cuda")
             ok = True  # a profile, not a check
         elif part == "bench":
             report["bench"] = run_bench(results, name, (trained + shipped)[:4])

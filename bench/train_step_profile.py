@@ -39,6 +39,9 @@ from models.train import load_run_config
 from models.transformer import DecoderLM
 
 
+WARMUP = 2  # steps before timing: a fresh model's first steps also compile kernels and grow the allocator's pool
+
+
 def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[float]:
     out = []
     cuda = x.is_cuda
@@ -83,14 +86,18 @@ def table_cost(alpha: float, dev, schedule: tuple[int, float, float]) -> dict:
             "block_from_step": at, "block_alphas": [round(block[0], 6), round(block[-1], 6)]}
 
 
-def device_busy(events) -> dict:
+def device_busy(events, top: int) -> dict:
     """The profiled step's GPU work: its kernels' (and copies') summed device time and how many ran. A step whose
-    wall time is well above its busy time waits on the host (launches, Python), not on the GPU. Empty on a CPU."""
+    wall time is well above its busy time waits on the host (launches, Python), not on the GPU; then the host's
+    own top operators (self CPU time) say where it waits. Empty on a CPU."""
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     if not kernels:
         return {}
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
     return {"device_busy_s": sum(e.self_device_time_total for e in kernels) / 1e6,
-            "device_kernels": sum(e.count for e in kernels)}
+            "device_kernels": sum(e.count for e in kernels),
+            "host_top_ops": [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count}
+                             for e in host[:top]]}
 
 
 def build(cfg, freeze_base: bool, dev):
@@ -105,7 +112,7 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
     """Median step time and the top operators of one model at one alpha (None: a dense model)."""
     if alpha is not None:
         model.set_alpha(alpha)
-    step_times(model, opt, x, y, gamma, pairs, 1)  # warm-up
+    step_times(model, opt, x, y, gamma, pairs, WARMUP)
     times = step_times(model, opt, x, y, gamma, pairs, args.steps)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
     with profile(activities=acts) as prof:
@@ -114,7 +121,10 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
     events = prof.key_averages()
     top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
            for e in sorted(events, key=lambda e: -getattr(e, key))[:args.top]]
-    busy = device_busy(events)
+    busy = device_busy(events, args.top)
+    # operators dispatched in the step (every aten call, launched or not): on a GPU a step that waits on the host
+    # pays for each of them, so the count compares the two models' host work on any machine
+    aten = sum(e.count for e in events if e.key.startswith("aten::"))
     table = table_cost(alpha, x.device, args.schedule) if alpha is not None else {}
     step = statistics.median(times) + table.get("table_s_per_step", 0.0)
     label = "dense twin" if alpha is None else f"alpha {alpha:g}"
@@ -122,7 +132,8 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
           + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
     rule = sum(p.numel() for b in model.blocks if getattr(b.mixer, "pruning", None) is not None
                for p in b.mixer.pruning.parameters())
-    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step, **table, **busy,
+    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step,
+            "step_s_each": [round(t, 6) for t in times], "aten_calls": aten, **table, **busy,
             "tokens_per_s": x.numel() / step, "trainable_params": sum(p.numel() for p in model.parameters()
                                                                       if p.requires_grad),
             "rule_params": rule, "top_ops": top}

@@ -58,6 +58,10 @@ def timeit_graph(make, nbytes: int, dev, reps: int, max_copies: int = 512) -> fl
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     n = max(1, min(512, max_copies, -(-3 * l2 // max(nbytes, 1))))  # (64 copies left small cases in L2)
     fns = [make(i) for i in range(n)]
+    # do_bench_cudagraph warms up on a stream of its own that does not wait for this one: the copies' inputs
+    # (lengths, merge counters) must be written first, or a warm-up call reads recycled memory as a length and runs
+    # off its buffers (an illegal address on the H200, 2026-11-27, after the decode section had freed its copies)
+    torch.cuda.synchronize(dev)
 
     def every():
         for fn in fns:
@@ -261,6 +265,7 @@ def bench_compact(dev, dtype, s, batches, fl, reps, budget_bytes, h=16, d=64, r=
                         counts = torch.zeros(b * h, dtype=torch.int32, device=dev)
                         return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, prune=prune, lengths=lengths,
                                                                merge_counts=counts, keep_pass=keep_pass)
+                    print(f"  {name} {impl} copies={copies}", file=sys.stderr, flush=True)
                     out.append(row(name, impl, timeit_graph(make, nbytes, dev, reps, copies), nbytes, flops, fl)
                                | {"live_share": share})
     return out

@@ -80,6 +80,9 @@ def test_train_step_profile_runs(tmp_path):
     assert ([(r["model"], r["alpha"]) for r in res["rows"]] == [("dense", None), ("pruned", 1.0), ("pruned", 1.02),
                                                                ("pruned", 4.0)]
             and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"]))
+    # every timed step kept, and the operators each step dispatched: a count, the same at any two tabled alphas
+    assert all(len(r["step_s_each"]) == 1 and r["aten_calls"] > 0 for r in res["rows"])
+    assert res["rows"][2]["aten_calls"] == res["rows"][3]["aten_calls"] != res["rows"][1]["aten_calls"]
     # each step's share of its alpha-sigmoid table: none at alpha 1 (a closed form), one table a step on a CPU
     assert res["rows"][1]["table_s_per_step"] == 0
     assert all(r["table_s_per_step"] > 0 and r["tables_per_block"] == 1 for r in res["rows"][2:])
@@ -167,8 +170,42 @@ def test_train_step_profile_sums_the_gpu_kernels_only():
     from torch.autograd import DeviceType
 
     from bench.train_step_profile import device_busy
-    events = [Event(device_type=DeviceType.CPU, self_device_time_total=4000.0, count=1),  # the op of the next
+    events = [Event(device_type=DeviceType.CPU, self_device_time_total=4000.0, count=1,  # the op of the next
+                    key="aten::mm", self_cpu_time_total=30.0),
               Event(device_type=DeviceType.CUDA, self_device_time_total=4000.0, count=2),
-              Event(device_type=DeviceType.CUDA, self_device_time_total=500.0, count=3)]
-    assert device_busy(events) == {"device_busy_s": 0.0045, "device_kernels": 5}
-    assert device_busy(events[:1]) == {}
+              Event(device_type=DeviceType.CUDA, self_device_time_total=500.0, count=3),
+              Event(device_type=DeviceType.CPU, self_device_time_total=0.0, count=7, key="aten::add",
+                    self_cpu_time_total=70.0)]
+    got = device_busy(events, top=1)
+    # the host's top operators by self CPU time (where a step that waits on the host spends it), CPU events only
+    assert got == {"device_busy_s": 0.0045, "device_kernels": 5,
+                   "host_top_ops": [{"op": "aten::add", "self_s": 70e-6, "calls": 7}]}
+    assert device_busy(events[:1], top=1) == {}
+
+
+def test_timeit_graph_waits_for_its_copies_before_the_warm_up(monkeypatch):
+    """triton's do_bench_cudagraph warms up on a stream of its own that does not wait for the default one: the
+    copies' inputs must be written first (a length read before it was written ran a kernel off its buffers, an
+    illegal address on the H200). Recorded here without a GPU: the copies made, then a synchronize, then the bench."""
+    import types
+
+    import torch
+    import triton.testing
+
+    from kernels import bench
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(L2_cache_size=1 << 20))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: calls.append("synchronize"))
+
+    def fake_bench(fn, rep, return_mode):
+        calls.append("bench")
+        fn()
+        return 2.0
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake_bench)
+
+    def make(i):
+        calls.append(f"make {i}")
+        return lambda: calls.append(f"call {i}")
+    s = bench.timeit_graph(make, nbytes=1 << 20, dev=torch.device("cpu"), reps=5, max_copies=2)
+    assert calls == ["make 0", "make 1", "synchronize", "bench", "call 0", "call 1"]
+    assert s == 2.0 / 1e3 / 2
