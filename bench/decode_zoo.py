@@ -1,6 +1,7 @@
 """Batch-1 greedy decode of models through the app's loader (models.checkpoint.load_for_app: CUDA, bf16), each
 step eager (Python launching every kernel) and replayed from a CUDA graph (models.graphs), same run, same
-prompt: tokens/s of both, their ratio, and whether the tokens agree.
+prompt: tokens/s of both, their ratio, and whether the tokens agree. A pruned model runs over the static and the
+compacted cache, and on a GPU over the compacted one again with the decode's keep pass (keep_pass: true).
 
     python -m bench.decode_zoo assets/models/mha ... [--tokens 128] [--repeats 3] [--json FILE]
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -20,27 +22,29 @@ from bench import report
 PROMPT = "The committee met again on Tuesday. After a long debate about the harbour,"
 
 
-def rate(model, ids, n, graphs, cache="static") -> tuple[list[int], float]:
+def rate(model, ids, n, graphs, cache="static") -> tuple[list[int], float, dict]:
     from models.generate import generate
     res = generate(model, ids, n, greedy=True, cache=cache, graphs=graphs)
-    return res.new_ids, res.decode_tokens_per_s
+    return res.new_ids, res.decode_tokens_per_s, res.kernel_paths
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.decode_zoo", description=__doc__.split("\n")[0])
-    ap.add_argument("models", nargs="+")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
+def zoo(args) -> list[dict]:
+    """A row per model and cache (and keep pass): eager and graph repeats interleaved; the rows one after another."""
     from models import graphs as graphs_module
     from models.checkpoint import load_for_app
     rows = []
     for d in args.models:
         loaded = load_for_app(d, dtype="auto")
         model, ids = loaded.model, loaded.tokenizer.encode(PROMPT).ids
-        # a pruned model also over the compacted cache (what it drops is freed; generation's default for it)
-        for cache in ("static", "compacted") if loaded.config.prune else ("static",):
+        # a pruned model also over the compacted cache (what it drops is freed; generation's default for it), and
+        # on a GPU with the Triton decode's keep pass too (MIXSCOPE_KEEP_PASS: its end-to-end A/B)
+        runs = [("static", False)]
+        if loaded.config.prune:
+            runs.append(("compacted", False))
+            if model.wte.weight.is_cuda:
+                runs.append(("compacted", True))
+        for cache, keep_pass in runs:
+            os.environ["MIXSCOPE_KEEP_PASS"] = "1" if keep_pass else "0"
             why = graphs_module.refusal(model, cache)
             can = why is None and model.wte.weight.is_cuda
             rate(model, ids, 8, False, cache)
@@ -48,13 +52,15 @@ def main(argv=None) -> int:
                 rate(model, ids, 8, True, cache)  # captures the step (kept for the timed runs: the app's case too)
             eager, graphed = [], []
             for _ in range(args.repeats):  # interleaved
-                want, r = rate(model, ids, args.tokens, False, cache)
+                want, r, paths = rate(model, ids, args.tokens, False, cache)
                 eager.append(r)
                 if can:
-                    got, r = rate(model, ids, args.tokens, True, cache)
+                    got, r, _ = rate(model, ids, args.tokens, True, cache)
                     graphed.append(r)
             row = {"model": d, "mixer": loaded.config.mixer, "pruned": loaded.config.prune, "cache": cache,
+                   **({"keep_pass": keep_pass} if cache == "compacted" else {}),
                    "n_layers": loaded.config.n_layers, "dtype": str(model.wte.weight.dtype),
+                   "kernel_paths": paths,  # (what the eager runs took: the keep pass is Triton's alone)
                    "eager_tokens_per_s": statistics.median(eager)}
             if can:
                 row.update(graphs_tokens_per_s=statistics.median(graphed),
@@ -65,6 +71,24 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         graphs_module.release(model)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_zoo", description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    prior = os.environ.get("MIXSCOPE_KEEP_PASS")
+    try:
+        rows = zoo(args)
+    finally:  # the caller's setting back
+        if prior is None:
+            os.environ.pop("MIXSCOPE_KEEP_PASS", None)
+        else:
+            os.environ["MIXSCOPE_KEEP_PASS"] = prior
     result = {"benchmark": "decode_zoo", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "versions": {"python": platform.python_version(), "torch": torch.__version__},

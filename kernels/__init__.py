@@ -1,11 +1,12 @@
 """Kernel functions behind one dispatch: Triton for CUDA tensors, the reference otherwise.
 
 `MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
-the interpreter the tests use). The app, `generate` and the benchmarks all call these functions, so they
-run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's matrix lags) and
-anything that needs a gradient through attention or the lag sum (their kernels are inference-only) run the
-reference on every device; training's keep structure has kernels for both directions (log_keep, log_keep_grad);
-`record_paths()` reports what really ran, for the caller's own context only.
+the interpreter the tests use); `MIXSCOPE_KEEP_PASS=1` gives the Triton compacted decode its keep pass. The
+app, `generate` and the benchmarks all call these functions, so they run the same code. Ops without a Triton
+kernel (attention weights for the maps, SHE's matrix lags) and anything that needs a gradient through attention
+or the lag sum (their kernels are inference-only) run the reference on every device; training's keep structure
+has kernels for both directions (log_keep, log_keep_grad); `record_paths()` reports what really ran, for the
+caller's own context only.
 """
 from __future__ import annotations
 
@@ -167,12 +168,27 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
     return out, None
 
 
+def keep_pass() -> bool:
+    """`MIXSCOPE_KEEP_PASS=1`: the Triton compacted decode decides keep in a launch of its own first
+    (kernels.triton_attention.decode's keep_pass), once a slot, not once per head group. Off by default: on an H200
+    it took 35-39 % off a call at batch 64 and added a launch a layer, which a batch-1 step from a graph pays for;
+    the switch is there for the end-to-end comparison (bench.decode_zoo times both)."""
+    v = os.environ.get("MIXSCOPE_KEEP_PASS", "").strip().lower()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"MIXSCOPE_KEEP_PASS must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, merge_counts=None, **maps):
     """One decode step over the compacted pruning cache: (out, keep). See kernels.reference.decode. lengths [B]
     (fixed shapes): row b reads slots [0, lengths[b]) only, and keeps none after them; merge_counts: see
-    attention."""
-    return _run("compact_decode", q, _reference_decode, q, k, v, scale=scale, prune=prune, lengths=lengths,
-                merge_counts=merge_counts, **maps)
+    attention. On Triton the keep pass runs first under MIXSCOPE_KEEP_PASS=1 (keep_pass)."""
+    path = backend_for("compact_decode", q)
+    _note("compact_decode", path)
+    if path == "triton":
+        return TRITON["compact_decode"](q, k, v, scale=scale, prune=prune, lengths=lengths, merge_counts=merge_counts,
+                                        keep_pass=keep_pass(), **maps)
+    return _reference_decode(q, k, v, scale=scale, prune=prune, lengths=lengths, merge_counts=merge_counts, **maps)
 
 
 def log_keep(x, *, alpha: float, sinks: int = 0):

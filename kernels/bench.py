@@ -198,12 +198,20 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
                 for impl, fn in impls.items():
                     out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"cache_bytes": cache_bytes})
                 if "triton" in impls and 3 * cache_bytes <= budget_bytes:
-                    def make(i, variant=variant, b=b, s=s):  # as a fixed-shape step: the splits merged in-kernel
-                        q, k, v, maps, g = make_qkv(variant, b, h, 1, s, d, dev, dtype)
-                        counts = torch.zeros(b * g, dtype=torch.int32, device=dev)
-                        return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, merge_counts=counts, **maps)
-                    out.append(row(name, "triton_graph", timeit_graph(make, nbytes, dev, reps), nbytes, flops, fl)
-                               | {"cache_bytes": cache_bytes})
+                    launches = {"triton_graph": {}}
+                    shared = triton_attention.decode_launch(d, torch.bfloat16, dev)
+                    if triton_attention.decode_launch(d, dtype, dev) != shared:
+                        # a dtype with a launch shape of its own (float32): the bf16 shape beside it, same run
+                        bn, warps, stages = shared
+                        launches["triton_graph_bf16_launch"] = dict(block_n=bn, num_warps=warps, num_stages=stages)
+                    for impl, launch in launches.items():
+                        def make(i, variant=variant, b=b, s=s, launch=launch):  # a fixed-shape step: merged in-kernel
+                            q, k, v, maps, g = make_qkv(variant, b, h, 1, s, d, dev, dtype)
+                            counts = torch.zeros(b * g, dtype=torch.int32, device=dev)
+                            return lambda: triton_attention.decode(q, k, v, scale=d ** -0.5, merge_counts=counts,
+                                                                   **launch, **maps)
+                        out.append(row(name, impl, timeit_graph(make, nbytes, dev, reps), nbytes, flops, fl)
+                                   | {"cache_bytes": cache_bytes})
     return out
 
 
@@ -387,7 +395,8 @@ def bench_keep(dev, fl, reps, b, t, alpha=2.5) -> list[dict]:
 
 def tune(dev, dtype, reps) -> dict:
     """Sweep the launch shapes of prefill (t = 8192) and decode (32k context, batch 8) per head width;
-    returns the fastest of each (kernels.triton_attention's PREFILL_LAUNCH / DECODE_LAUNCH take them)."""
+    returns the fastest of each (kernels.triton_attention's PREFILL_LAUNCH / DECODE_LAUNCH take them; with
+    --dtype float32, DECODE_LAUNCH_FP32 the decode's)."""
     from kernels import triton_attention
     best = {"prefill": {}, "decode": {}}
     for d in (64, 128):
@@ -538,6 +547,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="comma-separated: which of these to time (a short GPU call times only some)")
     ap.add_argument("--contexts", default=None, help="decode contexts, comma-separated (default: the device's)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="default: bfloat16 on CUDA, float32 elsewhere (float32 on CUDA: the app's default there)")
     args = ap.parse_args(argv)
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     if not sections:
@@ -550,7 +561,7 @@ def main(argv=None) -> int:
         ap.error(f"--contexts takes comma-separated token counts, got {args.contexts!r}")
     from models.device import resolve
     dev = resolve(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if dev.type == "cuda" else torch.float32
     cuda = dev.type == "cuda"
     if args.quick:
         sizes = dict(prefill=[64], contexts=[128], batches=[1, 2], lag=[64], reps=2, tokens=4, compact_s=256,

@@ -29,9 +29,22 @@ def precision(dtype: torch.dtype) -> str:
 # `python -m kernels.bench --tune` ran on an H100 (prefill at t = 8192, decode at 32k context, batch 8, bf16).
 # Decode's two runs there picked (128, 4, 2) then (128, 4, 3) for d = 64 and (128, 2, 2) then (128, 2, 1) for
 # d = 128 (bench/results/kernels_h100.json holds the second): block_n = 128 is what matters. The interpreter
-# ignores them.
+# ignores the warps and stages; it runs block_n.
 PREFILL_LAUNCH = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
 DECODE_LAUNCH = {64: (128, 4, 2), 128: (128, 2, 2)}  # (block_n, num_warps, num_stages)
+# float32 on a GPU (the app's default there): twice the bytes a tile and IEEE dots without tensor cores, so the
+# bf16 shapes ran ptxas out of registers (47 KB spilled a thread pruned at d = 128, Triton 3.6). 32 slots a block
+# on 8 warps spill at most 36 bytes in the compile test's float32 decode cases (3.6; none under 3.9, sm_90a);
+# chosen by that report, not yet timed (kernels.bench --dtype float32 times it beside the bf16 shape). The
+# interpreter keeps the bf16 shape, so the CPU tests cover the block size GPUs run most.
+DECODE_LAUNCH_FP32 = (32, 8, 2)
+
+
+def decode_launch(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) of a decode at head width d in dtype on device."""
+    if dtype == torch.float32 and device.type == "cuda":
+        return DECODE_LAUNCH_FP32
+    return DECODE_LAUNCH.get(_pow2(d), (64, 4, 2))
 
 
 def prefill_launch(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -447,8 +460,9 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
     (out, keep [B,S]).
     keep_pass (with prune): decide keep in a launch of its own first (_keep_kernel), once per slot, so the decode
     reads a keep byte a slot and not the rule's K_int (r floats) once per head group: for MHA at r = 64 and d = 64 those
-    re-reads are as many bytes as K and V. One more launch a layer; not measured on a GPU yet, so off by default
-    (kernels.bench times both).
+    re-reads are as many bytes as K and V. One more launch a layer: on an H200 35-39 % off a call at batch 64,
+    about 1 us more at batch 1 and 64 live slots (kernels.bench times both); models/ take it under
+    MIXSCOPE_KEEP_PASS=1 (kernels.keep_pass).
     """
     b, hq, t, d = q.shape
     if t != 1:
@@ -467,7 +481,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
         bias_t = bias.reshape(-1, s).expand(b, s)
         sbb, sbs = bias_t.stride(0), bias_t.stride(1)
     lens, slens = (dummy, 0) if lengths is None else (lengths, lengths.stride(0))  # (a cursor expanded: stride 0)
-    dbn, dw, dst = DECODE_LAUNCH.get(_pow2(d), (64, 4, 2))
+    dbn, dw, dst = decode_launch(d, k.dtype, k.device)
     block_n = min(block_n or dbn, _pow2(s))
     ns = n_split or _splits(s, b, g, block_n, _target_programs(q.device))
     split_len = triton.cdiv(triton.cdiv(s, ns), block_n) * block_n

@@ -118,9 +118,10 @@ _free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key:
 
 
 def _weights(model) -> tuple:
-    """Where every weight lives, its dtype and the kernel choice: a captured step reads them as they were
-    (moving or recasting the model reallocates them)."""
-    return (*packing.where(model), os.environ.get("MIXSCOPE_KERNELS", "").strip().lower())
+    """Where every weight lives, its dtype and the kernel choice (the keep pass's too): a captured step reads them as
+    they were (moving or recasting the model reallocates them) and launches what was chosen at capture."""
+    import kernels
+    return (*packing.where(model), os.environ.get("MIXSCOPE_KERNELS", "").strip().lower(), kernels.keep_pass())
 
 
 def _constants_current(model, entry: Captured) -> bool:

@@ -1,5 +1,6 @@
 """The benchmarks run end to end at toy sizes (their numbers are not checked: timing is not a unit test)."""
 import json
+import os
 
 import pytest
 
@@ -37,7 +38,11 @@ def test_kernel_bench_times_only_the_sections_asked_for(tmp_path, capsys):
     assert bench.main(["--quick", "--sections", "compact", "--models", "", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["rows"] and all(r["case"].startswith("compact decode") for r in res["rows"])
-    assert res["end_to_end"] == []
+    assert res["end_to_end"] == [] and res["dtype"] == "torch.float32"  # a CPU's default
+    # --dtype picks the precision timed (float32 on a GPU: the app's default there)
+    assert bench.main(["--quick", "--sections", "compact", "--models", "", "--dtype", "bfloat16", "--json",
+                       str(out)]) == 0
+    assert json.loads(out.read_text())["dtype"] == "torch.bfloat16"
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--sections", "compact,nonsense"])
     assert "unknown sections ['nonsense']" in capsys.readouterr().err
@@ -141,14 +146,22 @@ def test_pruning_decode_takes_prompts_from_real_text(tmp_path):
     assert res["models"]["prompts"].endswith("test.npy, consecutive windows") and "dense_budget" not in res["rows"][0]
 
 
-def test_decode_zoo_times_a_pruned_model_over_both_caches(tmp_path):
+def test_decode_zoo_times_a_pruned_model_over_both_caches(tmp_path, monkeypatch):
     from bench import decode_zoo
     out = tmp_path / "z.json"
+    monkeypatch.setenv("MIXSCOPE_KEEP_PASS", "1")
     assert decode_zoo.main(["assets/models/mha-1024-pruned", "--tokens", "4", "--repeats", "1",
                             "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["cache"] for r in rows] == ["static", "compacted"]
+    # (the keep pass's row needs a GPU: the reference decode has none)
+    assert [(r["cache"], r.get("keep_pass")) for r in rows] == [("static", None), ("compacted", False)]
     assert all(r["eager_tokens_per_s"] > 0 and r["graphs"] == "no CUDA device" for r in rows)
+    assert rows[1]["kernel_paths"]["compact_decode"] == "reference"  # what ran, in the row
+    assert os.environ["MIXSCOPE_KEEP_PASS"] == "1"  # the caller's setting is left as it was
+    with pytest.raises(Exception):  # ... also when a run fails after one that set it
+        decode_zoo.main(["assets/models/mha-1024-pruned", str(tmp_path / "no-such-model"), "--tokens", "2",
+                         "--repeats", "1"])
+    assert os.environ["MIXSCOPE_KEEP_PASS"] == "1"
 
 
 def test_gpu_check_records_which_app_packages_the_machine_has():

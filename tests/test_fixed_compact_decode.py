@@ -130,6 +130,37 @@ def test_decode_splits_follow_each_rows_length(block_n, n_split):
         assert torch.allclose(got[r:r + 1], want, atol=2e-5), (r, n)
 
 
+def test_the_keep_pass_switch_decodes_the_same_and_is_part_of_a_capture_key(monkeypatch):
+    """MIXSCOPE_KEEP_PASS=1: the fixed-shape compacted decode on Triton (interpreter) runs the keep pass first,
+    with the same logits and drops as without it; a captured step is keyed by the switch, so flipping it never
+    replays a graph recorded the other way; a bad value is refused."""
+    from kernels import triton_attention
+    model = DecoderLM(tiny_config(context=96, prune=True, mixer="gqa", n_kv_heads=2)).eval()
+    randomize(model, std=0.3, seed=11)
+    for block in model.blocks:
+        block.mixer.pruning.beta.data.fill_(0.0)
+    idx = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(11))
+    asked = []
+    decode = triton_attention.decode
+    monkeypatch.setitem(kernels.TRITON, "compact_decode",
+                        lambda *a, **kw: asked.append(kw["keep_pass"]) or decode(*a, **kw))
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    keys = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("MIXSCOPE_KEEP_PASS", switch)
+        keys[switch] = graphs._weights(model)
+        asked.clear()
+        logits, drops, _ = run(model, idx, 5, fixed=True)
+        assert asked and set(asked) == {switch == "1"}, switch
+        keys[switch + " out"] = (logits, drops)
+    assert torch.allclose(keys["1 out"][0], keys["0 out"][0], atol=1e-5) and keys["1 out"][1] == keys["0 out"][1]
+    assert keys["0 out"][1], "nothing dropped: the keep decisions were not compared"
+    assert keys["0"] != keys["1"]
+    monkeypatch.setenv("MIXSCOPE_KEEP_PASS", "yes")
+    with pytest.raises(ValueError, match="MIXSCOPE_KEEP_PASS must be 0 or 1"):
+        kernels.keep_pass()
+
+
 def test_fixed_shapes_are_refused_under_a_policy_and_for_ragged_rows():
     model = model_for(dict(mixer="mha"), seed=1)
     with pytest.raises(ValueError, match="eviction policy"):

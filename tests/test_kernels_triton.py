@@ -479,3 +479,21 @@ def test_merge_over_several_loads_equals_the_reference(splits_a_load, lse_a_load
     counts = torch.zeros(b * g, dtype=torch.int32) if merge else None
     got = triton_attention.decode(q, k, v, scale=scale, lengths=lengths, n_split=5, merge_counts=counts, **maps)
     close(got, reference.decode(q, k, v, scale=scale, lengths=lengths, **maps))
+
+
+def test_decode_takes_its_launch_shape_from_the_caches_dtype_and_device(monkeypatch):
+    """float32 on a GPU has a launch shape of its own (bf16's ran ptxas out of registers: tests/
+    test_kernels_compile.py holds its spills); the interpreter and half types keep the tuned bf16 shape, and
+    decode() asks with the cache's dtype and device."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert triton_attention.decode_launch(64, torch.float32, cuda) == triton_attention.DECODE_LAUNCH_FP32
+    assert triton_attention.decode_launch(128, torch.float32, cuda) == triton_attention.DECODE_LAUNCH_FP32
+    for dtype, device in ((torch.float32, cpu), (torch.bfloat16, cuda), (torch.float16, cuda)):
+        assert triton_attention.decode_launch(64, dtype, device) == triton_attention.DECODE_LAUNCH[64]
+    asked = []
+    launch = triton_attention.decode_launch
+    monkeypatch.setattr(triton_attention, "decode_launch", lambda *a: asked.append(a) or launch(*a))
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    got = triton_attention.decode(q, k, v, scale=0.25)
+    assert asked == [(16, torch.float32, cpu)]
+    assert torch.allclose(got, reference.decode(q, k, v, scale=0.25), atol=2e-5)
