@@ -241,3 +241,38 @@ def test_a_backward_on_another_thread_notes_its_path_where_its_forward_ran():
     with kernels.record_paths() as second:
         keep.sum().backward()
     assert first.get("log_keep_grad") == second.get("log_keep_grad") == paths["log_keep"]
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_log_i_is_its_own_causal_mask_in_a_training_step(path, interpreter, monkeypatch):
+    """Training hands log I to attention with causal=False (models.backends.full): log I is -inf above the
+    diagonal from either keep kernel, so the loss and every gradient are the same bits as with the causal mask
+    filled in on top, which the step no longer builds."""
+    from models.mixers.attention import Attention
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    monkeypatch.setenv("MIXSCOPE_KERNELS", path)
+    log_i, _ = ContextPruning(12, 6, 0.5).train().log_keep(torch.randn(2, 9, 12))
+    _, causal = below_diagonal(9, log_i.device)
+    assert bool((log_i[:, ~causal] == float("-inf")).all()) and bool(log_i[:, causal].isfinite().all())
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config("gqa", n_kv_heads=2, prune=True, prune_r=8, prune_sinks=1)).train()
+    model.set_alpha(1.7)
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    asked = []
+    attend = Attention.attend
+
+    def step(force_causal: bool):
+        def spy(self, *a, causal=True, **kw):
+            asked.append(causal)
+            return attend(self, *a, causal=causal or force_causal, **kw)
+        monkeypatch.setattr(Attention, "attend", spy)
+        model.zero_grad()
+        out = model(ids, targets=ids)
+        (out.loss + out.prune_mass * 1e-3).backward()
+        return out.loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    got_loss, got = step(False)
+    assert asked and not any(asked)  # the training forward asked for no causal mask
+    want_loss, want = step(True)
+    assert torch.equal(got_loss, want_loss) and got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)

@@ -25,7 +25,10 @@ class FullSequence:
                 record.q_int, record.k_int = mixer.pruning.q_int(x), mixer.pruning.keys(x)
             if mixer.training:  # the sparsity loss's term, read by DecoderLM.forward after the blocks
                 mixer.prune_mass = mixer.pruning.mass(keep)
-            return mixer.attend(q, k, v, log_i[:, None], record, keep)
+            # log I is -inf above the diagonal, so it is the causal mask too: training (SDPA with the bias) need not
+            # build a causal mask and fill the bias with it (six kernels a layer, forward and backward). Inference
+            # keeps causal=True, with which the Triton prefill skips the blocks above the diagonal.
+            return mixer.attend(q, k, v, log_i[:, None], record, keep, causal=not mixer.training)
         bias, keep = pattern_bias(mixer, q.shape[0], q.shape[2], k.shape[2], q.dtype, q.device)
         return mixer.attend(q, k, v, bias, record, keep)
 
