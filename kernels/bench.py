@@ -340,14 +340,16 @@ def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(10
     for t in lengths:
         q = torch.randn(b, h, t, d, device=dev, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(b, g, t, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
-        log_i = (-torch.rand(b, 1, t, t, device=dev)).requires_grad_()
+        # -inf above the diagonal, as log I is: it is the causal mask too (models.backends.full)
+        later = torch.ones(t, t, dtype=torch.bool, device=dev).triu(1)
+        log_i = (-torch.rand(b, 1, t, t, device=dev)).masked_fill(later, float("-inf")).requires_grad_()
         grad = torch.randn(b, h, t, d, device=dev, dtype=dtype)
         name = f"train attention+log I fwd+bwd t={t} b={b} h={h} g={g}"
         flops = 3 * 4 * b * h * d * t * (t + 1) / 2
         nbytes = 3 * (4 * b * h * t * d) * q.element_size() + 2 * log_i.numel() * 4
 
         def sdpa():
-            o, _ = reference.attention(q, k, v, scale=d ** -0.5, bias=log_i)
+            o, _ = reference.attention(q, k, v, scale=d ** -0.5, bias=log_i, causal=False)  # as training passes it
             torch.autograd.backward(o, grad)
 
         impls = {"sdpa": sdpa}

@@ -25,7 +25,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     """Causal softmax attention with grouped K/V: q [B,H,T,D], k/v [B,G,S,D] -> out [B,H,T,D].
 
     bias: an additive log-mask [B,1,T,S] shared by the heads (context pruning's log I), or None.
-    causal=False leaves all masking to bias (the compacted cache, whose slots are not in position order).
+    causal=False leaves all masking to bias (the compacted cache, whose slots are not in position order; a pruned
+    training step, whose log I is -inf above the diagonal).
     q_mul/q_add/o_mul/o_add [H,D]: per-head maps of the head-embedding variants (MHE): head h attends with
     q * q_mul[h] + q_add[h] and outputs o * o_mul[h] + o_add[h]; q may then be one shared head [B,1,T,D].
     Returns (out, probs [B,H,T,S] or None). K/V are never expanded to H heads.

@@ -244,15 +244,23 @@ def test_a_backward_on_another_thread_notes_its_path_where_its_forward_ran():
 
 
 @pytest.mark.parametrize("path", ["reference", "triton"])
-def test_log_i_is_its_own_causal_mask_in_a_training_step(path, interpreter, monkeypatch):
-    """Training hands log I to attention with causal=False (models.backends.full): log I is -inf above the
-    diagonal from either keep kernel, so the loss and every gradient are the same bits as with the causal mask
-    filled in on top, which the step no longer builds."""
+def test_log_i_is_its_own_causal_mask_in_a_training_step(path, request, monkeypatch):
+    """Where a gradient is needed, log I goes to attention with causal=False (models.backends.full): it is -inf
+    above the diagonal from either keep kernel, so the loss and every gradient are the same bits as with the causal
+    mask filled in on top, which the step no longer builds. Without a gradient (inference) causal=True stays, for
+    the Triton prefill's block skipping. (T = 21 is under one Triton block: the tiles wholly above the diagonal are
+    test_triton_keep_equals_the_reference's.)"""
     from models.mixers.attention import Attention
     from models.transformer import DecoderLM
     from tests.helpers import tiny_config
+    if path == "triton":
+        request.getfixturevalue("interpreter")
     monkeypatch.setenv("MIXSCOPE_KERNELS", path)
-    log_i, _ = ContextPruning(12, 6, 0.5).train().log_keep(torch.randn(2, 9, 12))
+    rule = ContextPruning(12, 6, 0.5).train()
+    rule.alpha = 1.7  # (at alpha = inf the plain chain runs, no keep kernel)
+    with kernels.record_paths() as paths:
+        log_i, _ = rule.log_keep(torch.randn(2, 9, 12))
+    assert paths["log_keep"] == path
     _, causal = below_diagonal(9, log_i.device)
     assert bool((log_i[:, ~causal] == float("-inf")).all()) and bool(log_i[:, causal].isfinite().all())
     torch.manual_seed(0)
@@ -262,17 +270,24 @@ def test_log_i_is_its_own_causal_mask_in_a_training_step(path, interpreter, monk
     asked = []
     attend = Attention.attend
 
-    def step(force_causal: bool):
-        def spy(self, *a, causal=True, **kw):
-            asked.append(causal)
-            return attend(self, *a, causal=causal or force_causal, **kw)
-        monkeypatch.setattr(Attention, "attend", spy)
+    def spy(self, *a, causal=True, force=False, **kw):
+        asked.append(causal)
+        return attend(self, *a, causal=causal or force, **kw)
+
+    def step(force: bool):
+        monkeypatch.setattr(Attention, "attend", lambda self, *a, **kw: spy(self, *a, force=force, **kw))
         model.zero_grad()
-        out = model(ids, targets=ids)
-        (out.loss + out.prune_mass * 1e-3).backward()
+        with kernels.record_paths() as paths:
+            out = model(ids, targets=ids)
+            (out.loss + out.prune_mass * 1e-3).backward()
+        assert paths["log_keep"] == path and paths["log_keep_grad"] == path
         return out.loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
     got_loss, got = step(False)
     assert asked and not any(asked)  # the training forward asked for no causal mask
     want_loss, want = step(True)
     assert torch.equal(got_loss, want_loss) and got.keys() == want.keys()
     assert all(torch.equal(got[n], want[n]) for n in want)
+    asked.clear()
+    with torch.no_grad():
+        model.eval()(ids)
+    assert asked and all(asked)  # inference keeps the causal flag

@@ -2,6 +2,7 @@
 pruning's log I (the alpha-sigmoid while training, the step at inference) or a fixed local / strided pattern."""
 from __future__ import annotations
 
+import torch
 
 from models.backends import additive
 from models.pruning import pattern_mask
@@ -25,10 +26,12 @@ class FullSequence:
                 record.q_int, record.k_int = mixer.pruning.q_int(x), mixer.pruning.keys(x)
             if mixer.training:  # the sparsity loss's term, read by DecoderLM.forward after the blocks
                 mixer.prune_mass = mixer.pruning.mass(keep)
-            # log I is -inf above the diagonal, so it is the causal mask too: training (SDPA with the bias) need not
-            # build a causal mask and fill the bias with it (six kernels a layer, forward and backward). Inference
-            # keeps causal=True, with which the Triton prefill skips the blocks above the diagonal.
-            return mixer.attend(q, k, v, log_i[:, None], record, keep, causal=not mixer.training)
+            # log I is -inf above the diagonal, so it is the causal mask too: where a gradient is needed (SDPA with
+            # the bias, kernels.attention) nothing need build a causal mask and fill the bias with it (about six
+            # kernels a layer, forward and backward); without one the Triton prefill takes causal=True, with which
+            # it skips the blocks above the diagonal.
+            sdpa = torch.is_grad_enabled() and any(t.requires_grad for t in (log_i, q, k, v))
+            return mixer.attend(q, k, v, log_i[:, None], record, keep, causal=not sdpa)
         bias, keep = pattern_bias(mixer, q.shape[0], q.shape[2], k.shape[2], q.dtype, q.device)
         return mixer.attend(q, k, v, bias, record, keep)
 
