@@ -82,10 +82,11 @@ def recording_into(*recorders: dict[str, str] | None):
 
 def _triton_ops() -> dict[str, object]:
     try:
-        from kernels import triton_attention, triton_keep, triton_lag, triton_step
+        from kernels import triton_attention, triton_keep, triton_lag, triton_step  # noqa: F401 - (attention's
+        # two wrappers import it when called; here it is what fails without triton)
     except ImportError:  # no triton on this machine: everything runs the reference
         return {}
-    return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": triton_attention.decode,
+    return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": _triton_compact_decode,
             "log_keep": triton_keep.log_keep, "log_keep_grad": triton_keep.log_keep_grad,
             "step_write": triton_step.step_write, "rule_product": triton_step.rule_product,
             "silu_mul": triton_step.silu_mul, "add_norm": triton_step.add_norm}
@@ -124,6 +125,11 @@ def _triton_attention(q, k, v, *, scale, bias=None, causal=True, lengths=None, q
                                        **maps)
     return triton_attention.prefill(q, k, v, scale=scale, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
                                     causal=causal, **maps)
+
+
+def _triton_compact_decode(q, k, v, **kw):
+    from kernels import triton_attention
+    return triton_attention.decode(q, k, v, keep_pass=keep_pass(), **kw)
 
 
 def _with_lengths(bias, lengths, s: int, dtype):
@@ -183,12 +189,8 @@ def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, merge_co
     """One decode step over the compacted pruning cache: (out, keep). See kernels.reference.decode. lengths [B]
     (fixed shapes): row b reads slots [0, lengths[b]) only, and keeps none after them; merge_counts: see
     attention. On Triton the keep pass runs first under MIXSCOPE_KEEP_PASS=1 (keep_pass)."""
-    path = backend_for("compact_decode", q)
-    _note("compact_decode", path)
-    if path == "triton":
-        return TRITON["compact_decode"](q, k, v, scale=scale, prune=prune, lengths=lengths, merge_counts=merge_counts,
-                                        keep_pass=keep_pass(), **maps)
-    return _reference_decode(q, k, v, scale=scale, prune=prune, lengths=lengths, merge_counts=merge_counts, **maps)
+    return _run("compact_decode", q, _reference_decode, q, k, v, scale=scale, prune=prune, lengths=lengths,
+                merge_counts=merge_counts, **maps)
 
 
 def log_keep(x, *, alpha: float, sinks: int = 0):

@@ -142,8 +142,7 @@ def test_the_keep_pass_switch_decodes_the_same_and_is_part_of_a_capture_key(monk
     idx = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(11))
     asked = []
     decode = triton_attention.decode
-    monkeypatch.setitem(kernels.TRITON, "compact_decode",
-                        lambda *a, **kw: asked.append(kw["keep_pass"]) or decode(*a, **kw))
+    monkeypatch.setattr(triton_attention, "decode", lambda *a, **kw: asked.append(kw["keep_pass"]) or decode(*a, **kw))
     monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
     keys = {}
     for switch in ("0", "1"):
