@@ -9,7 +9,7 @@ takes a closed form at 1 and 2 and an interpolated table elsewhere), then lists 
 time in the last step (torch.profiler) and, on a GPU, that step's summed kernel time and kernel count
 (device_busy_s, device_kernels: a wall time well above the busy time is the host's). Alpha moves every training
 step, so each step needs a new table: step_s adds its share, built as models.train builds them over the config's
-schedule (table_cost: on a GPU 64 steps' tables at once, one batched bisection per point count; on a CPU one a
+schedule (table_cost: on a GPU 64 steps' tables at once, one batched bisection a side of alpha 2; on a CPU one a
 step). Threads: torch's setting, reported.
 
 A config that prunes is timed beside its dense twin in the same run: the same model without the rule, every
@@ -62,7 +62,7 @@ def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[f
 def table_cost(alpha: float, dev, schedule: tuple[int, float, float]) -> dict:
     """What a training step pays for its alpha-sigmoid table, built as models.train builds them over the run's
     schedule (total steps, start, end): on a GPU the AHEAD steps' tables from the schedule's step nearest `alpha`
-    in one call (one batched bisection per point count: near alpha 1 a block takes a few), their share per step;
+    in one call (one batched bisection a side of alpha 2), their share per step;
     on a CPU one table a step. Nothing at alpha 1, 2 or inf (closed forms)."""
     if not needs_table(alpha):
         return {"table_s_per_step": 0.0}

@@ -193,22 +193,22 @@ def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, merge_co
                 merge_counts=merge_counts, **maps)
 
 
-def log_keep(x, *, alpha: float, sinks: int = 0):
-    """Training's keep structure from the scores x [B,T,T]: (log I, I, ratio); see kernels.reference.log_keep.
+def log_keep(x, *, alpha: float, sinks: int = 0, log_dtype=None):
+    """Training's keep structure from the scores x [B,T,T]: (log I, I, ratio, mass); see kernels.reference.log_keep.
     Called inside a backward-owning autograd Function (models.pruning.interaction), so it never needs a gradient
     itself. Float64 (the exact bisection) and alpha = inf run the reference everywhere."""
     if x.dtype != torch.float32 or math.isinf(alpha):
         _note("log_keep", "reference")
-        return reference.log_keep(x, alpha=alpha, sinks=sinks)
-    return _run("log_keep", x, reference.log_keep, x, alpha=alpha, sinks=sinks)
+        return reference.log_keep(x, alpha=alpha, sinks=sinks, log_dtype=log_dtype)
+    return _run("log_keep", x, reference.log_keep, x, alpha=alpha, sinks=sinks, log_dtype=log_dtype)
 
 
-def log_keep_grad(g_log, g_keep, keep, ratio):
-    """The scores' gradient from those of log I and I; see kernels.reference.log_keep_grad."""
+def log_keep_grad(g_log, g_keep, keep, ratio, g_mass=None):
+    """The scores' gradient from those of log I, I and the mass; see kernels.reference.log_keep_grad."""
     if keep.dtype != torch.float32:
         _note("log_keep_grad", "reference")
-        return reference.log_keep_grad(g_log, g_keep, keep, ratio)
-    return _run("log_keep_grad", keep, reference.log_keep_grad, g_log, g_keep, keep, ratio)
+        return reference.log_keep_grad(g_log, g_keep, keep, ratio, g_mass)
+    return _run("log_keep_grad", keep, reference.log_keep_grad, g_log, g_keep, keep, ratio, g_mass)
 
 
 def lag_conv(x, w, start: int = 0):

@@ -376,9 +376,9 @@ def bench_keep(dev, fl, reps, b, t, alpha=2.5) -> list[dict]:
     """Context pruning's training chain (scores -> log I, I, and the gradient back), forward + backward of one
     layer: the Triton kernels (kernels.triton_keep) against the PyTorch reference."""
     x = torch.randn(b, t, t, device=dev) * 2
-    g_log, g_keep = torch.randn_like(x), torch.randn_like(x)
-    name = f"log I chain fwd+bwd t={t} b={b} alpha={alpha}"
-    nbytes = 9 * 4 * x.numel()  # forward reads x and writes log I, I, ratio; backward reads four, writes one
+    g_log, g_mass = torch.randn_like(x), torch.ones((), device=dev)  # what a training step hands back: I feeds only
+    name = f"log I chain fwd+bwd t={t} b={b} alpha={alpha}"          # the mass, whose gradient is one number
+    nbytes = 8 * 4 * x.numel()  # forward reads x and writes log I, I, ratio; backward reads three, writes one
     impls = {"reference": reference}
     if dev.type == "cuda" and "log_keep" in kernels.TRITON:
         from kernels import triton_keep
@@ -386,8 +386,8 @@ def bench_keep(dev, fl, reps, b, t, alpha=2.5) -> list[dict]:
     out = []
     for impl, mod in impls.items():
         def fn(mod=mod):
-            _, keep, ratio = mod.log_keep(x, alpha=alpha)
-            mod.log_keep_grad(g_log, g_keep, keep, ratio)
+            _, keep, ratio, _ = mod.log_keep(x, alpha=alpha)
+            mod.log_keep_grad(g_log, None, keep, ratio, g_mass)
         try:
             out.append(row(name, impl, timeit(fn, dev, reps), nbytes, 0, fl))
         except Exception as e:  # noqa: BLE001

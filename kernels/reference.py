@@ -166,14 +166,17 @@ def _decode_all_real(q, k, v, scale, prune, maps, lengths=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None], scale=scale, enable_gqa=g != h), keep
 
 
-def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0, log_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Context pruning's keep structure for training, from the scores x [B,T,T] (x_{n,j}, query n, key j):
-    (log I, I, ratio), -inf / 0 / 0 on and above the diagonal as models.pruning.interaction.log_keep_from_gates
+    (log I, I, ratio, mass), -inf / 0 / 0 on and above the diagonal as models.pruning.interaction.log_keep_from_gates
     writes them, with sigma the alpha-sigmoid and the first `sinks` keys held at 1. ratio is what the backward
     (log_keep_grad) needs of sigma: sigma'(x) / sigma(x) below the diagonal where sigma is at or above log I's
     floor (whose clamp passes no gradient) and a normal number of its dtype, else 0. In float32 that gradient
     floor is 1.2e-38, not 1e-40: a GPU kernel may flush smaller (subnormal) values to 0, and dividing by one
-    would be inf; the Triton kernel and this reference keep the same floor."""
+    would be inf; the Triton kernel and this reference keep the same floor. mass is the sparsity loss's term of
+    the layer, sum_{j<k} I_{k,j} with the batch mean taken (ContextPruning.mass), a 0-dim tensor. log_dtype: log I
+    rounded to it (attention's dtype, where log I is the bias), else x's."""
     sig, slope = alpha_sigmoid_slope(x, alpha)
     if sinks:
         sig[..., :sinks], slope[..., :sinks] = 1, 0
@@ -182,17 +185,26 @@ def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0) -> tuple[torch.Te
     later = masks[0]
     zero = torch.zeros((), dtype=sig.dtype, device=x.device)
     floor = max(LOG_FLOOR, torch.finfo(sig.dtype).tiny)
-    return log_i, keep, torch.where(later & (sig >= floor), slope / sig, zero)
+    mass = torch.where(later, keep, zero).sum((1, 2)).mean()
+    log_i = log_i if log_dtype is None else log_i.to(log_dtype)
+    return log_i, keep, torch.where(later & (sig >= floor), slope / sig, zero), mass
 
 
 def log_keep_grad(g_log: torch.Tensor | None, g_keep: torch.Tensor | None, keep: torch.Tensor,
-                  ratio: torch.Tensor) -> torch.Tensor:
-    """dL/dx from the gradients of log I and I (either may be None) and log_keep's I and ratio:
-        W = dL/d(log I) + dL/dI * I on and below the diagonal (0 above),  R_{n,j} = sum_{k >= n} W_{k,j},
-        dL/dx_{n,j} = R_{n,j} * ratio_{n,j},
-    since d log I_{k,j} / d log sigma_{n,j} = 1 and dI_{k,j} / d log sigma_{n,j} = I_{k,j} for j < n <= k."""
-    w = g_keep * keep if g_log is None else g_log if g_keep is None else g_log + g_keep * keep
-    _, causal = below_diagonal(keep.shape[-1], keep.device)
+                  ratio: torch.Tensor, g_mass: torch.Tensor | None = None) -> torch.Tensor:
+    """dL/dx from the gradients of log I, I and mass (any may be None; g_mass 0-dim) and log_keep's I and ratio:
+        W = dL/d(log I) + (dL/dI + dL/dmass / B [below the diagonal]) * I on and below the diagonal (0 above),
+        R_{n,j} = sum_{k >= n} W_{k,j},  dL/dx_{n,j} = R_{n,j} * ratio_{n,j},
+    since d log I_{k,j} / d log sigma_{n,j} = 1 and dI_{k,j} / d log sigma_{n,j} = I_{k,j} for j < n <= k, and
+    mass is the batch mean of the sum of I below the diagonal. (I on the diagonal is 1 and ratio 0 there: whether
+    the mass term reaches it changes nothing.)"""
+    later, causal = below_diagonal(keep.shape[-1], keep.device)
+    g_i = g_keep
+    if g_mass is not None:
+        per_pair = torch.where(later, g_mass / keep.shape[0], 0).to(keep.dtype)  # [T, T]
+        g_i = per_pair if g_i is None else g_i + per_pair
+    g_log = None if g_log is None else g_log.to(keep.dtype)  # (log I may have been handed on in bf16)
+    w = g_i * keep if g_log is None else g_log if g_i is None else g_log + g_i * keep
     w = w.masked_fill(~causal, 0)  # what reaches the -inf (log I) and 0 (I) above the diagonal stops there
     return w.flip(1).cumsum(1).flip(1) * ratio
 

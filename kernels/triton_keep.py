@@ -1,11 +1,15 @@
-"""Context pruning's keep structure for training in Triton: log I, I and sigma'/sigma from the scores in one pass,
-and the gradient back to the scores in one more (kernels.reference.log_keep / log_keep_grad say what they compute).
+"""Context pruning's keep structure for training in Triton: log I, I, sigma'/sigma and the sparsity loss's mass
+from the scores in one pass, and the gradient back to the scores in one more (kernels.reference.log_keep /
+log_keep_grad say what they compute).
 
 In PyTorch the chain is some 40 elementwise passes over [B,T,T] float32 a layer forward (the interpolated
 alpha-sigmoid alone is about 25), each a full read and write of the tensor; here each program owns a strip of key
 columns j and walks the query rows n in tiles, carrying the running sum (log I) and product (I) of its columns from
-tile to tile. Tiles wholly above the diagonal only write their constants. Float32 only (the exact float64
-bisection stays on the reference). The gradient's floor is float32's smallest normal (kernels.reference.log_keep).
+tile to tile. Tiles wholly above the diagonal only write their constants. Each program also sums its strip's I
+below the diagonal (the mass, summed over strips by the caller), so the step needs no tril, sum and mean over
+[B,T,T] forward, nor a [B,T,T] gradient of I backward: the mass's gradient is one number. Float32 only (the exact
+float64 bisection stays on the reference). The gradient's floor is float32's smallest normal
+(kernels.reference.log_keep).
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ def _gates(X, P, D, offs, m, j, lim, scale, half, sinks, MODE: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(X, P, D, LOG, KEEP, RATIO, T, lim, scale, half, log_floor, sinks,
+def _forward_kernel(X, P, D, LOG, KEEP, RATIO, PART, T, lim, scale, half, log_floor, sinks, inv_b,
                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: B x T x T passes 2^31 at batch 32, 8k tokens
     j0 = tl.program_id(1) * BLOCK_J
@@ -68,12 +72,13 @@ def _forward_kernel(X, P, D, LOG, KEEP, RATIO, T, lim, scale, half, log_floor, s
     base = b * T * T
     run_log = tl.zeros([BLOCK_J], tl.float32)
     run_keep = tl.full([BLOCK_J], 1.0, tl.float32)
+    mass = tl.zeros([BLOCK_J], tl.float32)  # this strip's I below the diagonal, per column
     for n0 in range(0, T, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         offs = base + n[:, None].to(tl.int64) * T + j[None, :]
         m = (n < T)[:, None] & jm[None, :]
         if n0 + BLOCK_N <= j0:  # every query row before every key column: nothing to read
-            tl.store(LOG + offs, tl.full([BLOCK_N, BLOCK_J], float("-inf"), tl.float32), mask=m)
+            tl.store(LOG + offs, tl.full([BLOCK_N, BLOCK_J], float("-inf"), LOG.dtype.element_ty), mask=m)
             tl.store(KEEP + offs, tl.zeros([BLOCK_N, BLOCK_J], tl.float32), mask=m)
             tl.store(RATIO + offs, tl.zeros([BLOCK_N, BLOCK_J], tl.float32), mask=m)
         else:
@@ -88,21 +93,25 @@ def _forward_kernel(X, P, D, LOG, KEEP, RATIO, T, lim, scale, half, log_floor, s
             g = tl.where(later, s, 1.0)
             cprod = tl.cumprod(g, axis=0) * run_keep[None, :]
             run_keep *= tl.reduce(g, 0, _mul)
-            tl.store(LOG + offs, tl.where(causal, csum, float("-inf")), mask=m)
+            tl.store(LOG + offs, tl.where(causal, csum, float("-inf")).to(LOG.dtype.element_ty), mask=m)
             tl.store(KEEP + offs, tl.where(causal, cprod, 0.0), mask=m)
+            mass += tl.sum(tl.where(later & m, cprod, 0.0), axis=0)
             # a gradient only from the smallest normal float32 up (as the reference): never d / (a flushed 0)
             tl.store(RATIO + offs, tl.where(later & (s >= 1.1754943508222875e-38), d / s, 0.0), mask=m)
+    tl.store(PART + b * tl.num_programs(1) + tl.program_id(1), tl.sum(mass, axis=0) * inv_b)
 
 
 @triton.jit
-def _backward_kernel(GLOG, GKEEP, KEEP, RATIO, DX, T, HAS_LOG: tl.constexpr, HAS_KEEP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
+def _backward_kernel(GLOG, GKEEP, GMASS, KEEP, RATIO, DX, T, inv_b, HAS_LOG: tl.constexpr, HAS_KEEP: tl.constexpr,
+                     HAS_MASS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j0 = tl.program_id(1) * BLOCK_J
     j = j0 + tl.arange(0, BLOCK_J)
     jm = j < T
     base = b * T * T
     run = tl.zeros([BLOCK_J], tl.float32)  # sum of W over the rows below this tile
+    if HAS_MASS:  # dL/dmass / B reaches every I below the diagonal (read on the device: no host sync)
+        g_pair = tl.load(GMASS) * inv_b
     tiles = tl.cdiv(T, BLOCK_N)
     for i in range(0, tiles):
         n0 = (tiles - 1 - i) * BLOCK_N
@@ -114,9 +123,13 @@ def _backward_kernel(GLOG, GKEEP, KEEP, RATIO, DX, T, HAS_LOG: tl.constexpr, HAS
         else:
             w = tl.zeros([BLOCK_N, BLOCK_J], tl.float32)
             if HAS_LOG:
-                w += tl.load(GLOG + offs, mask=m, other=0.0)
-            if HAS_KEEP:
-                w += tl.load(GKEEP + offs, mask=m, other=0.0) * tl.load(KEEP + offs, mask=m, other=0.0)
+                w += tl.load(GLOG + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_KEEP or HAS_MASS:
+                keep = tl.load(KEEP + offs, mask=m, other=0.0)
+                if HAS_KEEP:
+                    w += tl.load(GKEEP + offs, mask=m, other=0.0) * keep
+                if HAS_MASS:
+                    w += tl.where(j[None, :] < n[:, None], g_pair * keep, 0.0)
             w = tl.where(m & (j[None, :] <= n[:, None]), w, 0.0)
             r = tl.cumsum(w, axis=0, reverse=True) + run[None, :]
             run += tl.sum(w, axis=0)
@@ -128,8 +141,10 @@ def _square(t: torch.Tensor) -> None:
         raise ValueError(f"expected float32 scores [B,T,T], got {tuple(t.shape)} {t.dtype}")
 
 
-def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0):
-    """x [B,T,T] float32 -> (log I, I, ratio); see kernels.reference.log_keep."""
+def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0, log_dtype: torch.dtype | None = None):
+    """x [B,T,T] float32 -> (log I, I, ratio, mass); see kernels.reference.log_keep. log_dtype (float32, bf16 or
+    fp16): log I rounded to it in the kernel (on a GPU to nearest even, as a cast after it would; Triton's CPU
+    interpreter truncates)."""
     _square(x)
     if not 1 <= alpha < math.inf:
         raise ValueError(f"the Triton keep structure takes a finite alpha >= 1 (training), got {alpha}")
@@ -142,22 +157,26 @@ def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0):
     else:
         p_tab, d_tab = _table(float(alpha), str(x.device))
         mode, lim, half = TABLE, table_range(float(alpha)), float((p_tab.shape[0] - 1) // 2)  # (an integer)
-    log_i, keep, ratio = (torch.empty_like(x) for _ in range(3))
-    _forward_kernel[(b, triton.cdiv(t, BLOCK_J))](x, p_tab, d_tab, log_i, keep, ratio, t, lim, half / lim, half,
-                                                  math.log(LOG_FLOOR), sinks, MODE=mode, BLOCK_N=BLOCK_N,
-                                                  BLOCK_J=BLOCK_J, num_warps=WARPS)
-    return log_i, keep, ratio
+    log_i = torch.empty_like(x, dtype=log_dtype or x.dtype)
+    keep, ratio = torch.empty_like(x), torch.empty_like(x)
+    strips = triton.cdiv(t, BLOCK_J)
+    part = torch.empty(b, strips, dtype=torch.float32, device=x.device)  # each strip's mass, over B already
+    _forward_kernel[(b, strips)](x, p_tab, d_tab, log_i, keep, ratio, part, t, lim, half / lim, half,
+                                 math.log(LOG_FLOOR), sinks, 1.0 / b, MODE=mode, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J,
+                                 num_warps=WARPS)
+    return log_i, keep, ratio, part.sum()
 
 
-def log_keep_grad(g_log, g_keep, keep: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """dL/dx; see kernels.reference.log_keep_grad."""
+def log_keep_grad(g_log, g_keep, keep: torch.Tensor, ratio: torch.Tensor, g_mass=None) -> torch.Tensor:
+    """dL/dx; see kernels.reference.log_keep_grad (g_mass: a 0-dim tensor on the device)."""
     _square(keep)
     b, t, _ = keep.shape
     dx = torch.empty_like(keep)
-    g_log = None if g_log is None else g_log.float().contiguous()
+    g_log = None if g_log is None else g_log.contiguous()  # (bf16 when log I went on in it: read as float32)
     g_keep = None if g_keep is None else g_keep.float().contiguous()
+    g_mass = None if g_mass is None else g_mass.float()
     _backward_kernel[(b, triton.cdiv(t, BLOCK_J))](
-        keep if g_log is None else g_log, keep if g_keep is None else g_keep, keep.contiguous(), ratio.contiguous(),
-        dx, t, HAS_LOG=g_log is not None, HAS_KEEP=g_keep is not None, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J,
-        num_warps=WARPS)
+        keep if g_log is None else g_log, keep if g_keep is None else g_keep, keep if g_mass is None else g_mass,
+        keep.contiguous(), ratio.contiguous(), dx, t, 1.0 / b, HAS_LOG=g_log is not None, HAS_KEEP=g_keep is not None,
+        HAS_MASS=g_mass is not None, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J, num_warps=WARPS)
     return dx

@@ -18,7 +18,7 @@ SHARED_LIMIT = 227 * 1024  # bytes of shared memory a block may use on an H100
 # the split-K semaphore of a decode that merges its own splits: every thread's stores, a barrier, one thread's
 # acquire-release count at GPU scope; the last split's loads from L2
 MERGE_MARKS = ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg", "atom.global.gpu.acq_rel.exch")
-FLOATS = {"qk_scale", "int_scale", "beta", "lam", "lim", "half", "log_floor", "eps"}
+FLOATS = {"qk_scale", "int_scale", "beta", "lam", "lim", "scale", "half", "log_floor", "eps", "inv_b"}
 
 
 def cases():
@@ -74,14 +74,18 @@ def cases():
         out.append((f"lag per_channel={per_channel}", tl_lag._lag_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"},
                     dict(PER_CHANNEL=per_channel, PRECISION="tf32", BLOCK_T=32 if per_channel else 64,
                          BLOCK_J=16 if per_channel else 32, BLOCK_C=32 if per_channel else 64), 4, 2))
-    for mode in (tk.SIGMOID, tk.CLAMP, tk.TABLE):
-        out.append((f"keep forward mode={mode}", tk._forward_kernel,
-                    {n: "*fp32" for n in ("X", "P", "D", "LOG", "KEEP", "RATIO")},
+    # training's keep kernels; log I and its gradient in bf16 too (a bf16-autocast step hands it to attention so)
+    for mode, log in ((tk.SIGMOID, "fp32"), (tk.CLAMP, "fp32"), (tk.TABLE, "fp32"), (tk.TABLE, "bf16")):
+        out.append((f"keep forward mode={mode} log={log}", tk._forward_kernel,
+                    {n: "*fp32" for n in ("X", "P", "D", "KEEP", "RATIO", "PART")} | {"LOG": f"*{log}"},
                     dict(MODE=mode, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
-    for has_log, has_keep in ((True, True), (True, False), (False, True)):
-        out.append((f"keep backward log={has_log} keep={has_keep}", tk._backward_kernel,
-                    {n: "*fp32" for n in ("GLOG", "GKEEP", "KEEP", "RATIO", "DX")},
-                    dict(HAS_LOG=has_log, HAS_KEEP=has_keep, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
+    for has_log, has_keep, has_mass, log in ((True, True, False, "fp32"), (True, False, False, "fp32"),
+                                             (False, True, False, "fp32"), (True, False, True, "fp32"),
+                                             (True, True, True, "fp32"), (True, False, True, "bf16")):
+        out.append((f"keep backward log={has_log} keep={has_keep} mass={has_mass} glog={log}", tk._backward_kernel,
+                    {n: "*fp32" for n in ("GKEEP", "GMASS", "KEEP", "RATIO", "DX")} | {"GLOG": f"*{log}"},
+                    dict(HAS_LOG=has_log, HAS_KEEP=has_keep, HAS_MASS=has_mass, BLOCK_N=tk.BLOCK_N,
+                         BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
     for dtype in ("bf16", "fp16", "fp32"):  # a decode step's small ops (kernels.triton_step)
         for d, rotate, rule in ((64, True, True), (128, True, False), (64, False, True)):
             out.append((f"step_write {dtype} d={d} rotate={rotate} rule={rule}", ts._step_write_kernel,
@@ -104,9 +108,10 @@ def cases():
 
 
 # kernels whose registers ptxas reports (a spill to local memory costs a decode step memory round trips); those
-# that must not spill: the merge and the keep pass. The single-pass pruned decode does (docs/kernels.md)
-REGISTERS_OF = ("decode", "merge", "keep pass")
-NO_SPILLS = ("merge", "keep pass")
+# that must not spill: the merge, the keep pass and training's keep kernels (the table forward takes 255
+# registers under Triton 3.6, 225-240 under 3.9, none spilled). The single-pass pruned decode does (docs/kernels.md)
+REGISTERS_OF = ("decode", "merge", "keep pass", "keep forward", "keep backward")
+NO_SPILLS = ("merge", "keep pass", "keep forward", "keep backward")
 # float32 decode on its own launch shape: tens of bytes at most (on the bf16 shapes it spilled up to 47 KB)
 FEW_SPILLS, FEW_SPILL_BYTES = ("decode fp32",), 64
 

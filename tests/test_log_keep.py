@@ -27,14 +27,15 @@ def rule(dtype, alpha, sinks=0, distance=False, seed=0):
     return p
 
 
-def grads(p, x, edit, g_log, g_keep):
-    """(log I, I, dL/dx, dL/dparams) for L = <log I, g_log> (on and below the diagonal) + <I, g_keep>."""
+def grads(p, x, edit, g_log, g_keep, g_mass=0.0):
+    """(log I, I, mass, dL/dx, dL/dparams) for L = <log I, g_log> (on and below the diagonal) + <I, g_keep> +
+    g_mass * mass (the sparsity loss's term)."""
     x = x.clone().requires_grad_(True)
     p.zero_grad()
-    log_i, keep = p.log_keep(x, edit)
+    log_i, keep, mass = p.log_keep(x, edit, mass=True)
     _, causal = below_diagonal(x.shape[1], x.device)
-    (log_i.masked_fill(~causal, 0) * g_log + keep * g_keep).sum().backward()
-    return log_i.detach(), keep.detach(), x.grad, [q.grad.clone() for q in p.parameters()]
+    ((log_i.masked_fill(~causal, 0) * g_log + keep * g_keep).sum() + g_mass * mass).backward()
+    return log_i.detach(), keep.detach(), mass.detach(), x.grad, [q.grad.clone() for q in p.parameters()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -45,11 +46,12 @@ def test_fused_backward_equals_autograd_through_the_chain(dtype, alpha, sinks, d
     torch.manual_seed(1)
     x = torch.randn(2, 19, 12, dtype=dtype) * 2
     g_log, g_keep = torch.randn(2, 19, 19, dtype=dtype), torch.randn(2, 19, 19, dtype=dtype)
-    fused = grads(p, x, None, g_log, g_keep)
-    chain = grads(p, x, lambda s: s, g_log, g_keep)  # an identity edit: autograd through every op
+    fused = grads(p, x, None, g_log, g_keep, 3.0)
+    chain = grads(p, x, lambda s: s, g_log, g_keep, 3.0)  # an identity edit: autograd through every op
     assert torch.equal(fused[0], chain[0]) and torch.equal(fused[1], chain[1])  # the same forward values
+    torch.testing.assert_close(fused[2], chain[2], rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
-    for a, b in zip([fused[2], *fused[3]], [chain[2], *chain[3]]):
+    for a, b in zip([fused[3], *fused[4]], [chain[3], *chain[4]]):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=tol * float(b.abs().max()), rtol=tol)
 
@@ -63,15 +65,15 @@ def test_fused_backward_against_finite_differences(alpha, sinks, distance):
     _, causal = below_diagonal(6, "cpu")
 
     def f(x):
-        log_i, keep = p.log_keep(x)
-        return log_i.masked_fill(~causal, 0), keep
+        log_i, keep, mass = p.log_keep(x, mass=True)
+        return log_i.masked_fill(~causal, 0), keep, mass
     assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
 def test_no_gradient_reaches_the_scores_through_positions_above_the_diagonal():
     """Whatever arrives at log I's -inf or I's 0 above the diagonal (even a NaN) is not passed on."""
     x = torch.randn(1, 9, 9, dtype=torch.float64)
-    _, keep, ratio = reference.log_keep(x, alpha=2.5)
+    _, keep, ratio, _ = reference.log_keep(x, alpha=2.5)
     g = torch.randn(1, 9, 9, dtype=torch.float64)
     above = torch.ones(9, 9, dtype=torch.bool).triu(1)
     want = reference.log_keep_grad(g, g, keep, ratio)
@@ -121,6 +123,7 @@ def test_triton_keep_equals_the_reference(interpreter, alpha, t, sinks):
     x[0, t // 3:, -1] = torch.where(torch.arange(t - t // 3) % 2 == 0, -1.0, 1.0)  # alpha 2's ends, x = -1, 1
     got = interpreter.log_keep(x, alpha=alpha, sinks=sinks)
     want = reference.log_keep(x, alpha=alpha, sinks=sinks)
+    assert len(got) == len(want) == 4  # log I, I, ratio and the mass
     for g, w in zip(got, want):  # every position written: log I -inf above the diagonal, I and ratio 0
         assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.isinf(), w.isinf())
         fin = w.isfinite()
@@ -134,12 +137,13 @@ def test_triton_keep_equals_the_reference(interpreter, alpha, t, sinks):
     later, _ = below_diagonal(t, "cpu")
     dropped = (((sig == 0) & later).cumsum(1) > 0) & ~want[1].isnan()  # (0 times a NaN above stays NaN)
     assert bool((got[1][dropped] == 0).all()) and bool((want[1][dropped] == 0).all())
-    _, keep, ratio = want
+    _, keep, ratio, _ = want
     torch.manual_seed(0)
-    g_log, g_keep = torch.randn(2, t, t), torch.randn(2, t, t)
-    for args in ((g_log, g_keep), (g_log, None), (None, g_keep)):
-        g = interpreter.log_keep_grad(*args, keep, ratio)
-        w = reference.log_keep_grad(*args, keep, ratio)
+    g_log, g_keep, g_mass = torch.randn(2, t, t), torch.randn(2, t, t), torch.tensor(0.7)
+    for a, b, c in ((g_log, g_keep, None), (g_log, None, None), (None, g_keep, None), (g_log, None, g_mass),
+                    (None, None, g_mass), (g_log, g_keep, g_mass)):
+        g = interpreter.log_keep_grad(a, b, keep, ratio, c)
+        w = reference.log_keep_grad(a, b, keep, ratio, c)
         assert torch.equal(g.isnan(), w.isnan())
         g, w = g.nan_to_num(), w.nan_to_num()
         torch.testing.assert_close(g, w, atol=1e-5 * float(w.abs().max()), rtol=1e-4)
@@ -291,3 +295,67 @@ def test_log_i_is_its_own_causal_mask_in_a_training_step(path, request, monkeypa
     with torch.no_grad():
         model.eval()(ids)
     assert asked and all(asked)  # inference keeps the causal flag
+
+
+def test_the_triton_keep_writes_log_i_in_attentions_dtype(interpreter):
+    """Under autocast log I goes to attention in bf16: the kernel rounds it as it writes (on a GPU to nearest even;
+    Triton's interpreter truncates, so within one bf16 unit here), and the backward reads a bf16 gradient of it
+    as the float32 one it equals, exactly."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 70, 70) * 3
+    for alpha in (1.0, 2.0, 1.02):
+        got = interpreter.log_keep(x, alpha=alpha, sinks=1, log_dtype=torch.bfloat16)
+        want = reference.log_keep(x, alpha=alpha, sinks=1)
+        assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in got[1:])
+        assert torch.equal(got[0].isinf(), want[0].isinf())
+        fin = want[0].isfinite()
+        torch.testing.assert_close(got[0][fin].float(), want[0][fin], rtol=2 ** -7, atol=1e-5)
+        for g, w in zip(got[1:], want[1:]):  # I, ratio and the mass stay as they were
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+        g_log = torch.randn(2, 70, 70).bfloat16()
+        for mod in (interpreter, reference):
+            assert torch.equal(mod.log_keep_grad(g_log, None, want[1], want[2], torch.tensor(0.5)),
+                               mod.log_keep_grad(g_log.float(), None, want[1], want[2], torch.tensor(0.5)))
+    assert reference.log_keep(x, alpha=1.7, log_dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_a_bf16_training_step_hands_log_i_to_attention_in_bf16_with_the_same_bits(monkeypatch):
+    """Under bf16 autocast the keep kernel writes log I in attention's dtype (models.backends.full passes q's):
+    attention used to cast the float32 log I to bf16 itself, a [B,1,T,T] pass forward and one back. The loss and
+    every gradient are the same bits as with that cast (both round to nearest even, and a bf16 gradient widens
+    exactly), on the reference path; the Triton kernel's own rounding is checked above and on a GPU."""
+    from models.mixers.attention import Attention
+    from models.transformer import DecoderLM
+    from tests.helpers import tiny_config
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config("mha", prune=True, prune_r=8, prune_sinks=1, prune_distance=True)).train()
+    model.set_alpha(1.7)
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    orig_log_keep, attend = ContextPruning.log_keep, Attention.attend
+    seen = []
+
+    def spy(self, q, k, v, bias, *a, **kw):
+        seen.append(bias.dtype)
+        return attend(self, q, k, v, bias, *a, **kw)
+
+    def step(cast_after: bool):
+        if cast_after:  # what the step did before: log I in float32, cast by attention
+            monkeypatch.setattr(ContextPruning, "log_keep", lambda self, x, edit=None, mass=False, log_dtype=None:
+                                orig_log_keep(self, x, edit, mass))
+        else:
+            monkeypatch.setattr(ContextPruning, "log_keep", orig_log_keep)
+        monkeypatch.setattr(Attention, "attend", spy)
+        model.zero_grad()
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, targets=ids)
+            loss = out.loss + out.prune_mass * 1e-3
+        loss.backward()
+        return set(seen), loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    dtypes, got_loss, got = step(False)
+    assert dtypes == {torch.bfloat16}
+    dtypes, want_loss, want = step(True)
+    assert dtypes == {torch.float32}
+    assert torch.equal(got_loss, want_loss) and got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)

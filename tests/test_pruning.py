@@ -288,7 +288,8 @@ def test_alpha_sigmoid_table_near_one_keeps_log_i(alpha):
 def test_tables_built_together_equal_tables_built_alone(monkeypatch):
     """A GPU trainer builds the next steps' alpha-sigmoid tables in one batched bisection (prepare_tables): each
     equals the table its alpha gets alone, bit for bit, across point counts and both sides of alpha 2; the kept
-    tables are bounded, and the schedule's prefetch builds only when this step's table is missing."""
+    tables are bounded, and the schedule's prefetch builds only when this step's table is missing, in one
+    bisection a side of 2 whatever the point counts."""
     import importlib
     tab = importlib.import_module("models.pruning.alpha_sigmoid")  # (the package exports the function by this name)
     alphas = [1.02, 1.0201, 1.3, 1.7, 2.5, 4.0, 8.0]
@@ -298,6 +299,12 @@ def test_tables_built_together_equal_tables_built_alone(monkeypatch):
     monkeypatch.setattr(tab, "BATCH_POINTS", 3 * 8193)  # three tables of 8193 points a bisection: chunks too
     tab.prepare_tables(alphas + [1.0, 2.0, math.inf, 4.0], "cpu")   # closed forms and repeats are skipped
     assert len(tab._TABLES) == len(alphas)
+    for a in alphas:
+        got = tab._table(a, "cpu")
+        assert torch.equal(got[0], alone[a][0]) and torch.equal(got[1], alone[a][1]), a
+    tab.clear_tables()
+    monkeypatch.setattr(tab, "BATCH_POINTS", 1 << 21)  # now the shorter grids share a bisection with the longest
+    tab.prepare_tables(alphas, "cpu")
     for a in alphas:
         got = tab._table(a, "cpu")
         assert torch.equal(got[0], alone[a][0]) and torch.equal(got[1], alone[a][1]), a
@@ -314,14 +321,16 @@ def test_tables_built_together_equal_tables_built_alone(monkeypatch):
     assert built == [[tab.alpha_schedule(s, 100, 1.0, 8.0) for s in range(50, 54)]]
     tab.prefetch_schedule(51, 100, 1.0, 8.0, "cpu", ahead=4)     # kept already
     assert len(built) == 1
-    tab.prefetch_schedule(1, 100, 1.0, 8.0, "cpu", ahead=4)      # near 1 the point counts differ: one build each
-    assert len(built) == 5 and all(len(c) == 1 for c in built[1:])
-    # below 1.05 the point counts come in steps of 2048, so a long schedule's neighbouring steps share them
+    tab.prefetch_schedule(1, 100, 1.0, 8.0, "cpu", ahead=4)      # near 1 the point counts differ: one build still
+    steps = [tab.alpha_schedule(s, 100, 1.0, 8.0) for s in range(1, 5)]
+    assert len({tab._grid(a)[1] for a in steps}) == 4
+    assert len(built) == 2 and sorted(built[1]) == steps
     assert tab._grid(1.02)[1] == tab._grid(1.0201)[1] == 2 * 9216 + 1
     built.clear()
     tab.clear_tables()
-    tab.prefetch_schedule(129, 5000, 1.0, 8.0, "cpu", ahead=16)  # alpha 1.0115 to 1.0137
-    assert sum(map(len, built)) == 16 and len(built) <= 3
+    tab.prefetch_schedule(46, 200, 1.0, 8.0, "cpu", ahead=8)      # alpha 1.875 to 2.143: one build a side of 2
+    steps = [tab.alpha_schedule(s, 200, 1.0, 8.0) for s in range(46, 54)]
+    assert [sorted(c) for c in built] == [[a for a in steps if a < 2], [a for a in steps if a > 2]]
     tab.clear_tables()
 
 

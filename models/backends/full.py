@@ -21,11 +21,13 @@ class FullSequence:
 
     def attend(self, mixer, x, q, k, v, record):
         if mixer.pruning is not None:
-            log_i, keep = mixer.pruning.log_keep(x)                      # [B,T,T] each
+            if mixer.training:  # with the sparsity loss's term, read by DecoderLM.forward after the blocks
+                # [B,T,T] each (log I in attention's dtype), and 0-dim
+                log_i, keep, mixer.prune_mass = mixer.pruning.log_keep(x, mass=True, log_dtype=q.dtype)
+            else:
+                log_i, keep = mixer.pruning.log_keep(x)
             if record is not None:  # r-wide each, in the rule's precision: what the Pruning page's score view reads
                 record.q_int, record.k_int = mixer.pruning.q_int(x), mixer.pruning.keys(x)
-            if mixer.training:  # the sparsity loss's term, read by DecoderLM.forward after the blocks
-                mixer.prune_mass = mixer.pruning.mass(keep)
             # log I is -inf above the diagonal, so it is the causal mask too: where a gradient is needed (SDPA with
             # the bias, kernels.attention) nothing need build a causal mask and fill the bias with it (about six
             # kernels a layer, forward and backward); without one the Triton prefill takes causal=True, with which

@@ -97,7 +97,7 @@ def table_range(alpha: float) -> float:
 # Tables by (alpha, device), newest last. Training moves alpha every step, so each step needs a new table, and
 # one table's bisection is about 930 small operations (counted on the CPU). On an H200 (2026-11-27) a
 # configs/gpu/mha-pruned step that built one took 13-17 ms more than one at alpha 2, which needs none: a GPU trainer
-# builds the next steps' tables in one batched bisection per point count (prepare_tables).
+# builds the next steps' tables in one batched bisection a side of alpha 2 (prepare_tables).
 _TABLES: OrderedDict[tuple[float, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
 TABLES_KEPT = 128        # at most ~40 MB (37k points each near alpha = 1, 8193 from 1.05 on)
@@ -131,8 +131,8 @@ def _keep(built) -> None:
 
 def _grid(alpha: float) -> tuple[float, int]:
     """The table's half-range R and its (odd) point count: the grid is symmetric about 0. Below alpha 1.05, where R
-    passes 20, the half count (R / TABLE_STEP at least) is rounded up to a multiple of 1024, so that the steps of a
-    schedule there share a few point counts and build their tables together (each count its own bisection)."""
+    passes 20, the half count (R / TABLE_STEP at least) is rounded up to a multiple of 1024 (once so that nearby
+    alphas shared a bisection; kept so that every alpha's table stays what it was)."""
     lim = table_range(alpha)
     half = max((TABLE_POINTS - 1) // 2, -(-math.ceil(lim / TABLE_STEP) // 1024) * 1024)
     return lim, 2 * half + 1
@@ -140,32 +140,41 @@ def _grid(alpha: float) -> tuple[float, int]:
 
 def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """sigma_alpha and its derivative on each alpha's grid, exact (float64 bisection), stored in float32; every
-    alpha of one call shares its point count and its side of 2, so one bisection over [K, points] serves all
-    (built on `device` itself: a host-built table would cost each GPU step a host bisection and a copy). A
-    table's values do not depend on what it was built beside (tests/test_pruning.py)."""
-    points = _grid(alphas[0])[1]
-    x = torch.stack([torch.linspace(-table_range(a), table_range(a), points, dtype=torch.float64, device=device)
-                     for a in alphas])
+    alpha of one call on one side of 2, so one bisection over [K, points] serves all (built on `device` itself: a
+    host-built table would cost each GPU step a host bisection and a copy). A grid with fewer points than the
+    call's largest is padded with its end points on both sides, so each row stays symmetric about its centre (the
+    derivative pairs x with -x by flipping the row) and the padding is cut off after. Every operation is
+    elementwise, so a table's values do not depend on what it was built beside (tests/test_pruning.py)."""
+    counts = [_grid(a)[1] for a in alphas]
+    points = max(counts)
+    rows = []
+    for a, n in zip(alphas, counts):
+        row = torch.linspace(-table_range(a), table_range(a), n, dtype=torch.float64, device=device)
+        pad = (points - n) // 2  # (both counts odd)
+        rows.append(torch.cat([row[:1].expand(pad), row, row[-1:].expand(pad)]) if pad else row)
+    x = torch.stack(rows)
     a = torch.tensor(alphas, dtype=torch.float64, device=device)[:, None]
     p, _ = _bisect(x, a, below_two=alphas[0] < 2)
     d = derivative(torch.minimum(p, p.flip(-1)), x, a)  # p(-x) = 1 - p(x), unrounded (grid symmetric to 1e-14)
     p, d = p.float(), d.float()
-    return [(p[i].clone(), d[i].clone()) for i in range(len(alphas))]  # (a kept row must not hold its batch)
+    cut = [((points - n) // 2, n) for n in counts]
+    return [(p[i, lo:lo + n].clone(), d[i, lo:lo + n].clone())  # (a kept row must not hold its batch)
+            for i, (lo, n) in enumerate(cut)]
 
 
 def prepare_tables(alphas, device) -> None:
-    """Build the tables of these alphas that are not kept yet, those of one point count and one side of 2 in one
-    batched bisection each (up to BATCH_POINTS grid points at a time). Closed forms (alpha 1, 2, inf) need none."""
+    """Build the tables of these alphas that are not kept yet: those on one side of 2 in one batched bisection
+    (up to BATCH_POINTS grid points at a time, every row as long as the chunk's longest). Near alpha 1 the point
+    counts of a schedule's neighbouring steps differ; a bisection per count made an H200 build a block of 64 steps
+    from alpha 1.02 in six (99 ms, 2026-11-27). Closed forms (alpha 1, 2, inf) need none."""
     device = _where(device)
     with _TABLES_LOCK:
         todo = list(dict.fromkeys(float(a) for a in alphas if needs_table(a) and (float(a), device) not in _TABLES))
-    groups: dict[tuple[int, bool], list[float]] = {}
-    for a in todo:
-        groups.setdefault((_grid(a)[1], a < 2), []).append(a)
-    for (points, _), group in groups.items():
-        per = max(1, BATCH_POINTS // points)
-        for i in range(0, len(group), per):
-            chunk = group[i:i + per]
+    for below in (True, False):
+        group = sorted((a for a in todo if (a < 2) == below), key=lambda a: -_grid(a)[1])  # longest first
+        while group:
+            per = max(1, BATCH_POINTS // _grid(group[0])[1])  # (the chunk's first row is its longest)
+            chunk, group = group[:per], group[per:]
             _keep(zip([(a, device) for a in chunk], _build(chunk, device)))
 
 
@@ -181,7 +190,8 @@ def clear_tables() -> None:
 
 def prefetch_schedule(step: int, total: int, start: float, end: float, device, ahead: int = AHEAD) -> None:
     """Before a training step: when this step's table is missing, build it with the next `ahead` steps' in one
-    batched bisection (a GPU trainer's call; on a CPU ahead=1 builds only this step's, as _table would)."""
+    batched bisection a side of 2 (a GPU trainer's call; on a CPU ahead=1 builds only this step's, as _table
+    would)."""
     alpha = alpha_schedule(step, total, start, end)
     if needs_table(alpha) and not has_table(alpha, device):
         prepare_tables([alpha_schedule(s, total, start, end) for s in range(step, step + max(ahead, 1))], device)

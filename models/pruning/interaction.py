@@ -173,10 +173,13 @@ class ContextPruning(nn.Module):
             x = widen(x)
             return x @ self.W_Kint.to(x.dtype)
 
-    def log_keep(self, x: torch.Tensor, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_keep(self, x: torch.Tensor, edit=None, mass: bool = False, log_dtype: torch.dtype | None = None):
         """Whole sequence x [B,T,d] -> (log I [B,T,T], I [B,T,T]); -inf / 0 above the diagonal. edit, when given,
         takes the gates sigma(x_{n,j}) [B,T,T] and returns them changed (an intervention forcing decisions:
         models.pruning.intervene); the keep structure follows from the changed gates as from the rule's own.
+        mass=True adds a third, the layer's term of the sparsity loss (ContextPruning.mass of I); in training it
+        comes out of the keep kernel's own pass (_LogKeep). log_dtype: the dtype training's keep kernel writes
+        log I in, attention's (bf16 under autocast, where log I is its bias and would be cast to it after).
 
         log I accumulates log sigma (floored at 1e-40) in log space, so it is finite and never NaN; I itself
         is the plain cumulative product, exactly 0 once a token is dropped.
@@ -185,17 +188,29 @@ class ContextPruning(nn.Module):
         cumulative sums and products ran in float32 on bf16 inputs, and the mixed-dtype backward failed (a
         masked_scatter_ dtype error on an H100)."""
         with torch.autocast(x.device.type, enabled=False):
-            return self._log_keep(widen(x), edit)
+            return self._log_keep(widen(x), edit, mass, log_dtype)
 
-    def _log_keep(self, x: torch.Tensor, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_keep(self, x: torch.Tensor, edit, mass: bool, log_dtype):
         pos = torch.arange(x.shape[1], device=x.device)
-        scores = self.scores(x, self.keys(x), pos, pos)                                  # [B, n, j]
+        q, k = self.q_int(x), self.keys(x)
         alpha = self.current_alpha()
-        # training: one backward for the whole chain (_LogKeep); the step (alpha = inf) has no gradient
-        if edit is None and scores.requires_grad and math.isfinite(alpha):
-            return _LogKeep.apply(scores, alpha, self.sinks)
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, self.beta, self.lam))
+        if grad and math.isfinite(alpha):
+            # training: the scores in one product with its scale and bias (a float32 rounding away from scores_of's,
+            # which no training step needs to match: at a finite alpha no decision is taken), then one backward for
+            # the whole chain after them (_LogKeep); the step (alpha = inf) has no gradient
+            bias = self.beta.to(q.dtype)
+            if self.lam is not None:
+                bias = bias + distance_term(self.lam.to(q.dtype), pos[None, :], pos[:, None])     # [T, T]
+            scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=1 / math.sqrt(self.r))        # [B, n, j]
+            if edit is None:
+                out = _LogKeep.apply(scores, alpha, self.sinks, log_dtype)
+                return out if mass else out[:2]
+        else:
+            scores = self.scores_of(q, k, pos, pos)  # (every decision's scores: the decode paths write the same sums)
         sig = gates(scores, alpha, self.sinks)
-        return log_keep_from_gates(sig if edit is None else edit(sig))
+        log_i, keep = log_keep_from_gates(sig if edit is None else edit(sig))
+        return (log_i, keep, self.mass(keep)) if mass else (log_i, keep)
 
     @staticmethod
     def mass(keep: torch.Tensor) -> torch.Tensor:
@@ -245,10 +260,11 @@ def log_keep_from_gates(sig: torch.Tensor, masks=None) -> tuple[torch.Tensor, to
 
 
 class _LogKeep(torch.autograd.Function):
-    """Scores x [B,T,T] -> (log I, I), the values log_keep_from_gates(gates(x)) gives, with one hand-written
-    backward (kernels.log_keep / log_keep_grad: Triton on a GPU, kernels.reference's PyTorch elsewhere). Autograd's
-    chain (interpolated sigma, clamp, log, where, cumsum, masked_fill, and I's where, cumprod, where) ran an op
-    and kept a [B,T,T] tensor per pass; this keeps two (I and sigma'/sigma).
+    """Scores x [B,T,T] -> (log I, I, mass), the values log_keep_from_gates(gates(x)) and ContextPruning.mass give
+    (log I rounded to log_dtype when one is given), with one hand-written backward (kernels.log_keep /
+    log_keep_grad: Triton on a GPU, kernels.reference's PyTorch elsewhere). Autograd's chain (interpolated sigma,
+    clamp, log, where, cumsum, masked_fill, I's where, cumprod, where, and the mass's tril, sum, mean) ran an op and
+    kept a [B,T,T] tensor per pass; this keeps two (I and sigma'/sigma).
 
     Where the two differ: under log I's floor (in float32, under the smallest normal number, 1.2e-38) nothing
     passes. Autograd's chain passed I's own gradient there, the other sigmas' product times sigma', which is 0
@@ -256,23 +272,23 @@ class _LogKeep(torch.autograd.Function):
     NaN there (a gradient over 1e-40 overflowed, times a slope of 0); this gives 0."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, alpha: float, sinks: int):
+    def forward(ctx, x: torch.Tensor, alpha: float, sinks: int, log_dtype=None):
         import kernels  # (kernels.reference imports this module)
-        log_i, keep, ratio = kernels.log_keep(x, alpha=alpha, sinks=sinks)
+        log_i, keep, ratio, mass = kernels.log_keep(x, alpha=alpha, sinks=sinks, log_dtype=log_dtype)
         ctx.save_for_backward(keep, ratio)
         ctx.paths = kernels.recorder()  # the backward may run on another thread (CUDA): it notes its path here
         ctx.set_materialize_grads(False)
-        return log_i, keep
+        return log_i, keep, mass
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_log, g_keep):
+    def backward(ctx, g_log, g_keep, g_mass):
         import kernels
-        if g_log is None and g_keep is None:
-            return None, None, None
+        if g_log is None and g_keep is None and g_mass is None:
+            return None, None, None, None
         keep, ratio = ctx.saved_tensors
         with kernels.recording_into(ctx.paths, kernels.recorder()):  # where the forward ran, and where this runs
-            return kernels.log_keep_grad(g_log, g_keep, keep, ratio), None, None
+            return kernels.log_keep_grad(g_log, g_keep, keep, ratio, g_mass), None, None, None
 
 
 def keep_from_gates(sig: torch.Tensor, masks=None) -> torch.Tensor:
