@@ -74,6 +74,11 @@ def _attention(q, k, v, scale, bias, need_weights, causal):
     if not need_weights and (t == 1 or not causal):  # one query sees every key; or the bias says it all
         mask = None if bias is None else bias.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g != h), None
+    if not need_weights and causal and bias is None and t == s:
+        # a whole sequence (dense training, a prefill from empty): SDPA's own causal flag, with which flash and cuDNN
+        # skip the blocks above the diagonal and nothing builds a mask (for T < S its flag aligns top-left, not as
+        # the cache needs, so the mask is built below)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g != h), None
     allowed = causal_mask(t, s, q.device) if causal else torch.ones(t, s, dtype=torch.bool, device=q.device)
     if not need_weights:
         mask = allowed

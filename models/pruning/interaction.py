@@ -191,22 +191,23 @@ class ContextPruning(nn.Module):
             return self._log_keep(widen(x), edit, mass, log_dtype)
 
     def _log_keep(self, x: torch.Tensor, edit, mass: bool, log_dtype):
-        pos = torch.arange(x.shape[1], device=x.device)
         q, k = self.q_int(x), self.keys(x)
         alpha = self.current_alpha()
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, self.beta, self.lam))
         if grad and math.isfinite(alpha):
             # training: the scores in one product with its scale and bias (a float32 rounding away from scores_of's,
-            # which no training step needs to match: at a finite alpha no decision is taken), then one backward for
-            # the whole chain after them (_LogKeep); the step (alpha = inf) has no gradient
+            # which no training step needs to match: at a finite alpha no decision is taken), and one backward for
+            # them and the whole chain after them (_LogKeep); the step (alpha = inf) has no gradient
             bias = self.beta.to(q.dtype)
             if self.lam is not None:
+                pos = torch.arange(x.shape[1], device=x.device)  # (only here: a kernel a layer)
                 bias = bias + distance_term(self.lam.to(q.dtype), pos[None, :], pos[:, None])     # [T, T]
-            scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=1 / math.sqrt(self.r))        # [B, n, j]
             if edit is None:
-                out = _LogKeep.apply(scores, alpha, self.sinks, log_dtype)
+                out = _LogKeep.apply(q, k, bias, 1 / math.sqrt(self.r), alpha, self.sinks, log_dtype)
                 return out if mass else out[:2]
+            scores = _scores(q, k, bias, 1 / math.sqrt(self.r))                                    # [B, n, j]
         else:
+            pos = torch.arange(x.shape[1], device=x.device)
             scores = self.scores_of(q, k, pos, pos)  # (every decision's scores: the decode paths write the same sums)
         sig = gates(scores, alpha, self.sinks)
         log_i, keep = log_keep_from_gates(sig if edit is None else edit(sig))
@@ -259,12 +260,20 @@ def log_keep_from_gates(sig: torch.Tensor, masks=None) -> tuple[torch.Tensor, to
     return log_i.masked_fill(~causal, float("-inf")), keep_from_gates(sig, (later, causal))
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """x = q k^T * scale + bias [B,T,T] in one product (bias 0-dim or [T,T]): training's scores."""
+    return torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+
+
 class _LogKeep(torch.autograd.Function):
-    """Scores x [B,T,T] -> (log I, I, mass), the values log_keep_from_gates(gates(x)) and ContextPruning.mass give
+    """Interaction queries and keys q, k [B,T,r] and the scores' bias (beta, 0-dim, or with the distance term
+    [T,T]) -> (log I, I, mass): the values log_keep_from_gates(gates(_scores(...))) and ContextPruning.mass give
     (log I rounded to log_dtype when one is given), with one hand-written backward (kernels.log_keep /
-    log_keep_grad: Triton on a GPU, kernels.reference's PyTorch elsewhere). Autograd's chain (interpolated sigma,
-    clamp, log, where, cumsum, masked_fill, I's where, cumprod, where, and the mass's tril, sum, mean) ran an op and
-    kept a [B,T,T] tensor per pass; this keeps two (I and sigma'/sigma).
+    log_keep_grad: Triton on a GPU, kernels.reference's PyTorch elsewhere, then the scores' two products with
+    their scale inside and the bias's sum). Autograd's chain (interpolated sigma, clamp, log, where, cumsum,
+    masked_fill, I's where, cumprod, where, and the mass's tril, sum, mean) ran an op and kept a [B,T,T] tensor per
+    pass; this keeps two (I and sigma'/sigma), and the scores' backward is three kernels where autograd's took six
+    (it scaled each product after it and made K's transposed gradient contiguous).
 
     Where the two differ: under log I's floor (in float32, under the smallest normal number, 1.2e-38) nothing
     passes. Autograd's chain passed I's own gradient there, the other sigmas' product times sigma', which is 0
@@ -272,10 +281,13 @@ class _LogKeep(torch.autograd.Function):
     NaN there (a gradient over 1e-40 overflowed, times a slope of 0); this gives 0."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, alpha: float, sinks: int, log_dtype=None):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float, alpha: float, sinks: int,
+                log_dtype=None):
         import kernels  # (kernels.reference imports this module)
-        log_i, keep, ratio, mass = kernels.log_keep(x, alpha=alpha, sinks=sinks, log_dtype=log_dtype)
-        ctx.save_for_backward(keep, ratio)
+        log_i, keep, ratio, mass = kernels.log_keep(_scores(q, k, bias, scale), alpha=alpha, sinks=sinks,
+                                                    log_dtype=log_dtype)
+        ctx.save_for_backward(keep, ratio, q, k)
+        ctx.scale, ctx.bias_dim = scale, bias.dim()
         ctx.paths = kernels.recorder()  # the backward may run on another thread (CUDA): it notes its path here
         ctx.set_materialize_grads(False)
         return log_i, keep, mass
@@ -284,11 +296,18 @@ class _LogKeep(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_log, g_keep, g_mass):
         import kernels
+        none = (None,) * 4  # (scale, alpha, sinks, log_dtype)
         if g_log is None and g_keep is None and g_mass is None:
-            return None, None, None, None
-        keep, ratio = ctx.saved_tensors
+            return (None, None, None, *none)
+        keep, ratio, q, k = ctx.saved_tensors
         with kernels.recording_into(ctx.paths, kernels.recorder()):  # where the forward ran, and where this runs
-            return kernels.log_keep_grad(g_log, g_keep, keep, ratio, g_mass), None, None, None
+            dx = kernels.log_keep_grad(g_log, g_keep, keep, ratio, g_mass)                        # [B, n, j]
+        need_q, need_k, need_bias = ctx.needs_input_grad[:3]
+        nothing = dx.new_empty(())  # (beta=0: baddbmm reads no input, and its scale rides in the product)
+        dq = torch.baddbmm(nothing, dx, k, beta=0, alpha=ctx.scale) if need_q else None
+        dk = torch.baddbmm(nothing, dx.transpose(1, 2), q, beta=0, alpha=ctx.scale) if need_k else None
+        dbias = (dx.sum() if ctx.bias_dim == 0 else dx.sum(0)) if need_bias else None
+        return (dq, dk, dbias, *none)
 
 
 def keep_from_gates(sig: torch.Tensor, masks=None) -> torch.Tensor:
