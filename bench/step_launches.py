@@ -32,6 +32,7 @@ NOT_KERNELS = {
     "select", "alias", "detach", "split", "split_with_sizes", "unbind", "chunk", "narrow", "unflatten", "view_as",
     "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh", "_reshape_alias",
     "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense",
+    "_record_function_enter_new", "_record_function_exit",  # (profiler marks, the optimizer's: no device work)
 }
 
 

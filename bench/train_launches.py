@@ -6,12 +6,14 @@ machine.
     python -m bench.train_launches --config configs/gpu/mha-pruned.json [--alphas 1.02,2] [--json FILE]
 
 Counted on the CPU at a toy shape (the config's layers, width and heads; --batch x --context tokens, vocabulary
---vocab), forward + backward + AdamW (foreach, as on CUDA), under bf16 autocast as models.train runs on a GPU,
-with the Triton kernels under the interpreter (bench.step_launches's counting: views and allocations launch
-nothing). Two things are counted as a GPU runs them rather than as the CPU does: attention (SDPA: one kernel
-forward and one backward, one more to sum a broadcast bias's gradient over the heads; the CPU would decompose it)
-and the foreach optimizer (one kernel per foreach op; CUDA splits long lists into a few). The counts are an
-estimate of the GPU's (the profile's device_kernels is the measurement), made to compare two versions of a step.
+--vocab), forward + backward + AdamW as bench.train_step_profile builds it (foreach, as on CUDA; models.train's
+is fused, one kernel for every parameter), under bf16 autocast as models.train runs on a GPU, with the Triton
+kernels under the interpreter (bench.step_launches's counting: views and allocations launch nothing; aten_calls
+counts every call but SDPA's own inner ones). Two things are counted as a GPU runs them rather than as the CPU
+does: attention (SDPA: one kernel forward and one backward, one more to sum a broadcast bias's gradient over the
+heads; the CPU would decompose it) and the foreach optimizer (one kernel per foreach op; CUDA splits long lists
+into a few). The counts are an estimate of the GPU's (the profile's device_kernels is the measurement), made to
+compare two versions of a step.
 """
 from __future__ import annotations
 

@@ -376,8 +376,10 @@ def bench_keep(dev, fl, reps, b, t, alpha=2.5) -> list[dict]:
     """Context pruning's training chain (scores -> log I, I, and the gradient back), forward + backward of one
     layer: the Triton kernels (kernels.triton_keep) against the PyTorch reference."""
     x = torch.randn(b, t, t, device=dev) * 2
-    g_log, g_mass = torch.randn_like(x), torch.ones((), device=dev)  # what a training step hands back: I feeds only
-    name = f"log I chain fwd+bwd t={t} b={b} alpha={alpha}"          # the mass, whose gradient is one number
+    # what a training step hands back: I feeds only the mass, whose gradient is one number (rows before 2026-11-28
+    # timed the gradients of log I and I, nine passes, under the name without "and mass")
+    g_log, g_mass = torch.randn_like(x), torch.ones((), device=dev)
+    name = f"log I chain fwd+bwd, gradients of log I and mass t={t} b={b} alpha={alpha}"
     nbytes = 8 * 4 * x.numel()  # forward reads x and writes log I, I, ratio; backward reads three, writes one
     impls = {"reference": reference}
     if dev.type == "cuda" and "log_keep" in kernels.TRITON:

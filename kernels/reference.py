@@ -204,6 +204,8 @@ def log_keep_grad(g_log: torch.Tensor | None, g_keep: torch.Tensor | None, keep:
     mass is the batch mean of the sum of I below the diagonal. (I on the diagonal is 1 and ratio 0 there: whether
     the mass term reaches it changes nothing.)"""
     later, causal = below_diagonal(keep.shape[-1], keep.device)
+    if g_log is None and g_keep is None and g_mass is None:
+        return torch.zeros_like(keep)  # (as the Triton kernel, which then writes zeros)
     g_i = g_keep
     if g_mass is not None:
         per_pair = torch.where(later, g_mass / keep.shape[0], 0).to(keep.dtype)  # [T, T]

@@ -81,7 +81,8 @@ def cases():
                     dict(MODE=mode, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
     for has_log, has_keep, has_mass, log in ((True, True, False, "fp32"), (True, False, False, "fp32"),
                                              (False, True, False, "fp32"), (True, False, True, "fp32"),
-                                             (True, True, True, "fp32"), (True, False, True, "bf16")):
+                                             (True, True, True, "fp32"), (False, False, True, "fp32"),
+                                             (True, False, True, "bf16")):
         out.append((f"keep backward log={has_log} keep={has_keep} mass={has_mass} glog={log}", tk._backward_kernel,
                     {n: "*fp32" for n in ("GKEEP", "GMASS", "KEEP", "RATIO", "DX")} | {"GLOG": f"*{log}"},
                     dict(HAS_LOG=has_log, HAS_KEEP=has_keep, HAS_MASS=has_mass, BLOCK_N=tk.BLOCK_N,
