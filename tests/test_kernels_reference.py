@@ -22,7 +22,8 @@ def loop_attention(q, k, v, scale):
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
-@pytest.mark.parametrize("h,g,t,s", [(4, 4, 5, 5), (6, 1, 3, 8), (6, 2, 1, 7), (3, 3, 7, 7), (5, 1, 1, 1)])
+@pytest.mark.parametrize("h,g,t,s", [(4, 4, 5, 5), (6, 1, 3, 8), (6, 2, 1, 7), (3, 3, 7, 7), (5, 1, 1, 1),
+                                     (6, 2, 5, 5)])  # (t == s: SDPA's own causal flag, grouped too)
 def test_attention_matches_loops(h, g, t, s, need_weights):
     q = torch.randn(2, h, t, 8, dtype=torch.float64)
     k, v = torch.randn(2, g, s, 8, dtype=torch.float64), torch.randn(2, g, s, 8, dtype=torch.float64)

@@ -56,6 +56,39 @@ def test_fused_backward_equals_autograd_through_the_chain(dtype, alpha, sinks, d
         torch.testing.assert_close(a, b, atol=tol * float(b.abs().max()), rtol=tol)
 
 
+FROZEN = {"rule frozen": ("x",), "base frozen": ("W_Qint", "W_Kint", "beta", "lam"),
+          "beta frozen": ("x", "W_Qint", "W_Kint", "lam"), "W_Qint": ("W_Qint",), "W_Kint": ("W_Kint",),
+          "lambda": ("lam",), "beta": ("beta",)}
+
+
+@pytest.mark.parametrize("trainable,distance", [(t, d) for t in FROZEN.values() for d in (False, True)
+                                                if d or t != ("lam",)])  # (no lambda without the distance term)
+def test_fused_backward_with_frozen_inputs(trainable, distance):
+    """The hand-written backward hands each of q, k and the bias a gradient only where one is needed (a frozen base
+    trains the rule alone; COMPACTER freezes more), and those it hands equal autograd's through the chain."""
+    p = rule(torch.float64, 1.7, sinks=1, distance=distance, seed=4)
+    for name, q in p.named_parameters():
+        q.requires_grad_(name in trainable)
+    torch.manual_seed(5)
+    x0 = torch.randn(2, 9, 12, dtype=torch.float64)
+    g_log, g_keep = torch.randn(2, 9, 9, dtype=torch.float64), torch.randn(2, 9, 9, dtype=torch.float64)
+    _, causal = below_diagonal(9, "cpu")
+    got = []
+    for edit in (None, lambda s: s):
+        x = x0.clone().requires_grad_("x" in trainable)
+        for q in p.parameters():
+            q.grad = None
+        log_i, keep, mass = p.log_keep(x, edit, mass=True)
+        ((log_i.masked_fill(~causal, 0) * g_log + keep * g_keep).sum() + 2.0 * mass).backward()
+        got.append({"x": x.grad, **{n: q.grad for n, q in p.named_parameters()}})
+    fused, chain = got
+    for name in fused:
+        assert (fused[name] is None) == (chain[name] is None) == (name not in trainable), name
+        if fused[name] is not None:
+            torch.testing.assert_close(fused[name], chain[name], atol=1e-10 * float(chain[name].abs().max()),
+                                       rtol=1e-10)
+
+
 @pytest.mark.parametrize("alpha,sinks,distance", [(1.0, 0, False), (1.7, 1, True), (2.5, 0, True)])
 def test_fused_backward_against_finite_differences(alpha, sinks, distance):
     """Float64 (the exact bisection below alpha 2), every output position that is finite."""

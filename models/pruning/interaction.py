@@ -303,9 +303,10 @@ class _LogKeep(torch.autograd.Function):
         with kernels.recording_into(ctx.paths, kernels.recorder()):  # where the forward ran, and where this runs
             dx = kernels.log_keep_grad(g_log, g_keep, keep, ratio, g_mass)                        # [B, n, j]
         need_q, need_k, need_bias = ctx.needs_input_grad[:3]
-        nothing = dx.new_empty(())  # (beta=0: baddbmm reads no input, and its scale rides in the product)
-        dq = torch.baddbmm(nothing, dx, k, beta=0, alpha=ctx.scale) if need_q else None
-        dk = torch.baddbmm(nothing, dx.transpose(1, 2), q, beta=0, alpha=ctx.scale) if need_k else None
+        # the scale rides in the product; with beta=0 baddbmm ignores its input, given a real tensor of the output's
+        # shape all the same (an uninitialised one could hold NaN, which a compiled epilogue's input * 0 would keep)
+        dq = torch.baddbmm(k, dx, k, beta=0, alpha=ctx.scale) if need_q else None
+        dk = torch.baddbmm(q, dx.transpose(1, 2), q, beta=0, alpha=ctx.scale) if need_k else None
         dbias = (dx.sum() if ctx.bias_dim == 0 else dx.sum(0)) if need_bias else None
         return (dq, dk, dbias, *none)
 
