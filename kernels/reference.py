@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.pruning.alpha_sigmoid import alpha_sigmoid_slope
-from models.pruning.interaction import (LOG_FLOOR, below_diagonal, distance_term, log_keep_from_gates,
+from models.pruning.interaction import (LOG_FLOOR, ContextPruning, below_diagonal, distance_term, log_keep_from_gates,
                                        survives)  # the one survival rule (papers.md section 3)
 
 
@@ -190,7 +190,7 @@ def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0, log_dtype: torch.
     later = masks[0]
     zero = torch.zeros((), dtype=sig.dtype, device=x.device)
     floor = max(LOG_FLOOR, torch.finfo(sig.dtype).tiny)
-    mass = torch.where(later, keep, zero).sum((1, 2)).mean()
+    mass = ContextPruning.mass(keep)
     log_i = log_i if log_dtype is None else log_i.to(log_dtype)
     return log_i, keep, torch.where(later & (sig >= floor), slope / sig, zero), mass
 
@@ -203,9 +203,9 @@ def log_keep_grad(g_log: torch.Tensor | None, g_keep: torch.Tensor | None, keep:
     since d log I_{k,j} / d log sigma_{n,j} = 1 and dI_{k,j} / d log sigma_{n,j} = I_{k,j} for j < n <= k, and
     mass is the batch mean of the sum of I below the diagonal. (I on the diagonal is 1 and ratio 0 there: whether
     the mass term reaches it changes nothing.)"""
-    later, causal = below_diagonal(keep.shape[-1], keep.device)
     if g_log is None and g_keep is None and g_mass is None:
         return torch.zeros_like(keep)  # (as the Triton kernel, which then writes zeros)
+    later, causal = below_diagonal(keep.shape[-1], keep.device)
     g_i = g_keep
     if g_mass is not None:
         per_pair = torch.where(later, g_mass / keep.shape[0], 0).to(keep.dtype)  # [T, T]

@@ -166,9 +166,9 @@ def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.T
 def prepare_tables(alphas, device) -> None:
     """Build the tables of these alphas that are not kept yet: those on one side of 2 in one batched bisection
     (up to BATCH_POINTS grid points at a time, every row as long as the chunk's longest: a block of 64 steps from
-    alpha 1.001 takes two). Near alpha 1 the point
-    counts of a schedule's neighbouring steps differ; a bisection per count made an H200 build a block of 64 steps
-    from alpha 1.02 in six (99 ms, 2026-11-27). Closed forms (alpha 1, 2, inf) need none."""
+    alpha 1.001 takes two). Near alpha 1 the point counts of a schedule's neighbouring steps differ; a bisection
+    per count made an H200 build a block of 64 steps from alpha 1.02 in six (99 ms, 2026-11-27). Closed forms
+    (alpha 1, 2, inf) need none."""
     device = _where(device)
     with _TABLES_LOCK:
         todo = list(dict.fromkeys(float(a) for a in alphas if needs_table(a) and (float(a), device) not in _TABLES))
