@@ -11,7 +11,8 @@ the app's pages; split it over several calls with --only and a kept --runs direc
    (models.checkpoint.load_for_app), checking that the Triton kernels are the path actually taken;
 4. decode: batch-1 decode, eager against CUDA graphs (bench.decode_zoo), and SmolLM2 against transformers' best
    configuration (bench.decode_vs_hf --device cuda) when assets/models/smollm2-135m is there;
-5. profile: where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda);
+5. profile: where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda),
+   at batch 8 and at the config's 32, with an A/B row of the pruned step's attention (kernels.efficient off);
 6. bench: `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
 7. app: every app page on SmolLM2 and a pruned delta at 1k and 8k tokens, the Generate page clicked
    (bench.app_pages), when the app's packages are installed here.
@@ -111,6 +112,17 @@ def run_module(out: Path, module: str, *args: str) -> dict:
         print(tail, flush=True)
     return {"exit_code": proc.returncode, "json": str(out), "seconds": time.perf_counter() - t0,
             "tail": tail if proc.returncode else None}
+
+
+def profile_summary(path: Path) -> dict:
+    """Each row of a training profile in one line: alpha (None: the dense twin), vs_dense, and the attention path
+    its step took ("efficient" expected for the pruned rows on a GPU, "reference" where switched off or refused)."""
+    if not path.is_file():
+        return {}
+    got = json.loads(path.read_text())
+    return {"rows": [{"alpha": r["alpha"], "vs_dense": r.get("vs_dense"), "causal_bias_off": r.get("causal_bias_off"),
+                      "attention": r.get("kernel_paths", {}).get("attention")} for r in got["rows"]],
+            "causal_bias_refused": got.get("causal_bias_refused")}
 
 
 def train_one(config: str, out: Path, steps: int) -> dict:
@@ -321,11 +333,15 @@ def main(argv=None) -> int:
         elif part == "profile":
             # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense >= 0.5);
             # alpha 1.02 again last: the second H200 run's first row was 8.8 ms over alpha 2's with the same kernels,
-            # and a repeat after the others tells the row's place from its alpha
-            report["train_profile"] = run_module(results / f"train_step_profile_mha-pruned_{name}.json",
-                                                 "bench.train_step_profile",
-                                                 "--config", "configs/gpu/mha-pruned.json", "--alphas", "1.02,2,8,1.02",
-                                                 "--steps", "10", "--batch", "8", "--device", "cuda")
+            # and a repeat after the others tells the row's place from its alpha; alpha 2 once more with
+            # kernels.efficient off (the A/B). At batch 8 (both steps waited on the host in the second run) and
+            # at the config's own 32, the batch models.train runs and the issue's first numbers were taken at.
+            for batch, tag in (("8", ""), ("32", "_b32")):
+                prof = results / f"train_step_profile_mha-pruned{tag}_{name}.json"
+                report[f"train_profile{tag}"] = run_module(
+                    prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json",
+                    "--alphas", "1.02,2,8,1.02", "--ab-alpha", "2", "--steps", "10", "--batch", batch,
+                    "--device", "cuda") | profile_summary(prof)
             ok = True  # a profile, not a check
         elif part == "bench":
             report["bench"] = run_bench(results, name, (trained + shipped)[:4])

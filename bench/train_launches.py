@@ -6,8 +6,9 @@ machine.
     python -m bench.train_launches --config configs/gpu/mha-pruned.json [--alphas 1.02,2] [--json FILE]
 
 Counted on the CPU at a toy shape (the config's layers, width and heads; --batch x --context tokens, vocabulary
---vocab), forward + backward + AdamW as bench.train_step_profile builds it (foreach, as on CUDA; models.train's
-is fused, one kernel for every parameter), under bf16 autocast as models.train runs on a GPU, with the Triton
+--vocab), forward + backward + a foreach AdamW (models.train, and bench.train_step_profile since 2026-11-28, clip
+the gradient first and use the fused AdamW on a GPU, one kernel for every parameter: kept foreach here, so the counts
+stay comparable with those committed before), under bf16 autocast as models.train runs on a GPU, with the Triton
 kernels under the interpreter (bench.step_launches's counting: views and allocations launch nothing; aten_calls
 counts every call but SDPA's own inner ones). Two things are counted as a GPU runs them rather than as the CPU
 does: attention (SDPA: one kernel forward and one backward, one more to sum a broadcast bias's gradient over the

@@ -1,10 +1,11 @@
 """Where a training step's time goes, for any run config (issue: profile before fine-tuning a real model).
 
     python -m bench.train_step_profile --config configs/real/smollm2-pruned.json [--alphas 1,1.02,2,8] [--steps 2]
-        [--batch 4] [--json FILE]
+        [--batch 4] [--ab-alpha 2] [--json FILE]
 
 Builds the model of the config with random weights (the cost does not depend on their values), freezes what the
-run freezes, and times forward + backward + AdamW on random tokens at each alpha of the schedule (the alpha-sigmoid
+run freezes, and times what models.train runs a step (forward + backward under bf16 autocast on a GPU, the gradient
+clipped, AdamW fused on a GPU) on random tokens at each alpha of the schedule (the alpha-sigmoid
 takes a closed form at 1 and 2 and an interpolated table elsewhere), then lists the operators that took the most
 time in the last step (torch.profiler) and, on a GPU, that step's summed kernel time and kernel count
 (device_busy_s, device_kernels: a wall time well above the busy time is the host's). Alpha moves every training
@@ -16,12 +17,16 @@ A config that prunes is timed beside its dense twin in the same run: the same mo
 parameter training (what a dense run of it does). Each pruned row carries vs_dense, its tokens/s over the twin's
 (issue target: >= 0.5), and each row its trainable and rule parameters. Under freeze_base the pruned run trains
 the rule alone while its twin trains everything, so vs_dense there is not the rule's overhead (the JSON says so).
+Each row notes the kernel paths its profiled step took (kernel_paths: on a GPU a pruned step's attention is
+"efficient", kernels.efficient); --ab-alpha adds a row with that path switched off (causal_bias_off), then
+one with it on again, so that the A/B compares neighbours.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,6 +36,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+import kernels
+from kernels import efficient
 from models.adapters import set_trainable_params, trainable_params
 from models.pruning import alpha_schedule, pair_count, sparsity_loss
 from models.pruning.alpha_sigmoid import AHEAD, clear_tables, needs_table, prepare_tables
@@ -42,7 +49,7 @@ from models.transformer import DecoderLM
 WARMUP = 2  # steps before timing: a fresh model's first steps also compile kernels and grow the allocator's pool
 
 
-def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[float]:
+def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int, clip: float) -> list[float]:
     out = []
     cuda = x.is_cuda
     for _ in range(steps):  # (the alpha-sigmoid's table is kept from the warm-up: table_cost adds its share)
@@ -51,6 +58,7 @@ def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int) -> list[f
             res = model(x, targets=y)
             loss = res.loss if res.prune_mass is None else res.loss + sparsity_loss(res.prune_mass, gamma, pairs)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # (models.train clips, then steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -101,22 +109,24 @@ def device_busy(events, top: int) -> dict:
 
 
 def build(cfg, freeze_base: bool, dev):
-    """The model of cfg with random weights, what the run trains set trainable, and its optimizer."""
+    """The model of cfg with random weights, what the run trains set trainable, and its optimizer (AdamW, fused on
+    a GPU as models.train builds it: one kernel for every parameter)."""
     torch.manual_seed(0)
     model = DecoderLM(cfg).to(dev).train()
     set_trainable_params(model, trainable_params(model, freeze_base))
-    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6,
+                                    fused=dev.type == "cuda")
 
 
 def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict:
     """Median step time and the top operators of one model at one alpha (None: a dense model)."""
     if alpha is not None:
         model.set_alpha(alpha)
-    step_times(model, opt, x, y, gamma, pairs, WARMUP)
-    times = step_times(model, opt, x, y, gamma, pairs, args.steps)
+    step_times(model, opt, x, y, gamma, pairs, WARMUP, args.clip)
+    times = step_times(model, opt, x, y, gamma, pairs, args.steps, args.clip)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
-    with profile(activities=acts) as prof:
-        step_times(model, opt, x, y, gamma, pairs, 1)
+    with profile(activities=acts) as prof, kernels.record_paths() as paths:
+        step_times(model, opt, x, y, gamma, pairs, 1, args.clip)
     key = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"  # where the time is
     events = prof.key_averages()
     top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
@@ -127,13 +137,14 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
     table = table_cost(alpha, x.device, args.schedule) if alpha is not None else {}
     step = statistics.median(times) + table.get("table_s_per_step", 0.0)
-    label = "dense twin" if alpha is None else f"alpha {alpha:g}"
+    label = ("dense twin" if alpha is None else f"alpha {alpha:g}") + f" (attention: {paths.get('attention')})"
     print(f"{label}: {step:.2f} s/step ({x.shape[0]} x {x.shape[1]} tokens); top: "
           + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
     rule = sum(p.numel() for b in model.blocks if getattr(b.mixer, "pruning", None) is not None
                for p in b.mixer.pruning.parameters())
     return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step,
-            "step_s_each": [round(t, 6) for t in times], "aten_calls": aten, **table, **busy,
+            "step_s_each": [round(t, 6) for t in times], "aten_calls": aten, "kernel_paths": dict(paths),
+            **table, **busy,
             "tokens_per_s": x.numel() / step, "trainable_params": sum(p.numel() for p in model.parameters()
                                                                       if p.requires_grad),
             "rule_params": rule, "top_ops": top}
@@ -148,11 +159,15 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--ab-alpha", type=float, default=None,
+                    help="one more pruned row at this alpha with MIXSCOPE_CAUSAL_BIAS=0 (attention on SDPA with the "
+                         "bias alone, every block computed): the A/B of kernels.efficient")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     cfg, tc, _ = load_run_config(args.config)
     b = args.batch or tc.batch_size
     args.schedule = (tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)  # (table_cost: the run's schedule)
+    args.clip = tc.grad_clip
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
     y = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
@@ -166,12 +181,27 @@ def main(argv=None) -> int:
         rows.append(profile_row(model, opt, alpha, x, y, tc.gamma, pairs, args))
         if cfg.prune:
             rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    if cfg.prune and args.ab_alpha is not None:  # off, then on again right after: no row's place decides the A/B
+        held = os.environ.get("MIXSCOPE_CAUSAL_BIAS")
+        for switch in ("0", held or "1"):
+            os.environ["MIXSCOPE_CAUSAL_BIAS"] = switch
+            try:
+                rows.append(profile_row(model, opt, args.ab_alpha, x, y, tc.gamma, pairs, args))
+            finally:
+                if held is None:
+                    os.environ.pop("MIXSCOPE_CAUSAL_BIAS")
+                else:
+                    os.environ["MIXSCOPE_CAUSAL_BIAS"] = held
+            rows[-1] |= {"causal_bias_off": switch == "0",
+                         "vs_dense": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
     result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "threads": torch.get_num_threads(),
               **({"vs_dense_note": "the pruned run trains the rule alone (freeze_base), its dense twin every "
                                   "parameter: vs_dense is not the rule's overhead"} if cfg.prune and tc.freeze_base
                  else {}),
+              # (set when PyTorch's operator refused the causal bias: the pruned rows then ran SDPA, kernel_paths say)
+              "causal_bias_refused": efficient._refused[0] if efficient._refused else None,
               "device": device_name(dev), "torch": torch.__version__,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
     if args.json:

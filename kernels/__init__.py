@@ -1,7 +1,8 @@
 """Kernel functions behind one dispatch: Triton for CUDA tensors, the reference otherwise.
 
 `MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
-the interpreter the tests use); `MIXSCOPE_KEEP_PASS=1` gives the Triton compacted decode its keep pass. The
+the interpreter the tests use); `MIXSCOPE_KEEP_PASS=1` gives the Triton compacted decode its keep pass;
+`MIXSCOPE_CAUSAL_BIAS=0` keeps a pruned training step's attention on plain SDPA (kernels.efficient). The
 app, `generate` and the benchmarks all call these functions, so they run the same code. Ops without a Triton
 kernel (attention weights for the maps, SHE's matrix lags) and anything that needs a gradient through attention
 or the lag sum (their kernels are inference-only) run the reference on every device; training's keep structure
@@ -17,7 +18,7 @@ from contextvars import ContextVar
 
 import torch
 
-from kernels import reference
+from kernels import efficient, reference
 
 # Which implementation each op took, noted only inside record_paths() and only for that context: a context
 # variable, because app sessions run in threads of one process and must never see each other's paths.
@@ -32,7 +33,8 @@ def _note(op: str, path: str) -> None:
 
 @contextmanager
 def record_paths():
-    """with record_paths() as paths: ... -> paths holds op -> "triton" | "reference" for the calls made inside.
+    """with record_paths() as paths: ... -> paths holds op -> "triton" | "reference" for the calls made inside
+    ("efficient" for attention: PyTorch's memory-efficient kernel with its causal mask, kernels.efficient).
     Nested recorders each see their own calls, and an enclosing one sees its inner ones' too."""
     outer = _recording.get()
     paths: dict[str, str] = {}
@@ -117,7 +119,8 @@ def _needs_grad(*ts) -> bool:
 
 
 def _triton_attention(q, k, v, *, scale, bias=None, causal=True, lengths=None, q_mul=None, q_add=None, o_mul=None,
-                      o_add=None, merge_counts=None):
+                      o_add=None, merge_counts=None, bias_is_causal=False):
+    # (bias_is_causal changes nothing here: with causal the prefill skips the blocks above the diagonal anyway)
     from kernels import triton_attention
     maps = dict(q_mul=q_mul, q_add=q_add, o_mul=o_mul, o_add=o_add)
     if q.shape[2] == 1:  # one query per sequence: the split-KV decode kernel (it sees the whole cache)
@@ -141,9 +144,12 @@ def _with_lengths(bias, lengths, s: int, dtype):
     return out if bias is None else bias + out
 
 
-def _reference_attention(q, k, v, *, lengths=None, bias=None, merge_counts=None, **kw):
-    # (merge_counts: the Triton decode's workspace, nothing to combine here)
-    return reference.attention(q, k, v, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype), **kw)[0]
+def _reference_attention(q, k, v, *, lengths=None, bias=None, merge_counts=None, causal=True, bias_is_causal=False,
+                         **kw):
+    # (merge_counts: the Triton decode's workspace, nothing to combine here; a bias that masks the future already
+    # needs no causal mask built over it)
+    return reference.attention(q, k, v, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
+                               causal=causal and not (bias_is_causal and bias is not None), **kw)[0]
 
 
 def _reference_decode(q, k, v, *, merge_counts=None, **kw):
@@ -154,23 +160,39 @@ TRITON: dict[str, object] = _triton_ops()
 
 
 def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, causal: bool = True, lengths=None,
-              merge_counts=None, **maps):
+              merge_counts=None, bias_is_causal: bool = False, **maps):
     """(out, probs or None); see kernels.reference.attention. Attention weights come from the reference.
     lengths [B] (device): row b attends over cache slots [0, lengths[b]) only; the decode kernel skips the
     slots after them, so a preallocated cache is read only as far as it is filled (static-shape decode).
     merge_counts: a fixed-shape decode state's workspace, with which the decode kernel combines its splits itself
-    (kernels.triton_attention.decode)."""
+    (kernels.triton_attention.decode). bias_is_causal: the caller's promise that bias is -inf wherever the causal
+    mask masks (a pruned model's log I over a whole sequence), so no path need build the mask over it, and a
+    training step on CUDA may take PyTorch's memory-efficient kernel with its own causal mask (kernels.efficient),
+    which skips those blocks and leaves the bias's gradient there unwritten."""
     if need_weights:
         _note("attention", "reference")
         return reference.attention(q, k, v, scale=scale, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
                                    need_weights=True, causal=causal, **maps)
     if _needs_grad(q, k, v, bias, *maps.values()):
         # Training: the Triton kernels have no backward; PyTorch's SDPA (flash / memory-efficient on CUDA, the
-        # log I bias included) has a real one, and kernels.bench measures it against FlexAttention.
+        # log I bias included) has a real one, and kernels.bench measures it against FlexAttention. Where the dispatch
+        # takes the fast kernels (CUDA, not MIXSCOPE_KERNELS=reference), a bias that masks the future lets it skip
+        # the blocks above the diagonal.
+        if (bias_is_causal and causal and lengths is None and not any(m is not None for m in maps.values())
+                and efficient.usable(q, k, v, bias)):
+            try:
+                out = efficient.attention(q, k, v, bias, scale)
+                _note("attention", "efficient")
+                return out, None
+            except RuntimeError as err:  # the operator refused the arguments: SDPA takes the call (a forward that
+                if not efficient.refusal(err):  # failed left nothing behind); out of memory or a broken device is
+                    raise                       # not a refusal
+                efficient.refuse(err)
         _note("attention", "reference")
-        return _reference_attention(q, k, v, scale=scale, bias=bias, lengths=lengths, causal=causal, **maps), None
+        return _reference_attention(q, k, v, scale=scale, bias=bias, lengths=lengths, causal=causal,
+                                    bias_is_causal=bias_is_causal, **maps), None
     out = _run("attention", q, _reference_attention, q, k, v, scale=scale, bias=bias, causal=causal, lengths=lengths,
-               merge_counts=merge_counts, **maps)
+               merge_counts=merge_counts, bias_is_causal=bias_is_causal, **maps)
     return out, None
 
 

@@ -282,11 +282,11 @@ def test_a_backward_on_another_thread_notes_its_path_where_its_forward_ran():
 
 @pytest.mark.parametrize("path", ["reference", "triton"])
 def test_log_i_is_its_own_causal_mask_in_a_training_step(path, request, monkeypatch):
-    """Where a gradient is needed, log I goes to attention with causal=False (models.backends.full): it is -inf
-    above the diagonal from either keep kernel, so the loss and every gradient are the same bits as with the causal
-    mask filled in on top, which the step no longer builds. Without a gradient (inference) causal=True stays, for
-    the Triton prefill's block skipping. (T = 21 is under one Triton block: the tiles wholly above the diagonal are
-    test_triton_keep_equals_the_reference's.)"""
+    """models.backends.full hands log I to attention with bias_is_causal: it is -inf above the diagonal from either
+    keep kernel, so no path builds a causal mask over it, and the loss and every gradient are the same bits as with
+    the mask filled in on top (bias_is_causal off), in training and at inference (there only the reference path builds
+a mask to skip; the Triton prefill skips the blocks either way). (T = 21 is under one Triton block:
+    the tiles wholly above the diagonal are test_triton_keep_equals_the_reference's.)"""
     from models.mixers.attention import Attention
     from models.transformer import DecoderLM
     from tests.helpers import tiny_config
@@ -307,9 +307,9 @@ def test_log_i_is_its_own_causal_mask_in_a_training_step(path, request, monkeypa
     asked = []
     attend = Attention.attend
 
-    def spy(self, *a, causal=True, force=False, **kw):
-        asked.append(causal)
-        return attend(self, *a, causal=causal or force, **kw)
+    def spy(self, *a, causal=True, bias_is_causal=False, force=False, **kw):
+        asked.append((causal, bias_is_causal))
+        return attend(self, *a, causal=causal, bias_is_causal=bias_is_causal and not force, **kw)
 
     def step(force: bool):
         monkeypatch.setattr(Attention, "attend", lambda self, *a, **kw: spy(self, *a, force=force, **kw))
@@ -317,17 +317,21 @@ def test_log_i_is_its_own_causal_mask_in_a_training_step(path, request, monkeypa
         with kernels.record_paths() as paths:
             out = model(ids, targets=ids)
             (out.loss + out.prune_mass * 1e-3).backward()
-        assert paths["log_keep"] == path and paths["log_keep_grad"] == path
+        assert paths["log_keep"] == path and paths["log_keep_grad"] == path and paths["attention"] == "reference"
         return out.loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
     got_loss, got = step(False)
-    assert asked and not any(asked)  # the training forward asked for no causal mask
+    assert asked and all(a == (True, True) for a in asked)  # causal, and the bias says so
     want_loss, want = step(True)
     assert torch.equal(got_loss, want_loss) and got.keys() == want.keys()
     assert all(torch.equal(got[n], want[n]) for n in want)
     asked.clear()
     with torch.no_grad():
-        model.eval()(ids)
-    assert asked and all(asked)  # inference keeps the causal flag
+        model.eval()
+        logits = [model(ids).logits]
+        monkeypatch.setattr(Attention, "attend", lambda self, *a, **kw: spy(self, *a, force=False, **kw))
+        logits.append(model(ids).logits)
+    assert asked and all(a == (True, True) for a in asked)
+    assert torch.equal(*logits)
 
 
 def test_the_triton_keep_writes_log_i_in_attentions_dtype(interpreter):

@@ -2,8 +2,6 @@
 pruning's log I (the alpha-sigmoid while training, the step at inference) or a fixed local / strided pattern."""
 from __future__ import annotations
 
-import torch
-
 from models.backends import additive
 from models.pruning import pattern_mask
 
@@ -28,12 +26,11 @@ class FullSequence:
                 log_i, keep = mixer.pruning.log_keep(x)
             if record is not None:  # r-wide each, in the rule's precision: what the Pruning page's score view reads
                 record.q_int, record.k_int = mixer.pruning.q_int(x), mixer.pruning.keys(x)
-            # log I is -inf above the diagonal, so it is the causal mask too: where a gradient is needed (SDPA with
-            # the bias, kernels.attention) nothing need build a causal mask and fill the bias with it (about six
-            # kernels a layer, forward and backward); without one the Triton prefill takes causal=True, with which
-            # it skips the blocks above the diagonal.
-            sdpa = torch.is_grad_enabled() and any(t.requires_grad for t in (log_i, q, k, v))
-            return mixer.attend(q, k, v, log_i[:, None], record, keep, causal=not sdpa)
+            # log I is -inf above the diagonal, so it is the causal mask too: no path builds a mask over it (about
+            # six kernels a layer, forward and backward); the Triton prefill skips the blocks above the diagonal,
+            # and so does a training step on CUDA (PyTorch's memory-efficient kernel with its own causal mask,
+            # kernels.efficient, where SDPA given the bias alone computed every block)
+            return mixer.attend(q, k, v, log_i[:, None], record, keep, bias_is_causal=True)
         bias, keep = pattern_bias(mixer, q.shape[0], q.shape[2], k.shape[2], q.dtype, q.device)
         return mixer.attend(q, k, v, bias, record, keep)
 

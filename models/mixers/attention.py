@@ -147,13 +147,15 @@ class Attention(Mixer):
             new["k_int"] = self.pruning.keys(x) if k_int is None else k_int
         return new
 
-    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None, merge_counts=None):
+    def attend(self, q, k, v, bias, record, keep=None, causal=True, lengths=None, merge_counts=None,
+               bias_is_causal=False):
         """softmax(q k^T * scale + bias) v through the kernel dispatch, then W_O; fills `record` when asked.
-        lengths [B]: each row reads its first lengths[b] slots; merge_counts: a fixed-shape state's workspace
-        (kernels.attention)."""
+        lengths [B]: each row reads its first lengths[b] slots; merge_counts: a fixed-shape state's workspace;
+        bias_is_causal: bias is -inf wherever the causal mask masks (kernels.attention)."""
         want = record is not None and record.attention_maps
         o, probs = kernels.attention(q, k, v, scale=self.scale, bias=bias, need_weights=want, causal=causal,
-                                     lengths=lengths, merge_counts=merge_counts, **self.head_maps())
+                                     lengths=lengths, merge_counts=merge_counts, bias_is_causal=bias_is_causal,
+                                     **self.head_maps())
         if record is not None:
             if want:
                 record.attn = probs

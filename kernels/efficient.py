@@ -1,0 +1,91 @@
+"""Training attention over a whole sequence whose bias already masks the future (a pruned model's log I, -inf above
+the diagonal), on CUDA: PyTorch's memory-efficient kernel given the bias and its own causal mask at once.
+
+`F.scaled_dot_product_attention` takes a mask or `is_causal`, not both, so a pruned training step handed it log I
+alone. With a bias that needs a gradient SDPA picks the memory-efficient kernel, which then computes every block of
+the T x T scores forward and backward, and writes the bias's gradient for every block and head. The aten operator
+SDPA itself calls, `_scaled_dot_product_efficient_attention`, takes both; with its causal mask the kernel skips the
+blocks above the diagonal (about half of them at T = 1024). The values are the same: in those blocks the bias is
+-inf, so they add exact zeros to every sum.
+
+The bias's gradient in the skipped blocks is left as the kernel allocated it (`at::empty`: whatever memory held).
+It reaches only the keep structure's backward, which reads the gradient of log I on and below the diagonal and never
+above it (kernels.reference.log_keep_grad masks it, kernels.triton_keep selects with `where`; tested with NaN there).
+No other caller may take this path.
+
+`MIXSCOPE_CAUSAL_BIAS=0` turns it off (the plain SDPA path then runs), for an A/B of the two on a GPU. If the
+operator's forward refuses a call (a PyTorch that changed it), the path is off for the rest of the process, with a
+warning, and the call runs on SDPA (`kernels.attention`): a training run or a profile goes on, and notes the path it
+took. Out of memory and device errors are raised as they are, and so is any error of the backward. Under
+`torch.autograd.set_detect_anomaly(True)` the unwritten gradient may hold NaN, which anomaly mode reports as an error
+of this operator's backward: switch the path off to debug with it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ALIGN = 16  # elements: the kernel reads bias rows 16-aligned (SDPA pads a mask whose rows are not)
+
+
+_refused: list[str] = []  # the operator's error, once it refused a call in this process
+
+
+def enabled() -> bool:
+    v = os.environ.get("MIXSCOPE_CAUSAL_BIAS", "").strip().lower()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"MIXSCOPE_CAUSAL_BIAS must be 0 or 1, got {v!r}")
+    return v != "0" and not _refused
+
+
+def refusal(err: Exception) -> bool:
+    """Whether a RuntimeError says the operator refused its arguments, not that memory or the device failed."""
+    fatal = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None))
+                  if t is not None)
+    return not isinstance(err, fatal)
+
+
+def refuse(err: Exception) -> None:
+    """The operator failed a call: off for this process, said once."""
+    if not _refused:
+        _refused.append(str(err))
+        warnings.warn(f"PyTorch's memory-efficient attention refused a causal bias ({err}); pruned training steps "
+                      "run attention on SDPA with the bias alone from here on", RuntimeWarning, stacklevel=3)
+
+
+def shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """q, k, v [B,H,T,D] with as many K/V heads as query heads (the kernel has no grouped K/V), a whole sequence
+    (T == S), a bias [B,1,T,T] shared by the heads with its rows 16-aligned, one dtype of the three for all four."""
+    if bias is None or q.dim() != 4 or bias.dim() != 4:
+        return False
+    b, h, t, _ = q.shape
+    if k.shape[:3] != (b, h, t) or v.shape[:3] != (b, h, t) or tuple(bias.shape) != (b, 1, t, t):
+        return False
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype == bias.dtype):
+        return False
+    return bias.stride(-1) == 1 and bias.stride(-2) % ALIGN == 0 and bias.storage_offset() % ALIGN == 0
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether this path takes the call: CUDA, where the dispatch takes its fast kernels (not
+    MIXSCOPE_KERNELS=reference), the switch on, shapes_fit, and whatever PyTorch's own check of the
+    memory-efficient kernel asks (head width, strides, the backend enabled, the GPU)."""
+    if not q.is_cuda or os.environ.get("MIXSCOPE_KERNELS", "").strip().lower() == "reference" or not enabled():
+        return False
+    if not shapes_fit(q, k, v, bias):
+        return False
+    b, h, t, _ = q.shape
+    params = torch.backends.cuda.SDPAParams(q, k, v, bias.expand(b, h, t, t), 0.0, True, False)
+    return bool(torch.backends.cuda.can_use_efficient_attention(params, False))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v with the causal mask, for inputs `usable` accepted -> [B,H,T,D]. Autograd
+    runs the operator's own backward (the one SDPA's memory-efficient path runs), with the log-sum-exp it needs."""
+    b, h, t, _ = q.shape
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias.expand(b, h, t, t), True, 0.0, True, scale=scale)  # (compute_log_sumexp, dropout, is_causal)
+    return out[0]
