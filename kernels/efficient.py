@@ -13,6 +13,11 @@ It reaches only the keep structure's backward, which reads the gradient of log I
 above it (kernels.reference.log_keep_grad masks it, kernels.triton_keep selects with `where`; tested with NaN there).
 No other caller may take this path.
 
+Grouped K/V (GQA, MQA: SmolLM2 has 3 groups for 9 heads) are repeated to one per head first. SDPA's own `enable_gqa`
+runs only on the flash kernel (pytorch/pytorch#139586), which takes no bias, so a grouped pruned step on SDPA falls
+to the math kernel (every score of every head materialised; PyTorch's account, not yet seen on our GPU); a copy of
+K and V a layer is cheap beside it.
+
 `MIXSCOPE_CAUSAL_BIAS=0` turns it off (the plain SDPA path then runs), for an A/B of the two on a GPU. If the
 operator's forward refuses a call (a PyTorch that changed it), the path is off for the rest of the process, with a
 warning, and the call runs on SDPA (`kernels.attention`): a training run or a profile goes on, and notes the path it
@@ -57,12 +62,14 @@ def refuse(err: Exception) -> None:
 
 
 def shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """q, k, v [B,H,T,D] with as many K/V heads as query heads (the kernel has no grouped K/V), a whole sequence
-    (T == S), a bias [B,1,T,T] shared by the heads with its rows 16-aligned, one dtype of the three for all four."""
-    if bias is None or q.dim() != 4 or bias.dim() != 4:
+    """q [B,H,T,D], k/v [B,G,T,D] with G dividing H (grouped K/V are repeated to H heads: the kernel has no groups),
+    a whole sequence (T == S), a bias [B,1,T,T] shared by the heads with its rows 16-aligned, one dtype of the three
+    for all four."""
+    if bias is None or q.dim() != 4 or k.dim() != 4 or bias.dim() != 4:
         return False
-    b, h, t, _ = q.shape
-    if k.shape[:3] != (b, h, t) or v.shape[:3] != (b, h, t) or tuple(bias.shape) != (b, 1, t, t):
+    b, h, t, d = q.shape
+    g = k.shape[1]
+    if g < 1 or h % g or k.shape != (b, g, t, d) or v.shape != (b, g, t, d) or tuple(bias.shape) != (b, 1, t, t):
         return False
     if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype == bias.dtype):
         return False
@@ -72,14 +79,24 @@ def shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether this path takes the call: CUDA, where the dispatch takes its fast kernels (not
     MIXSCOPE_KERNELS=reference), the switch on, shapes_fit, and whatever PyTorch's own check of the
-    memory-efficient kernel asks (head width, strides, the backend enabled, the GPU)."""
+    memory-efficient kernel asks (head width, strides, the backend enabled, the GPU). Grouped K/V are checked as
+    what the kernel will get, contiguous copies of q's shape and dtype (q stands in for them: no copy made here)."""
     if not q.is_cuda or os.environ.get("MIXSCOPE_KERNELS", "").strip().lower() == "reference" or not enabled():
         return False
     if not shapes_fit(q, k, v, bias):
         return False
     b, h, t, _ = q.shape
+    if k.shape[1] != h:
+        k = v = q
     params = torch.backends.cuda.SDPAParams(q, k, v, bias.expand(b, h, t, t), 0.0, True, False)
     return bool(torch.backends.cuda.can_use_efficient_attention(params, False))
+
+
+def heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """K or V [B,G,T,D] repeated to q's H heads, head h reading group h // (H/G) (kernels.reference's convention,
+    SDPA's enable_gqa); as it is when G == H. Its backward sums each group's heads."""
+    h, g = q.shape[1], kv.shape[1]
+    return kv if g == h else kv.repeat_interleave(h // g, dim=1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
@@ -87,5 +104,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     runs the operator's own backward (the one SDPA's memory-efficient path runs), with the log-sum-exp it needs."""
     b, h, t, _ = q.shape
     out = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias.expand(b, h, t, t), True, 0.0, True, scale=scale)  # (compute_log_sumexp, dropout, is_causal)
+        q, heads(q, k), heads(q, v), bias.expand(b, h, t, t), True, 0.0, True,
+        scale=scale)  # (compute_log_sumexp, dropout, is_causal)
     return out[0]

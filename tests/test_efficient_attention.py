@@ -27,7 +27,8 @@ def test_which_shapes_the_kernel_takes():
     q, k, v, bias = qkvb()
     assert efficient.shapes_fit(q, k, v, bias)
     assert efficient.shapes_fit(*qkvb(dtype=torch.bfloat16))
-    assert not efficient.shapes_fit(*qkvb(g=2))                                    # grouped K/V
+    assert efficient.shapes_fit(*qkvb(g=2)) and efficient.shapes_fit(*qkvb(g=1))  # grouped K/V, repeated
+    assert not efficient.shapes_fit(*qkvb(h=6, g=4))                              # groups that do not divide
     assert not efficient.shapes_fit(*qkvb(t=20))                                   # rows not 16-aligned
     assert not efficient.shapes_fit(q, k, v, bias.expand(2, 4, 32, 32))            # a bias per head
     assert not efficient.shapes_fit(q, k, v, bias.double())                        # two dtypes
@@ -115,19 +116,42 @@ class _Unwritten(torch.autograd.Function):
 
 
 def _cpu_stand_in(q, k, v, bias, scale):
-    """What kernels.efficient.attention computes, on the CPU, with its unwritten gradient above the diagonal."""
+    """What kernels.efficient.attention computes, on the CPU (its K/V repeated to every head as there), with its
+    unwritten gradient above the diagonal."""
     b, h, t, _ = q.shape
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_Unwritten.apply(bias.expand(b, h, t, t)), scale=scale)
+    return F.scaled_dot_product_attention(q, efficient.heads(q, k), efficient.heads(q, v),
+                                          attn_mask=_Unwritten.apply(bias.expand(b, h, t, t)), scale=scale)
 
 
+def test_grouped_kv_repeated_to_heads_give_sdpas_grouped_attention_and_gradients():
+    """heads() repeats group g to heads g R .. g R + R - 1, as SDPA's enable_gqa and kernels.reference read them:
+    the same output, and K's and V's gradients summed back over each group's heads."""
+    torch.manual_seed(0)
+    q, k, v, bias = qkvb(h=6, g=2)
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(ins[0], efficient.heads(ins[0], ins[1]), efficient.heads(ins[0], ins[2]),
+                                         attn_mask=bias, scale=0.25)
+    out.sum().backward()
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, attn_mask=bias, scale=0.25, enable_gqa=True)
+    want.sum().backward()
+    torch.testing.assert_close(out, want)
+    for a, w in zip(ins, ref):
+        torch.testing.assert_close(a.grad, w.grad)
+    assert efficient.heads(q, q) is q
+
+
+@pytest.mark.parametrize("mixer", [dict(mixer="mha"), dict(mixer="gqa", n_kv_heads=2, positions="rope")],
+                         ids=lambda m: m["mixer"])
 @pytest.mark.parametrize("path", ["reference", "triton"])
-def test_garbage_above_the_diagonal_of_log_is_gradient_changes_no_training_gradient(path, monkeypatch):
+def test_garbage_above_the_diagonal_of_log_is_gradient_changes_no_training_gradient(path, mixer, monkeypatch):
     """A training step whose attention leaves NaN in the gradient of log I above the diagonal gives the loss and
-    gradients of the plain step, finite, through the reference keep backward and the Triton one (interpreter)."""
+    gradients of the plain step, finite, through the reference keep backward and the Triton one (interpreter), with
+    a K/V per head and grouped (repeated to the heads on this path, read by group on SDPA's)."""
     if path == "triton" and "log_keep" not in kernels.TRITON:
         pytest.skip("needs triton")
     monkeypatch.setenv("MIXSCOPE_KERNELS", path)
-    cfg = tiny_config("mha", prune=True, prune_r=8, prune_sinks=1, prune_distance=True, context=32)
+    cfg = tiny_config(**mixer, prune=True, prune_r=8, prune_sinks=1, prune_distance=True, context=32)
     model = DecoderLM(cfg).train()
     randomize(model, std=0.3)
     model.set_alpha(2.5)
