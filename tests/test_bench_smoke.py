@@ -222,3 +222,41 @@ def test_timeit_graph_waits_for_its_copies_before_the_warm_up(monkeypatch):
     s = bench.timeit_graph(make, nbytes=1 << 20, dev=torch.device("cpu"), reps=5, max_copies=2)
     assert calls == ["make 0", "make 1", "synchronize", "bench", "call 0", "call 1"]
     assert s == 2.0 / 1e3 / 2
+
+
+def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
+    """bench/gpu_call.sh in a copy of its folder, `make` and `python3` stubbed: each part runs with its output
+    kept, and $OUT/results.tgz holds what the parts wrote under bench/results, packed after each (a later part that
+    fails leaves the earlier results in it). --dry-run and a missing $OUT run nothing."""
+    import shutil
+    import subprocess
+    import tarfile
+    root = tmp_path / "repo"
+    (root / "bench" / "results").mkdir(parents=True)
+    shutil.copy("bench/gpu_call.sh", root / "bench")
+    (root / "bench" / "results" / "old.json").write_text("{}")  # from before the call: not packed
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "make").write_text('#!/bin/sh\nname=$(echo "$2" | cut -d" " -f2)\necho "ran $name"\n'
+                                'echo "{}" > "bench/results/$name.json"\n')
+    (stubs / "python3").write_text('#!/bin/sh\ncase "$1" in -c) echo h200 ;; *) echo "bench $*"; exit 3 ;; esac\n')
+    for s in stubs.iterdir():
+        s.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = os.environ | {"PATH": f"{stubs}:{os.environ['PATH']}", "OUT": str(out)}
+    got = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh")], env=env, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    said = [line.split(":")[1].split()[0] for line in got.stdout.splitlines() if "(limit" in line]
+    assert said == ["profile", "tests", "decode", "kernels16k", "kernels16k-fp32"]
+    assert "kernels16k exit 3" in got.stdout and "kernels_16k_h200.json" in got.stdout
+    assert (out / "part-tests.txt").read_text() == "ran tests\n"
+    with tarfile.open(out / "results.tgz") as tar:
+        assert sorted(tar.getnames()) == [f"bench/results/{p}.json" for p in ("decode", "profile", "tests")]
+    assert not (out / "results.part").exists()
+    dry = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh"), "--dry-run"], env=env, capture_output=True,
+                         text=True)
+    assert dry.returncode == 0 and "<gpu>" in dry.stdout and "ran" not in dry.stdout
+    missing = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh")], env=env | {"OUT": ""},
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "$OUT" in missing.stdout

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The one device call of a GPU session with 15 minutes of device time (docs/gpu.md, "With 15 minutes of device
+# time"): `bash bench/gpu_call.sh` with the `run` tool's timeout_s 600, after moving all models but mha and
+# mha-1024-pruned out of the tree. Each part has a time limit of its own, so one slow part leaves time for the others;
+# the limits sum to 670 s, so the call's own 600 s may cut the last part short. After each part, everything written
+# under bench/results since the call began is packed into $OUT/results.tgz (replaced whole, never half-written), so
+# a part cut short loses only itself. Each part's output: $OUT/part-<name>.txt.
+#
+#   --dry-run   print the parts and their limits, run nothing (any machine)
+set -u
+cd "$(dirname "$0")/.."
+dry=0
+[ "${1:-}" = "--dry-run" ] && dry=1
+out="${OUT:-}"
+if [ -z "$out" ] || [ ! -d "$out" ]; then
+  echo "gpu-call: \$OUT must name the folder the device tool brings back"; exit 2
+fi
+stamp=$(mktemp)  # what this call writes is newer than this
+if [ "$dry" = 1 ]; then gpu="<gpu>"; else
+  gpu=$(python3 -c "from bench.gpu_check import slug; print(slug())") || { echo "gpu-call: no GPU visible"; exit 1; }
+fi
+export PYTHONUNBUFFERED=1
+
+pack() {  # everything this call wrote under bench/results, as one archive
+  find bench/results -newer "$stamp" -type f -print0 | tar -czf "$out/results.part" --null -T - \
+    && mv "$out/results.part" "$out/results.tgz"
+}
+
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "gpu-call: $name (limit ${limit} s): $*"
+  [ "$dry" = 1 ] && return 0
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/part-$name.txt" 2>&1
+  echo "gpu-call: $name exit $? in $((SECONDS - t0)) s"
+  tail -n 5 "$out/part-$name.txt"
+  pack
+}
+
+# the profile first: it times the last of #27's "done when" targets (pruned training against its dense twin)
+part profile 120 make gpu-check ARGS="--only profile"
+part tests 200 make gpu-check ARGS="--only tests"
+part decode 190 make gpu-check ARGS="--only decode"
+part kernels16k 100 python3 -m kernels.bench --sections decode,compact --contexts 16384 --models "" \
+  --json "bench/results/kernels_16k_$gpu.json" --table "bench/results/kernels_16k_$gpu.md"
+part kernels16k-fp32 60 python3 -m kernels.bench --dtype float32 --sections decode --contexts 16384 --models "" \
+  --json "bench/results/kernels_16k_fp32_$gpu.json" --table "bench/results/kernels_16k_fp32_$gpu.md"
+echo "gpu-call: done"
