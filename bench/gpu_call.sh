@@ -2,7 +2,7 @@
 # The one device call of a GPU session with 15 minutes of device time (docs/gpu.md, "With 15 minutes of device
 # time"): `bash bench/gpu_call.sh` with the `run` tool's timeout_s 600, after moving all models but mha and
 # mha-1024-pruned out of the tree. Each part has a time limit of its own, so one slow part leaves time for the others;
-# the limits sum to 670 s, so the call's own 600 s may cut the last part short. After each part, everything written
+# the limits sum to 730 s, so the call's own 600 s may cut the last parts short. After each part, everything written
 # under bench/results since the call began is packed into $OUT/results.tgz (replaced whole, never half-written), so
 # a part cut short loses only itself. Each part's output: $OUT/part-<name>.txt.
 #
@@ -46,4 +46,8 @@ part kernels16k 100 python3 -m kernels.bench --sections decode,compact --context
   --json "bench/results/kernels_16k_$gpu.json" --table "bench/results/kernels_16k_$gpu.md"
 part kernels16k-fp32 60 python3 -m kernels.bench --dtype float32 --sections decode --contexts 16384 --models "" \
   --json "bench/results/kernels_16k_fp32_$gpu.json" --table "bench/results/kernels_16k_fp32_$gpu.md"
+# last, what may be cut: SmolLM2's shape (random weights; 3 K/V groups for 9 heads), its pruned step's attention with
+# kernels.efficient and without (on SDPA a grouped step with a bias takes the math kernel)
+part profile-smollm2 60 python3 -m bench.train_step_profile --config configs/real/smollm2-pruned.json --alphas 2 \
+  --ab-alpha 2 --steps 5 --device cuda --json "bench/results/train_step_profile_smollm2_$gpu.json"
 echo "gpu-call: done"

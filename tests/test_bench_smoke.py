@@ -248,7 +248,7 @@ def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     got = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh")], env=env, capture_output=True, text=True)
     assert got.returncode == 0, got.stderr
     said = [line.split(":")[1].split()[0] for line in got.stdout.splitlines() if "(limit" in line]
-    assert said == ["profile", "tests", "decode", "kernels16k", "kernels16k-fp32"]
+    assert said == ["profile", "tests", "decode", "kernels16k", "kernels16k-fp32", "profile-smollm2"]
     assert "kernels16k exit 3" in got.stdout and "kernels_16k_h200.json" in got.stdout
     assert (out / "part-tests.txt").read_text() == "ran tests\n"
     with tarfile.open(out / "results.tgz") as tar:
