@@ -4,7 +4,9 @@
 # mha-1024-pruned out of the tree. Each part has a time limit of its own, so one slow part leaves time for the others;
 # the limits sum to 730 s, so the call's own 600 s may cut the last parts short. After each part, everything written
 # under bench/results since the call began is packed into $OUT/results.tgz (replaced whole, never half-written), so
-# a part cut short loses only itself. Each part's output: $OUT/part-<name>.txt.
+# a part cut short loses only itself. Each part's output: $OUT/part-<name>.txt. Exit status 1 when a part failed
+# or was cut short (all parts run all the same). ($OUT/gpu-results.tar.gz, which each `make gpu-check` part writes
+# of its own results, is superseded by results.tgz.)
 #
 #   --dry-run   print the parts and their limits, run nothing (any machine)
 set -u
@@ -16,7 +18,7 @@ if [ -z "$out" ] || [ ! -d "$out" ]; then
   echo "gpu-call: \$OUT must name the folder the device tool brings back"; exit 2
 fi
 stamp=$(mktemp)  # what this call writes is newer than this
-if [ "$dry" = 1 ]; then gpu="<gpu>"; else
+if [ "$dry" = 1 ]; then gpu="GPU"; else
   gpu=$(python3 -c "from bench.gpu_check import slug; print(slug())") || { echo "gpu-call: no GPU visible"; exit 1; }
 fi
 export PYTHONUNBUFFERED=1
@@ -26,14 +28,17 @@ pack() {  # everything this call wrote under bench/results, as one archive
     && mv "$out/results.part" "$out/results.tgz"
 }
 
+failed=""
 part() {  # part NAME SECONDS COMMAND...
-  local name=$1 limit=$2
+  local name=$1 limit=$2 rc
   shift 2
-  echo "gpu-call: $name (limit ${limit} s): $*"
+  echo "gpu-call: $name (limit ${limit} s): $(printf '%q ' "$@")"
   [ "$dry" = 1 ] && return 0
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$out/part-$name.txt" 2>&1
-  echo "gpu-call: $name exit $? in $((SECONDS - t0)) s"
+  timeout -k 10 "$limit" "$@" > "$out/part-$name.txt" 2>&1  # (-k: killed 10 s after a TERM it ignores)
+  rc=$?
+  echo "gpu-call: $name exit $rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || failed="$failed $name"
   tail -n 5 "$out/part-$name.txt"
   pack
 }
@@ -47,7 +52,8 @@ part kernels16k 100 python3 -m kernels.bench --sections decode,compact --context
 part kernels16k-fp32 60 python3 -m kernels.bench --dtype float32 --sections decode --contexts 16384 --models "" \
   --json "bench/results/kernels_16k_fp32_$gpu.json" --table "bench/results/kernels_16k_fp32_$gpu.md"
 # last, what may be cut: SmolLM2's shape (random weights; 3 K/V groups for 9 heads), its pruned step's attention with
-# kernels.efficient and without (on SDPA a grouped step with a bias takes the math kernel)
+# kernels.efficient and without (on SDPA, by PyTorch's account, a grouped step with a bias takes the math kernel)
 part profile-smollm2 60 python3 -m bench.train_step_profile --config configs/real/smollm2-pruned.json --alphas 2 \
   --ab-alpha 2 --steps 5 --device cuda --json "bench/results/train_step_profile_smollm2_$gpu.json"
+if [ -n "$failed" ]; then echo "gpu-call: failed or cut short:$failed"; exit 1; fi
 echo "gpu-call: done"

@@ -78,11 +78,11 @@ def environment() -> dict:
 def run_tests(results: Path, name: str) -> dict:
     log = results / f"gpu_tests_{name}.txt"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
-                           "tests/test_gpu.py"], capture_output=True, text=True,
-                          env=os.environ | {"TRITON_INTERPRET": "0"})
-    log.write_text(proc.stdout + proc.stderr)
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    with log.open("w") as f:  # written as pytest goes (-v: a test a line), so a run cut short says how far it got
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider",
+                               "tests/test_gpu.py"], stdout=f, stderr=subprocess.STDOUT, text=True,
+                              env=os.environ | {"TRITON_INTERPRET": "0"})
+    last = (log.read_text().strip().splitlines() or [""])[-1].strip("= ")
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}
     print(f"gpu tests: {last} ({time.perf_counter() - t0:.0f} s; log {log})", flush=True)
     return {"exit_code": proc.returncode, "summary": last, "counts": counts, "log": str(log),
@@ -114,10 +114,11 @@ def run_module(out: Path, module: str, *args: str) -> dict:
             "tail": tail if proc.returncode else None}
 
 
-def profile_summary(path: Path) -> dict:
+def profile_summary(path: Path, since: float) -> dict:
     """Each row of a training profile in one line: alpha (None: the dense twin), vs_dense, and the attention path
-    its step took ("efficient" expected for the pruned rows on a GPU, "reference" where switched off or refused)."""
-    if not path.is_file():
+    its step took ("efficient" expected for the pruned rows on a GPU, "reference" where switched off or refused).
+    Nothing from a file older than `since` (time.time()): a run that failed leaves an earlier run's file there."""
+    if not path.is_file() or path.stat().st_mtime < since:
         return {}
     got = json.loads(path.read_text())
     return {"rows": [{"alpha": r["alpha"], "vs_dense": r.get("vs_dense"), "causal_bias_off": r.get("causal_bias_off"),
@@ -337,11 +338,11 @@ def main(argv=None) -> int:
             # kernels.efficient off (the A/B). At batch 8 (both steps waited on the host in the second run) and
             # at the config's own 32, the batch models.train runs and the issue's first numbers were taken at.
             for batch, tag in (("8", ""), ("32", "_b32")):
-                prof = results / f"train_step_profile_mha-pruned{tag}_{name}.json"
+                prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
                 report[f"train_profile{tag}"] = run_module(
                     prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json",
                     "--alphas", "1.02,2,8,1.02", "--ab-alpha", "2", "--steps", "10", "--batch", batch,
-                    "--device", "cuda") | profile_summary(prof)
+                    "--device", "cuda") | profile_summary(prof, since)
             ok = True  # a profile, not a check
         elif part == "bench":
             report["bench"] = run_bench(results, name, (trained + shipped)[:4])

@@ -13,10 +13,11 @@ It reaches only the keep structure's backward, which reads the gradient of log I
 above it (kernels.reference.log_keep_grad masks it, kernels.triton_keep selects with `where`; tested with NaN there).
 No other caller may take this path.
 
-Grouped K/V (GQA, MQA: SmolLM2 has 3 groups for 9 heads) are repeated to one per head first. SDPA's own `enable_gqa`
-runs only on the flash kernel (pytorch/pytorch#139586), which takes no bias, so a grouped pruned step on SDPA falls
-to the math kernel (every score of every head materialised; PyTorch's account, not yet seen on our GPU); a copy of
-K and V a layer is cheap beside it.
+Grouped K/V (GQA, MQA: SmolLM2 has 3 groups for 9 heads) are repeated to one per head first: the memory-efficient
+kernel takes no groups. SDPA's own `enable_gqa` went to the flash kernel alone at first (pytorch/pytorch#139586;
+newer versions add cuDNN), and flash takes no bias, so a grouped pruned step on SDPA may fall to the math kernel,
+every score of every head materialised (PyTorch's account, not yet seen on our GPU: the SmolLM2 profile's A/B is
+to tell). A copy of K and V a layer is cheap beside either.
 
 `MIXSCOPE_CAUSAL_BIAS=0` turns it off (the plain SDPA path then runs), for an A/B of the two on a GPU. If the
 operator's forward refuses a call (a PyTorch that changed it), the path is off for the rest of the process, with a

@@ -70,6 +70,74 @@ def rand(*shape, dtype):
     return torch.randn(*shape, device=DEV, dtype=dtype)
 
 
+# First, what is newest and not yet run on a GPU (a run cut short by its time limit still reports these):
+# a pruned training step's attention with the causal mask beside log I (kernels.efficient).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,h,g,t,d", [(2, 8, 8, 1024, 64), (1, 4, 4, 512, 128), (3, 2, 2, 80, 32),
+                                       (2, 9, 3, 512, 64), (1, 8, 1, 256, 64)])
+def test_causal_bias_attention_equals_sdpa_with_the_bias(b, h, g, t, d, dtype):
+    """kernels.efficient (the memory-efficient kernel with log I and its own causal mask, grouped K/V repeated to
+    the heads) against SDPA handed the bias alone, as the step ran before: the output and the gradients of q, k, v
+    and of the bias on and below the diagonal (above it the kernel leaves the gradient unwritten; nothing reads
+    it), both against float64."""
+    from kernels import efficient
+    torch.manual_seed(0)
+    q = rand(b, h, t, d, dtype=dtype)
+    k, v = (rand(b, g, t, d, dtype=dtype) for _ in range(2))
+    causal = torch.ones(t, t, dtype=torch.bool, device=DEV).tril()
+    bias = (rand(b, 1, t, t, dtype=torch.float32).clamp_max(0) * 3).masked_fill(~causal, float("-inf")).to(dtype)
+    grad_out = rand(b, h, t, d, dtype=dtype)
+    assert efficient.usable(q, k, v, bias)
+
+    def run(fn, *ins):
+        ins = [x.detach().clone().requires_grad_(True) for x in ins]
+        out = fn(*ins)
+        out.backward(grad_out.to(out.dtype))
+        return [out.detach()] + [x.grad for x in ins]
+    scale = d ** -0.5
+    got = run(lambda *a: efficient.attention(*a, scale), q, k, v, bias)
+    def plain(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=g != h)
+    sdpa = run(plain, q, k, v, bias)
+    want = run(plain, *up(q, k, v, bias, dtype=torch.float64))
+    below = causal.expand(b, 1, t, t)
+    for name, a, s_, w in zip(("out", "dq", "dk", "dv", "dbias"), got, sdpa, want):
+        if name == "dbias":
+            a, s_, w = a[below], s_[below], w[below]
+        assert rel_err(a, w) <= max(1.5 * rel_err(s_, w), TOL[dtype]), name
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("mixer", [dict(mixer="mha"), dict(mixer="gqa", n_kv_heads=1, positions="rope")],
+                         ids=lambda m: m["mixer"])
+def test_pruned_training_step_with_the_causal_bias_kernel_equals_plain_sdpa(monkeypatch, mixer, autocast):
+    """A pruned training step at the GPU config's length (T = 1024, heads of 64), with a K/V per head and grouped,
+    takes kernels.efficient, and its loss and gradients equal those of the step on SDPA with the bias alone
+    (MIXSCOPE_CAUSAL_BIAS=0)."""
+    cfg = tiny_config(**mixer, d_model=128, n_heads=2, context=1024, prune=True, prune_sinks=2, prune_distance=True)
+    model = DecoderLM(cfg).to(DEV).train()
+    randomize(model, std=0.2)
+    with torch.no_grad():  # the rule near its start, gates on their slopes: random ones saturate and give 0 gradients
+        for blk in model.blocks:
+            rule = blk.mixer.pruning
+            rule.W_Qint.mul_(0.2), rule.W_Kint.mul_(0.2), rule.beta.fill_(1.0), rule.lam.fill_(0.1)
+    model.set_alpha(2.5)
+    idx = torch.randint(0, 61, (2, 1025), device=DEV)
+    out = {}
+    for switch, path in (("1", "efficient"), ("0", "reference")):
+        monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", switch)
+        model.zero_grad(set_to_none=True)
+        with kernels.record_paths() as paths, torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            res = model(idx[:, :-1], targets=idx[:, 1:])
+            (res.loss + sparsity_loss(res.prune_mass, 0.3, pair_count(cfg.n_layers, 1024))).backward()
+        assert paths["attention"] == path
+        out[path] = (res.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (loss, got), (want_loss, want) = out["efficient"], out["reference"]
+    assert abs(float(loss - want_loss)) < 1e-3 * abs(float(want_loss)) and got.keys() == want.keys()
+    for n in want:
+        assert float(want[n].norm()) > 0 and rel_err(got[n], want[n]) < (2e-2 if autocast else 1e-4), n
+
+
 # (batch, query heads, K/V groups, new positions, cache + new positions, head width)
 PREFILL = [(1, 16, 16, 8192, 8192, 64), (1, 32, 8, 8192, 8192, 128), (2, 9, 3, 4096, 4096, 64),
            (1, 16, 4, 2048, 32768, 128), (1, 8, 1, 16384, 16384, 64)]
@@ -441,72 +509,6 @@ def test_pruned_training_gradients_through_the_keep_kernels_equal_the_reference(
         grads[path] = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
     for n, want in grads["reference"].items():
         assert rel_err(grads["triton"][n], want) < (2e-2 if autocast else 1e-4), n
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("b,h,g,t,d", [(2, 8, 8, 1024, 64), (1, 4, 4, 512, 128), (3, 2, 2, 80, 32),
-                                       (2, 9, 3, 512, 64), (1, 8, 1, 256, 64)])
-def test_causal_bias_attention_equals_sdpa_with_the_bias(b, h, g, t, d, dtype):
-    """kernels.efficient (the memory-efficient kernel with log I and its own causal mask, grouped K/V repeated to
-    the heads) against SDPA handed the bias alone, as the step ran before: the output and the gradients of q, k, v
-    and of the bias on and below the diagonal (above it the kernel leaves the gradient unwritten; nothing reads
-    it), both against float64."""
-    from kernels import efficient
-    torch.manual_seed(0)
-    q = rand(b, h, t, d, dtype=dtype)
-    k, v = (rand(b, g, t, d, dtype=dtype) for _ in range(2))
-    causal = torch.ones(t, t, dtype=torch.bool, device=DEV).tril()
-    bias = (rand(b, 1, t, t, dtype=torch.float32).clamp_max(0) * 3).masked_fill(~causal, float("-inf")).to(dtype)
-    grad_out = rand(b, h, t, d, dtype=dtype)
-    assert efficient.usable(q, k, v, bias)
-
-    def run(fn, *ins):
-        ins = [x.detach().clone().requires_grad_(True) for x in ins]
-        out = fn(*ins)
-        out.backward(grad_out.to(out.dtype))
-        return [out.detach()] + [x.grad for x in ins]
-    scale = d ** -0.5
-    got = run(lambda *a: efficient.attention(*a, scale), q, k, v, bias)
-    def plain(q, k, v, m):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=g != h)
-    sdpa = run(plain, q, k, v, bias)
-    want = run(plain, *up(q, k, v, bias, dtype=torch.float64))
-    below = causal.expand(b, 1, t, t)
-    for name, a, s_, w in zip(("out", "dq", "dk", "dv", "dbias"), got, sdpa, want):
-        if name == "dbias":
-            a, s_, w = a[below], s_[below], w[below]
-        assert rel_err(a, w) <= max(1.5 * rel_err(s_, w), TOL[dtype]), name
-
-
-@pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("mixer", [dict(mixer="mha"), dict(mixer="gqa", n_kv_heads=1, positions="rope")],
-                         ids=lambda m: m["mixer"])
-def test_pruned_training_step_with_the_causal_bias_kernel_equals_plain_sdpa(monkeypatch, mixer, autocast):
-    """A pruned training step at the GPU config's length (T = 1024, heads of 64), with a K/V per head and grouped,
-    takes kernels.efficient, and its loss and gradients equal those of the step on SDPA with the bias alone
-    (MIXSCOPE_CAUSAL_BIAS=0)."""
-    cfg = tiny_config(**mixer, d_model=128, n_heads=2, context=1024, prune=True, prune_sinks=2, prune_distance=True)
-    model = DecoderLM(cfg).to(DEV).train()
-    randomize(model, std=0.2)
-    with torch.no_grad():  # the rule near its start, gates on their slopes: random ones saturate and give 0 gradients
-        for blk in model.blocks:
-            rule = blk.mixer.pruning
-            rule.W_Qint.mul_(0.2), rule.W_Kint.mul_(0.2), rule.beta.fill_(1.0), rule.lam.fill_(0.1)
-    model.set_alpha(2.5)
-    idx = torch.randint(0, 61, (2, 1025), device=DEV)
-    out = {}
-    for switch, path in (("1", "efficient"), ("0", "reference")):
-        monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", switch)
-        model.zero_grad(set_to_none=True)
-        with kernels.record_paths() as paths, torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            res = model(idx[:, :-1], targets=idx[:, 1:])
-            (res.loss + sparsity_loss(res.prune_mass, 0.3, pair_count(cfg.n_layers, 1024))).backward()
-        assert paths["attention"] == path
-        out[path] = (res.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    (loss, got), (want_loss, want) = out["efficient"], out["reference"]
-    assert abs(float(loss - want_loss)) < 1e-3 * abs(float(want_loss)) and got.keys() == want.keys()
-    for n in want:
-        assert float(want[n].norm()) > 0 and rel_err(got[n], want[n]) < (2e-2 if autocast else 1e-4), n
 
 
 @pytest.mark.parametrize("overrides", [dict(mixer="mha"), dict(mixer="gqa", n_kv_heads=2, positions="rope"),
