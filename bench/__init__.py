@@ -1,5 +1,6 @@
 """End-to-end benchmarks; results/ holds their JSON."""
 import os
+from contextlib import contextmanager
 
 
 def cpu_model() -> str:
@@ -29,3 +30,19 @@ def report(result: dict, path: str | None) -> int:
         Path(path).write_text(text + "\n")
     print(text)
     return 0
+
+
+@contextmanager
+def env(name: str, value: str | None = None):
+    """Inside the block the environment variable `name` is `value` (left as it is when None); after it, what it was
+    before, set or unset (a benchmark's A/B switches must not leak into its caller)."""
+    prior = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if prior is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = prior

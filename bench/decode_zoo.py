@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from bench import report
+from bench import env, report
 
 PROMPT = "The committee met again on Tuesday. After a long debate about the harbour,"
 
@@ -81,14 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    prior = os.environ.get("MIXSCOPE_KEEP_PASS")
-    try:
+    with env("MIXSCOPE_KEEP_PASS"):  # (zoo() switches it: the caller's setting back after)
         rows = zoo(args)
-    finally:  # the caller's setting back
-        if prior is None:
-            os.environ.pop("MIXSCOPE_KEEP_PASS", None)
-        else:
-            os.environ["MIXSCOPE_KEEP_PASS"] = prior
     result = {"benchmark": "decode_zoo", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "versions": {"python": platform.python_version(), "torch": torch.__version__},

@@ -26,6 +26,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit runs: the ke
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
+from bench import env  # noqa: E402
+
 # aten ops that move no data on the device: views and metadata, allocations (a graph's memory pool holds them)
 NOT_KERNELS = {
     "view", "_unsafe_view", "expand", "as_strided", "transpose", "t", "permute", "unsqueeze", "squeeze", "slice",
@@ -108,9 +110,7 @@ def count_step(model, state: str = "static", prompt: int = 12, capacity: int = 6
     """Kernels of one fixed-shape batch-1 decode step of `model` (eval, CPU) after a `prompt`-token prefill, with
     the Triton kernels on (MIXSCOPE_KERNELS=triton for the call)."""
     from models.decode import Decoder
-    old = os.environ.get("MIXSCOPE_KERNELS")
-    os.environ["MIXSCOPE_KERNELS"] = "triton"
-    try:
+    with env("MIXSCOPE_KERNELS", "triton"):
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, model.config.vocab_size, (prompt + 2,), generator=gen)
         with torch.inference_mode():
@@ -123,11 +123,6 @@ def count_step(model, state: str = "static", prompt: int = 12, capacity: int = 6
             with triton_counted(counts), Launches() as mode:
                 dec.model(ids[prompt + 1:prompt + 2].view(1, 1), cache=dec.state, last_only=True)
             counts.update(mode.ops)
-    finally:
-        if old is None:
-            os.environ.pop("MIXSCOPE_KERNELS", None)
-        else:
-            os.environ["MIXSCOPE_KERNELS"] = old
     return counts
 
 

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
+from bench import env  # noqa: E402
 from bench.step_launches import Launches, triton_counted  # noqa: E402
 
 
@@ -115,9 +116,7 @@ def count(model, alpha, batch: int, context: int, gamma: float = 0.3) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    old = os.environ.get("MIXSCOPE_KERNELS")
-    os.environ["MIXSCOPE_KERNELS"] = "triton"
-    try:
+    with env("MIXSCOPE_KERNELS", "triton"):
         step()  # (the optimizer's state is built in its first step)
         counts: Counter[str] = Counter()
         with sdpa_as_on_cuda(counts), triton_counted(counts), Launches() as mode:
@@ -125,11 +124,6 @@ def count(model, alpha, batch: int, context: int, gamma: float = 0.3) -> dict:
         counts.update(mode.ops)
         with sdpa_as_on_cuda(Counter()), triton_counted(Counter()), _Calls() as calls:  # (not the interpreter's)
             step()
-    finally:
-        if old is None:
-            os.environ.pop("MIXSCOPE_KERNELS", None)
-        else:
-            os.environ["MIXSCOPE_KERNELS"] = old
     total = sum(counts.values())
     return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "kernels_per_step": total,
             "kernels_per_layer": round(total / model.config.n_layers, 2), "aten_calls": calls.n,

@@ -37,6 +37,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import kernels
+from bench import env
 from kernels import efficient
 from models.adapters import set_trainable_params, trainable_params
 from models.pruning import alpha_schedule, pair_count, sparsity_loss
@@ -182,16 +183,9 @@ def main(argv=None) -> int:
         if cfg.prune:
             rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     if cfg.prune and args.ab_alpha is not None:  # off, then on again right after: no row's place decides the A/B
-        held = os.environ.get("MIXSCOPE_CAUSAL_BIAS")
-        for switch in ("0", held or "1"):
-            os.environ["MIXSCOPE_CAUSAL_BIAS"] = switch
-            try:
+        for switch in ("0", os.environ.get("MIXSCOPE_CAUSAL_BIAS") or "1"):
+            with env("MIXSCOPE_CAUSAL_BIAS", switch):
                 rows.append(profile_row(model, opt, args.ab_alpha, x, y, tc.gamma, pairs, args))
-            finally:
-                if held is None:
-                    os.environ.pop("MIXSCOPE_CAUSAL_BIAS")
-                else:
-                    os.environ["MIXSCOPE_CAUSAL_BIAS"] = held
             rows[-1] |= {"causal_bias_off": switch == "0",
                          "vs_dense": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
     result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,

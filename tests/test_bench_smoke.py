@@ -261,3 +261,19 @@ def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     missing = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh")], env=env | {"OUT": ""},
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "$OUT" in missing.stdout
+
+
+def test_a_benchmarks_environment_switch_is_given_back(monkeypatch):
+    """bench.env sets a variable for a block and puts back what was there, also when the block raises."""
+    from bench import env
+    monkeypatch.delenv("MIXSCOPE_TEST_SWITCH", raising=False)
+    with env("MIXSCOPE_TEST_SWITCH", "0"):
+        assert os.environ["MIXSCOPE_TEST_SWITCH"] == "0"
+    assert "MIXSCOPE_TEST_SWITCH" not in os.environ
+    monkeypatch.setenv("MIXSCOPE_TEST_SWITCH", "1")
+    with pytest.raises(KeyError), env("MIXSCOPE_TEST_SWITCH", "0"):
+        raise KeyError
+    assert os.environ["MIXSCOPE_TEST_SWITCH"] == "1"
+    with env("MIXSCOPE_TEST_SWITCH"):  # (left as it is; a change inside is undone)
+        os.environ["MIXSCOPE_TEST_SWITCH"] = "2"
+    assert os.environ["MIXSCOPE_TEST_SWITCH"] == "1"
