@@ -12,7 +12,8 @@ the app's pages; split it over several calls with --only and a kept --runs direc
 4. decode: batch-1 decode, eager against CUDA graphs (bench.decode_zoo), and SmolLM2 against transformers' best
    configuration (bench.decode_vs_hf --device cuda) when assets/models/smollm2-135m is there;
 5. profile: where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda),
-   at batch 8 and at the config's 32, with an A/B row of the pruned step's attention (kernels.efficient off);
+   at batch 8 and at the config's 32, with an A/B row of the pruned step's attention (kernels.efficient off), then
+   both models replayed from CUDA graphs at each batch (--cuda-graph: train.cuda_graph's step);
 6. bench: `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
 7. app: every app page on SmolLM2 and a pruned delta at 1k and 8k tokens, the Generate page clicked
    (bench.app_pages), when the app's packages are installed here.
@@ -122,7 +123,8 @@ def profile_summary(path: Path, since: float) -> dict:
         return {}
     got = json.loads(path.read_text())
     return {"rows": [{"alpha": r["alpha"], "vs_dense": r.get("vs_dense"), "causal_bias_off": r.get("causal_bias_off"),
-                      "attention": r.get("kernel_paths", {}).get("attention")} for r in got["rows"]],
+                      "attention": r.get("kernel_paths", {}).get("attention"), "cuda_graph": r.get("cuda_graph"),
+                      "capture_failed": r.get("capture_failed")} for r in got["rows"]],
             "causal_bias_refused": got.get("causal_bias_refused")}
 
 
@@ -337,11 +339,19 @@ def main(argv=None) -> int:
             # and a repeat after the others tells the row's place from its alpha; alpha 2 once more with
             # kernels.efficient off (the A/B). At batch 8 (both steps waited on the host in the second run) and
             # at the config's own 32, the batch models.train runs and the issue's first numbers were taken at.
+            # Then both models with their forward and backward replayed from CUDA graphs (train.cuda_graph), in
+            # processes of their own after the eager ones: a capture that fails loses only its own rows.
             for batch, tag in (("8", ""), ("32", "_b32")):
                 prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
                 report[f"train_profile{tag}"] = run_module(
                     prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json",
                     "--alphas", "1.02,2,8,1.02", "--ab-alpha", "2", "--steps", "10", "--batch", batch,
+                    "--device", "cuda") | profile_summary(prof, since)
+            for batch, tag in (("8", "_graphed"), ("32", "_graphed_b32")):
+                prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
+                report[f"train_profile{tag}"] = run_module(
+                    prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json",
+                    "--alphas", "1.02,2,8", "--cuda-graph", "--steps", "10", "--batch", batch,
                     "--device", "cuda") | profile_summary(prof, since)
             ok = True  # a profile, not a check
         elif part == "bench":

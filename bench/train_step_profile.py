@@ -1,7 +1,7 @@
 """Where a training step's time goes, for any run config (issue: profile before fine-tuning a real model).
 
     python -m bench.train_step_profile --config configs/real/smollm2-pruned.json [--alphas 1,1.02,2,8] [--steps 2]
-        [--batch 4] [--ab-alpha 2] [--json FILE]
+        [--batch 4] [--ab-alpha 2 | --cuda-graph] [--json FILE]
 
 Builds the model of the config with random weights (the cost does not depend on their values), freezes what the
 run freezes, and times what models.train runs a step (forward + backward under bf16 autocast on a GPU, the gradient
@@ -19,12 +19,15 @@ parameter training (what a dense run of it does). Each pruned row carries vs_den
 the rule alone while its twin trains everything, so vs_dense there is not the rule's overhead (the JSON says so).
 Each row notes the kernel paths its profiled step took (kernel_paths: on a GPU a pruned step's attention is
 "efficient", kernels.efficient); --ab-alpha adds a row with that path switched off (causal_bias_off), then
-one with it on again, so that the A/B compares neighbours.
+one with it on again, so that the A/B compares neighbours. --cuda-graph replays both models' forward and backward
+from CUDA graphs, as train.cuda_graph does (models.step_graph: one capture per form of the alpha-sigmoid, in the
+first warm-up step at that form; each row's kernel_paths are those its capture took).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -43,6 +46,7 @@ from models.adapters import set_trainable_params, trainable_params
 from models.pruning import alpha_schedule, pair_count, sparsity_loss
 from models.pruning.alpha_sigmoid import AHEAD, clear_tables, needs_table, prepare_tables
 from models.device import describe as device_name
+from models.step_graph import GraphedLoss, form
 from models.train import load_run_config
 from models.transformer import DecoderLM
 
@@ -50,14 +54,23 @@ from models.transformer import DecoderLM
 WARMUP = 2  # steps before timing: a fresh model's first steps also compile kernels and grow the allocator's pool
 
 
-def step_times(model, opt, x, y, gamma: float, pairs: int, steps: int, clip: float) -> list[float]:
+def eager_loss(model):
+    """(LM loss, sparsity mass or None) of a batch as models.train computes them without train.cuda_graph."""
+    def run(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):  # as models.train runs on a GPU
+            res = model(x, targets=y)
+        return res.loss, res.prune_mass
+    return run
+
+
+def step_times(model, opt, loss_of, x, y, gamma: float, pairs: int, steps: int, clip: float) -> list[float]:
+    """loss_of(x, y) -> (LM loss, mass or None): eager_loss, or a models.step_graph.GraphedLoss."""
     out = []
     cuda = x.is_cuda
     for _ in range(steps):  # (the alpha-sigmoid's table is kept from the warm-up: table_cost adds its share)
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as models.train runs on a GPU
-            res = model(x, targets=y)
-            loss = res.loss if res.prune_mass is None else res.loss + sparsity_loss(res.prune_mass, gamma, pairs)
+        lm, mass = loss_of(x, y)
+        loss = lm if mass is None else lm + sparsity_loss(mass, gamma, pairs)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # (models.train clips, then steps)
         opt.step()
@@ -119,15 +132,20 @@ def build(cfg, freeze_base: bool, dev):
                                     fused=dev.type == "cuda")
 
 
-def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict:
-    """Median step time and the top operators of one model at one alpha (None: a dense model)."""
+def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args, graphed: GraphedLoss | None = None) -> dict:
+    """Median step time and the top operators of one model at one alpha (None: a dense model); graphed: its
+    forward and backward replayed from CUDA graphs (the warm-up captures a form's first step)."""
     if alpha is not None:
         model.set_alpha(alpha)
-    step_times(model, opt, x, y, gamma, pairs, WARMUP, args.clip)
-    times = step_times(model, opt, x, y, gamma, pairs, args.steps, args.clip)
+    loss_of = graphed or eager_loss(model)
+    step_times(model, opt, loss_of, x, y, gamma, pairs, WARMUP, args.clip)
+    times = step_times(model, opt, loss_of, x, y, gamma, pairs, args.steps, args.clip)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
     with profile(activities=acts) as prof, kernels.record_paths() as paths:
-        step_times(model, opt, x, y, gamma, pairs, 1, args.clip)
+        step_times(model, opt, loss_of, x, y, gamma, pairs, 1, args.clip)
+    replayed = graphed is not None and form(alpha) in graphed.graphs
+    if replayed:  # (a replay notes nothing: the paths its capture took)
+        paths = graphed.paths.get(form(alpha), {})
     key = "self_device_time_total" if x.is_cuda else "self_cpu_time_total"  # where the time is
     events = prof.key_averages()
     top = [{"op": e.key, "self_s": getattr(e, key) / 1e6}
@@ -143,7 +161,9 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args) -> dict
           + ", ".join(f"{t['op']} {t['self_s']:.2f}s" for t in top[:5]), file=sys.stderr, flush=True)
     rule = sum(p.numel() for b in model.blocks if getattr(b.mixer, "pruning", None) is not None
                for p in b.mixer.pruning.parameters())
-    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "step_s": step,
+    failed = {"capture_failed": graphed.failed[form(alpha)]} if graphed and form(alpha) in graphed.failed else {}
+    return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "cuda_graph": replayed, **failed,
+            "step_s": step,
             "step_s_each": [round(t, 6) for t in times], "aten_calls": aten, "kernel_paths": dict(paths),
             **table, **busy,
             "tokens_per_s": x.numel() / step, "trainable_params": sum(p.numel() for p in model.parameters()
@@ -163,7 +183,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-alpha", type=float, default=None,
                     help="one more pruned row at this alpha with MIXSCOPE_CAUSAL_BIAS=0 (attention on SDPA with the "
                          "bias alone, every block computed): the A/B of kernels.efficient")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="each model's forward and backward replayed from CUDA graphs, as train.cuda_graph runs them "
+                         "(models.step_graph; --device cuda, not with --ab-alpha: a graph keeps the path it captured)")
     args = ap.parse_args(argv)
+    if args.cuda_graph and (args.device != "cuda" or args.ab_alpha is not None):
+        ap.error("--cuda-graph needs --device cuda and no --ab-alpha")
     dev = torch.device(args.device)
     cfg, tc, _ = load_run_config(args.config)
     b = args.batch or tc.batch_size
@@ -176,10 +201,20 @@ def main(argv=None) -> int:
     rows = []
     if cfg.prune:  # the dense twin first, then freed: one model in memory at a time
         dense = dataclasses.replace(cfg, prune=False, prune_distance=False, prune_sinks=0)
-        rows.append(profile_row(*build(dense, False, dev), None, x, y, tc.gamma, pairs, args))
+        twin, twin_opt = build(dense, False, dev)
+        rows.append(profile_row(twin, twin_opt, None, x, y, tc.gamma, pairs, args,
+                                GraphedLoss(twin) if args.cuda_graph else None))
+        del twin, twin_opt
+        gc.collect()  # (a graphed module holds itself through its forward: the twin's graphs go with a collection)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     model, opt = build(cfg, tc.freeze_base, dev)
-    for alpha in [float(a) for a in args.alphas.split(",")] if cfg.prune else [None]:
-        rows.append(profile_row(model, opt, alpha, x, y, tc.gamma, pairs, args))
+    alphas = [float(a) for a in args.alphas.split(",")] if cfg.prune else [None]
+    graphed = None
+    if args.cuda_graph:  # (every form a row times is captured: each takes WARMUP + steps + 1 steps)
+        graphed = GraphedLoss(model, [a for a in alphas if a is not None], min_steps=1)
+    for alpha in alphas:
+        rows.append(profile_row(model, opt, alpha, x, y, tc.gamma, pairs, args, graphed))
         if cfg.prune:
             rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     if cfg.prune and args.ab_alpha is not None:  # off, then on again right after: no row's place decides the A/B
@@ -189,6 +224,7 @@ def main(argv=None) -> int:
             rows[-1] |= {"causal_bias_off": switch == "0",
                          "vs_dense": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
     result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
+              "cuda_graph": args.cuda_graph,
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "threads": torch.get_num_threads(),
               **({"vs_dense_note": "the pruned run trains the rule alone (freeze_base), its dense twin every "

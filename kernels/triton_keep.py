@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.pruning.alpha_sigmoid import _table, table_range
+from models.pruning.alpha_sigmoid import _table
 from models.pruning.interaction import LOG_FLOOR
 
 BLOCK_N, BLOCK_J, WARPS = 32, 64, 4
@@ -46,9 +46,9 @@ def _gates(X, P, D, offs, m, j, lim, scale, half, sinks, MODE: tl.constexpr):
         s = tl.minimum(tl.maximum(y, 0.0), 1.0)
         d = tl.where((y >= 0.0) & (y <= 1.0), 0.5, 0.0)
     else:  # the index counted from the grid's centre, as alpha_sigmoid._lerp_tables does
-        # scale = half / lim from the host, as alpha_sigmoid._lerp_tables has it (a GPU's float32 division is
-        # approximate); u clamped too: the product can pass half by an ulp, and w outside [0, 1] made sigma
-        # negative at the grid's end (NaN log I on an H200 at alpha 4, 2026-11-27)
+        # scale = half / lim from the table's params, rounded from float64 as alpha_sigmoid._lerp_tables has it
+        # (a GPU's float32 division is approximate); u clamped too: the product can pass half by an ulp, and w
+        # outside [0, 1] made sigma negative at the grid's end (NaN log I on an H200 at alpha 4, 2026-11-27)
         u = tl.minimum(tl.maximum(tl.minimum(tl.maximum(xs, -lim), lim) * scale, -half), half)
         i0 = tl.minimum(tl.maximum(tl.floor(u), -half), half - 1)
         w = u - i0
@@ -63,9 +63,13 @@ def _gates(X, P, D, offs, m, j, lim, scale, half, sinks, MODE: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(X, P, D, LOG, KEEP, RATIO, PART, T, lim, scale, half, log_floor, sinks, inv_b,
+def _forward_kernel(X, P, D, PARAMS, LOG, KEEP, RATIO, PART, T, log_floor, sinks, inv_b,
                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: B x T x T passes 2^31 at batch 32, 8k tokens
+    if MODE == 2:  # the table's (lim, half / lim, half), read on the device: a captured step's next alpha
+        lim, scale, half = tl.load(PARAMS), tl.load(PARAMS + 1), tl.load(PARAMS + 2)  # changes no argument
+    else:
+        lim, scale, half = 1.0, 1.0, 1.0
     j0 = tl.program_id(1) * BLOCK_J
     j = j0 + tl.arange(0, BLOCK_J)
     jm = j < T
@@ -151,19 +155,17 @@ def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0, log_dtype: torch.
     x = x.contiguous()
     b, t, _ = x.shape
     if alpha == 1:
-        mode, p_tab, d_tab, lim, half = SIGMOID, x, x, 1.0, 1.0
+        mode, (p_tab, d_tab, params) = SIGMOID, (x, x, x)
     elif alpha == 2:
-        mode, p_tab, d_tab, lim, half = CLAMP, x, x, 1.0, 1.0
-    else:
-        p_tab, d_tab = _table(float(alpha), str(x.device))
-        mode, lim, half = TABLE, table_range(float(alpha)), float((p_tab.shape[0] - 1) // 2)  # (an integer)
+        mode, (p_tab, d_tab, params) = CLAMP, (x, x, x)
+    else:  # (a TableSlot's buffers while one is in use: alpha_sigmoid._table)
+        mode, (p_tab, d_tab, params) = TABLE, _table(float(alpha), str(x.device))
     log_i = torch.empty_like(x, dtype=log_dtype or x.dtype)
     keep, ratio = torch.empty_like(x), torch.empty_like(x)
     strips = triton.cdiv(t, BLOCK_J)
     part = torch.empty(b, strips, dtype=torch.float32, device=x.device)  # each strip's mass, over B already
-    _forward_kernel[(b, strips)](x, p_tab, d_tab, log_i, keep, ratio, part, t, lim, half / lim, half,
-                                 math.log(LOG_FLOOR), sinks, 1.0 / b, MODE=mode, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J,
-                                 num_warps=WARPS)
+    _forward_kernel[(b, strips)](x, p_tab, d_tab, params, log_i, keep, ratio, part, t, math.log(LOG_FLOOR), sinks,
+                                 1.0 / b, MODE=mode, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J, num_warps=WARPS)
     return log_i, keep, ratio, part.sum()
 
 

@@ -42,6 +42,7 @@ from models.evaluate import encode_documents, score_documents
 from models.params import components, count_trainable
 from models.pruning import alpha_schedule, mean_sparsity, pair_count, sparsity_loss
 from models.pruning.alpha_sigmoid import prefetch_schedule
+from models.step_graph import GraphedLoss, schedule_alphas
 from models.transformer import DecoderLM
 
 log = logging.getLogger("models.train")
@@ -68,6 +69,8 @@ class TrainConfig:
     checkpoint_interval: int = 100
     eval_stride: int = 256
     compile: bool = False  # torch.compile, CUDA only
+    cuda_graph: bool = False  # each step's forward and backward replayed from CUDA graphs (models/step_graph.py);
+                              # CUDA only, one process, not with compile or distill
     init_from: str | None = None  # a model directory to start from (fine-tuning; e.g. a dense base for pruning)
     gamma: float = 0.3            # context pruning: weight of the sparsity loss
     alpha_start: float = 1.0      # context pruning: alpha rises alpha_start -> alpha_end on a cosine over alpha_steps
@@ -153,6 +156,8 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
                           f"got {tc.alpha_start!r}, {tc.alpha_end!r}")
     if tc.warmup < 0 or tc.lr <= 0 or tc.min_lr < 0:
         raise ConfigError(f"{path}: train.lr, min_lr and warmup must be positive")
+    if tc.cuda_graph and (tc.compile or tc.distill):
+        raise ConfigError(f"{path}: train.cuda_graph captures the plain step: not with train.compile or train.distill")
     return model_cfg, tc, raw
 
 
@@ -308,6 +313,23 @@ class StopFlag:
 MODEL_FILES = (*FILES, LOG)  # what a finished run leaves (a model directory and its curve)
 
 
+def graphed_loss(model: DecoderLM, tc: TrainConfig, dev: torch.device, world: int) -> GraphedLoss | None:
+    """train.cuda_graph's GraphedLoss for this run, or None (with a warning) where its steps run eagerly: off
+    CUDA, over several processes, or where a pruned step's keep structure would not take the Triton kernel (the
+    reference's reads its table's range from the host: models/step_graph.py)."""
+    import kernels
+    probe = torch.empty(0, device=dev)
+    if dev.type != "cuda" or world > 1:
+        why = "one CUDA process"
+    elif model.config.prune and kernels.backend_for("log_keep", probe) != "triton":
+        why = "the Triton keep kernel (MIXSCOPE_KERNELS=reference, or no Triton here)"
+    else:
+        schedule = (tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)
+        return GraphedLoss(model, schedule_alphas(tc.steps, *schedule) if model.config.prune else ())
+    log.warning("train.cuda_graph needs %s: this run's steps run eagerly", why)
+    return None
+
+
 def check_out_dir(out: Path, overwrite: bool) -> None:
     """A run may write into a new or empty directory, resume an unfinished run there (its train_state says so),
     or replace a finished model only when asked (overwrite=True); nothing else is touched."""
@@ -398,6 +420,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     fwd = model
     if tc.compile and dev.type == "cuda":
         fwd = torch.compile(model)
+    graphed = graphed_loss(model, tc, dev, world) if tc.cuda_graph else None
     if world > 1:  # MHE-ADD's e^K gets no gradient by construction (papers.md), hence unused parameters
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=model_cfg.mixer == "mhe-add")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
@@ -469,21 +492,26 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                 if dev.type == "cuda":  # the next steps' alpha-sigmoid tables in one batched build
                     prefetch_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end, dev)
                 model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end))
-            with autocast:
-                res = fwd(x, targets=y)
-                loss = res.loss
-                if tc.distill:  # the target: the same model with its whole context
-                    with torch.no_grad(), rule_off(model):
-                        teacher = fwd(x).logits
-                    loss = distill_loss(res.logits, teacher)
-                    kl_value = float(loss.detach())
-                if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
-                    loss = loss + sparsity_loss(res.prune_mass, tc.gamma, n_pairs)
+            if graphed is not None:  # (autocast inside the capture, with its weight cache off; no distill)
+                lm_loss, mass = graphed(x, y)
+                loss = lm_loss if not pruning else lm_loss + sparsity_loss(mass, tc.gamma, n_pairs)
+            else:
+                with autocast:
+                    res = fwd(x, targets=y)
+                    lm_loss, mass = res.loss, res.prune_mass
+                    loss = lm_loss
+                    if tc.distill:  # the target: the same model with its whole context
+                        with torch.no_grad(), rule_off(model):
+                            teacher = fwd(x).logits
+                        loss = distill_loss(res.logits, teacher)
+                        kl_value = float(loss.detach())
+                    if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
+                        loss = loss + sparsity_loss(mass, tc.gamma, n_pairs)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss = res.loss.detach()  # the logged loss is the LM loss alone (the sparsity term is logged apart)
+            loss = lm_loss.detach()  # the logged loss is the LM loss alone (the sparsity term is logged apart)
             if world > 1:  # log the global batch's loss, not this process's share
                 torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
             loss_value = float(loss)
@@ -505,7 +533,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                     entry["kl"] = kl_value
                 if pruning:
                     entry |= {"alpha": model.blocks[0].mixer.pruning.alpha,
-                              "kept_fraction_soft": float(res.prune_mass.detach()) * 2 / n_pairs}
+                              "kept_fraction_soft": float(mass.detach()) * 2 / n_pairs}
                 record(entry)
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
             if step % tc.eval_interval == 0 or step == tc.steps:
@@ -533,6 +561,8 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         extra = {"final_valid_query_sparsity": valid_sparsity()} if pruning and status == "ok" else {}
         if calibration is not None:
             extra["prune_calibration_rms"] = calibration
+        if graphed is not None:  # which forms of the step this run (since its last resume) replayed from graphs
+            extra["cuda_graph"] = {"captured": sorted(graphed.graphs), "failed": graphed.failed}
         card = finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev,
                       valid_loss() if status == "ok" else float("nan"), extra)
         state_path.unlink(missing_ok=True)

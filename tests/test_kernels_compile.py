@@ -77,7 +77,7 @@ def cases():
     # training's keep kernels; log I and its gradient in bf16 too (a bf16-autocast step hands it to attention so)
     for mode, log in ((tk.SIGMOID, "fp32"), (tk.CLAMP, "fp32"), (tk.TABLE, "fp32"), (tk.TABLE, "bf16")):
         out.append((f"keep forward mode={mode} log={log}", tk._forward_kernel,
-                    {n: "*fp32" for n in ("X", "P", "D", "KEEP", "RATIO", "PART")} | {"LOG": f"*{log}"},
+                    {n: "*fp32" for n in ("X", "P", "D", "PARAMS", "KEEP", "RATIO", "PART")} | {"LOG": f"*{log}"},
                     dict(MODE=mode, BLOCK_N=tk.BLOCK_N, BLOCK_J=tk.BLOCK_J), tk.WARPS, 2))
     for has_log, has_keep, has_mass, log in ((True, True, False, "fp32"), (True, False, False, "fp32"),
                                              (False, True, False, "fp32"), (True, False, True, "fp32"),

@@ -301,13 +301,13 @@ def test_tables_built_together_equal_tables_built_alone(monkeypatch):
     assert len(tab._TABLES) == len(alphas)
     for a in alphas:
         got = tab._table(a, "cpu")
-        assert torch.equal(got[0], alone[a][0]) and torch.equal(got[1], alone[a][1]), a
+        assert all(torch.equal(g, w) for g, w in zip(got, alone[a])), a  # (p, d and the params)
     tab.clear_tables()
     monkeypatch.setattr(tab, "BATCH_POINTS", 1 << 21)  # now the shorter grids share a bisection with the longest
     tab.prepare_tables(alphas, "cpu")
     for a in alphas:
         got = tab._table(a, "cpu")
-        assert torch.equal(got[0], alone[a][0]) and torch.equal(got[1], alone[a][1]), a
+        assert all(torch.equal(g, w) for g, w in zip(got, alone[a])), a  # (p, d and the params)
     monkeypatch.setattr(tab, "TABLES_KEPT", 4)
     tab.prepare_tables([3.0, 3.1], "cpu")
     assert len(tab._TABLES) == 4 and tab.has_table(3.1, "cpu") and not tab.has_table(1.02, "cpu")

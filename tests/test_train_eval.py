@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from models import train as train_mod
 from models.checkpoint import load_model_dir
@@ -25,9 +26,8 @@ from tests.helpers import randomize, tiny_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
+def tiny_corpus(root: Path) -> Path:
+    """A prepared corpus of twelve 400-word texts over 13 words under root (tests/test_gpu.py trains on it too)."""
     texts = root / "texts"
     texts.mkdir()
     rng = np.random.default_rng(0)
@@ -36,6 +36,11 @@ def data_dir(tmp_path_factory):
         (texts / f"{i}.txt").write_text(" ".join(rng.choice(words, size=400)))
     prepare(root / "data", [], [str(texts)], vocab_size=280, cache=None, min_frequency=1)
     return root / "data"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def write_config(path, data_dir, mixer="mhe-mul", **train):
@@ -128,6 +133,45 @@ def test_bad_configs(tmp_path, data_dir):
         load_run_config(write_config(tmp_path / "s.json", data_dir, eval_stride=99))
     with pytest.raises(DataError, match="run `python -m models.data prepare"):
         train(write_config(tmp_path / "e.json", tmp_path / "empty"), tmp_path / "m", progress=False)
+    with pytest.raises(ConfigError, match="cuda_graph captures the plain step"):
+        load_run_config(write_config(tmp_path / "g.json", data_dir, cuda_graph=True, compile=True))
+
+
+def test_cuda_graph_off_a_gpu_runs_the_same_eager_steps_and_says_so(tmp_path, data_dir, caplog, monkeypatch):
+    """train.cuda_graph (models/step_graph.py) needs CUDA: here the run says it runs eagerly, and its curve (LM loss,
+    alpha, the soft kept fraction from the sparsity mass) and weights are those of the run without it. The loop's
+    graphed branch, run with make_graphed_callables' stand-in (tests/test_step_graph.py), gives them too. The keep
+    structure on Triton (the interpreter) in all three, as a graphed table step needs."""
+    from models.step_graph import GraphedLoss
+    from tests.test_step_graph import _Capture
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    runs, stand_ins = {}, []
+
+    def stand_in(model, tc, dev, world):
+        stand_ins.append(GraphedLoss(model, train_mod.schedule_alphas(tc.steps, tc.steps, tc.alpha_start,
+                                                                      tc.alpha_end),
+                                     autocast_dtype=None, capture=_Capture(), min_steps=1))
+        return stand_ins[-1]
+    for name, graph in (("eager", False), ("said", True), ("branch", True)):
+        # three steps of four, then stopped with the state saved: no evaluation (the interpreter is slow at it)
+        cfg = write_config(tmp_path / f"{name}.json", data_dir, mixer="mha", steps=4, cuda_graph=graph,
+                           eval_interval=100, checkpoint_interval=100)
+        raw = json.loads(cfg.read_text())
+        raw["model"] |= {"prune": True, "prune_r": 8}
+        cfg.write_text(json.dumps(raw))
+        if name == "branch":
+            monkeypatch.setattr(train_mod, "graphed_loss", stand_in)
+        with caplog.at_level("WARNING"):
+            assert train(cfg, tmp_path / name, stop_after=3, progress=False)["status"] == "interrupted"
+        runs[name] = strip_time(curve(tmp_path / name)), load_file(tmp_path / name / train_mod.STATE)
+    assert "cuda_graph needs one CUDA process" in caplog.text
+    assert stand_ins and stand_ins[0].graphs.keys() == {"sigmoid", "table"} and stand_ins[0].slot.alpha is not None
+    log_eager, eager = runs["eager"]
+    assert len(log_eager) == 3 and all("kept_fraction_soft" in e for e in log_eager)
+    for name in ("said", "branch"):  # the curve, and the weights and optimizer state after three steps
+        log_other, other = runs[name]
+        assert log_other == log_eager, name
+        assert eager.keys() == other.keys() and all(torch.equal(eager[k], other[k]) for k in eager), name
 
 
 def test_base_config_is_merged(tmp_path):

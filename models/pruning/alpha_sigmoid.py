@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 
@@ -99,7 +102,22 @@ def table_range(alpha: float) -> float:
 # configs/gpu/mha-pruned step that built one took 13-17 ms more than one at alpha 2, which needs none: a GPU trainer
 # builds the next steps' tables in one batched bisection a side of alpha 2 (prepare_tables; more only past
 # BATCH_POINTS, as for a block near alpha 1.001, whose grids hold 37k points: two below 2).
-_TABLES: OrderedDict[tuple[float, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+class Table(NamedTuple):
+    """One alpha's interpolation table on a device: sigma_alpha (p) and its derivative (d) on a uniform odd grid
+    over [-lim, lim], float32, and params = (lim, half / lim, half) as float32 on the same device (half: the grid's
+    points either side of 0), which the Triton keep kernel reads there, so a captured step takes a new alpha's
+    table without a launch argument changing (TableSlot)."""
+    p: torch.Tensor
+    d: torch.Tensor
+    params: torch.Tensor
+
+
+def _params(alpha: float, points: int) -> tuple[float, float, float]:
+    lim, half = table_range(alpha), float((points - 1) // 2)
+    return lim, half / lim, half
+
+
+_TABLES: OrderedDict[tuple[float, str], Table] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
 TABLES_KEPT = 128        # at most ~40 MB (37k points each near alpha = 1, 8193 from 1.05 on)
 BATCH_POINTS = 1 << 21   # grid points in one batched build: its float64 bisection holds a few [K, points] tensors
@@ -139,7 +157,7 @@ def _grid(alpha: float) -> tuple[float, int]:
     return lim, 2 * half + 1
 
 
-def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _build(alphas: list[float], device: str) -> list[Table]:
     """sigma_alpha and its derivative on each alpha's grid, exact (float64 bisection), stored in float32; every
     alpha of one call on one side of 2, so one bisection over [K, points] serves all (built on `device` itself: a
     host-built table would cost each GPU step a host bisection and a copy). A grid with fewer points than the
@@ -158,9 +176,10 @@ def _build(alphas: list[float], device: str) -> list[tuple[torch.Tensor, torch.T
     p, _ = _bisect(x, a, below_two=alphas[0] < 2)
     d = derivative(torch.minimum(p, p.flip(-1)), x, a)  # p(-x) = 1 - p(x), unrounded (grid symmetric to 1e-14)
     p, d = p.float(), d.float()
+    params = torch.tensor([_params(a, n) for a, n in zip(alphas, counts)], dtype=torch.float32, device=device)
     cut = [((points - n) // 2, n) for n in counts]
-    return [(p[i, lo:lo + n].clone(), d[i, lo:lo + n].clone())  # (a kept row must not hold its batch)
-            for i, (lo, n) in enumerate(cut)]
+    return [Table(p[i, lo:lo + n].clone(), d[i, lo:lo + n].clone(), params[i].clone())  # (a kept row must not
+            for i, (lo, n) in enumerate(cut)]                                           # hold its batch)
 
 
 def prepare_tables(alphas, device) -> None:
@@ -199,10 +218,14 @@ def prefetch_schedule(step: int, total: int, start: float, end: float, device, a
         prepare_tables([alpha_schedule(s, total, start, end) for s in range(step, step + max(ahead, 1))], device)
 
 
-def _table(alpha: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _table(alpha: float, device: str) -> Table:
     """sigma_alpha and its derivative on a uniform grid over [-R, R] (table_range), float32: the kept one, else
-    built now (alone)."""
+    built now (alone); while a TableSlot is in use on the device (in this context), the slot's, which must hold
+    this alpha."""
     key = (float(alpha), _where(device))
+    slot = (_SLOTS.get() or {}).get(key[1])
+    if slot is not None:
+        return slot.table(key[0])
     with _TABLES_LOCK:
         if key in _TABLES:
             _TABLES.move_to_end(key)
@@ -212,6 +235,64 @@ def _table(alpha: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     tables = _build([key[0]], key[1])[0]
     _keep([(key, tables)])
     return tables
+
+
+class TableSlot:
+    """Fixed buffers on one device for the table of the alpha about to run. A training step captured in a CUDA
+    graph (models.step_graph) launches the keep kernel with the addresses it had at capture, so its table has to
+    sit at those addresses whatever alpha the step has: load(alpha) copies that alpha's table there (three copies
+    on the device, nothing from the host), and while the slot is in use (use_slot) _table answers for the device
+    from it. Sized for the longest grid it will hold (slot_points)."""
+
+    def __init__(self, device, points: int):
+        self.device = _where(device)
+        self.p = torch.zeros(points, dtype=torch.float32, device=self.device)
+        self.d = torch.zeros_like(self.p)
+        self.params = torch.zeros(3, dtype=torch.float32, device=self.device)
+        self.alpha, self.points = None, 0
+
+    def load(self, alpha: float) -> None:
+        token = _SLOTS.set({})  # (the kept table, not a slot's: look it up with none in use)
+        try:
+            tab = _table(float(alpha), self.device)
+        finally:
+            _SLOTS.reset(token)
+        n = tab.p.numel()
+        if n > self.p.numel():
+            raise ValueError(f"alpha {alpha}'s table has {n} points, the slot {self.p.numel()}: size it with "
+                             "slot_points over every alpha it will hold")
+        self.p[:n].copy_(tab.p)
+        self.d[:n].copy_(tab.d)
+        self.params.copy_(tab.params)
+        self.alpha, self.points = float(alpha), n
+
+    def table(self, alpha: float) -> Table:
+        """The slot's table as _table returns one: views from the buffers' start (the same addresses whatever
+        their length), which must be alpha's."""
+        if self.alpha != alpha:
+            raise RuntimeError(f"the table slot holds alpha {self.alpha}, the step asked for {alpha}: load() the "
+                               "step's alpha first")
+        return Table(self.p[:self.points], self.d[:self.points], self.params)
+
+
+# device -> the TableSlot in use there, per context (app sessions run in threads, and only the thread that set a
+# slot runs the forward that reads it: a capture's warm-up, capture and eager steps)
+_SLOTS: ContextVar[dict[str, TableSlot] | None] = ContextVar("alpha_sigmoid_slots", default=None)
+
+
+def slot_points(alphas) -> int:
+    """The grid points a TableSlot needs to hold any of these alphas' tables (at least 1)."""
+    return max([_grid(float(a))[1] for a in alphas if needs_table(float(a))], default=1)
+
+
+@contextmanager
+def use_slot(slot: TableSlot):
+    """While inside (in this context), _table on the slot's device answers from the slot (see TableSlot)."""
+    token = _SLOTS.set((_SLOTS.get() or {}) | {slot.device: slot})
+    try:
+        yield slot
+    finally:
+        _SLOTS.reset(token)
 
 
 def _lerp_tables(tables: tuple[torch.Tensor, ...], x: torch.Tensor, lim: float) -> list[torch.Tensor]:
@@ -239,7 +320,7 @@ class _AlphaSigmoidTable(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:
         lim = table_range(alpha)
-        p_tab, d_tab = _table(alpha, str(x.device))
+        p_tab, d_tab, _ = _table(alpha, str(x.device))
         ctx.save_for_backward(x)
         ctx.alpha, ctx.lim, ctx.d_tab = alpha, lim, d_tab
         return _lerp_tables((p_tab,), x, lim)[0].to(x.dtype)
@@ -292,7 +373,7 @@ def alpha_sigmoid_slope(x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, to
             p, q = _bisect(x, alpha)
             return p, derivative(q, x.to(q.dtype), alpha).to(x.dtype)
         lim = table_range(alpha)
-        p, d = _lerp_tables(_table(alpha, str(x.device)), x, lim)
+        p, d = _lerp_tables(_table(alpha, str(x.device))[:2], x, lim)
         return p.to(x.dtype), _table_slope(d, x, lim).to(x.dtype)
 
 

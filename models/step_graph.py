@@ -1,0 +1,145 @@
+"""A training step's forward and backward replayed from CUDA graphs (train.cuda_graph; issue #27).
+
+On a GPU a step of configs/gpu/mha-pruned.json at batch 8 waited on the host: an H200 was busy 24 of the pruned
+step's 42-51 ms and 13 of its dense twin's 24 (2026-11-27), so what the host dispatches decided the ratio. Replayed
+from a graph, the forward and the backward are one launch each, whatever they hold.
+
+GraphedLoss captures the model's loss (and the pruned model's sparsity mass) with
+torch.cuda.make_graphed_callables, PyTorch's partial-network capture: the captured forward and backward sit in
+one autograd node, so the gradient reaches .grad as an eager step's does; clipping, the optimizer and the
+sparsity term stay eager (a few launches). What a capture bakes in, and how each is handled:
+
+- Shapes: a graph replays one batch shape; a batch of another shape is refused.
+- Alpha moves every step. It picks the alpha-sigmoid's form, a constexpr of the keep kernel (the sigmoid at 1, a
+  clamp at 2, a table elsewhere): each form the run's alphas hold at MIN_STEPS steps or more gets a capture of its
+  own, made when it first runs, with a memory pool of its own (a forward and backward's activations); the others
+  run eagerly (a cosine schedule from 1 passes alpha 1 at one step and alpha 2 at none). Inside the table form the
+  table's values and range are read on the device from a TableSlot, which load(alpha) refills before each replay
+  (kernels.triton_keep reads lim, half / lim and half from it). The reference keep path takes them from the host,
+  so a table form captured anywhere else is refused.
+- Autocast's weight cache is off inside the capture (make_graphed_callables refuses it): each forward casts the
+  weights it uses, as the cache's first use would.
+- The rest of the step must not change while graphs live: which parameters train, the kernel paths
+  (MIXSCOPE_KERNELS, MIXSCOPE_CAUSAL_BIAS), training mode (an eval-mode call is refused).
+
+A capture that fails is reported (`failed`) and its form runs eagerly from then on. On other devices models.train
+runs eagerly and says so.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from contextlib import nullcontext
+
+import torch
+
+import kernels
+from models.pruning.alpha_sigmoid import TableSlot, alpha_schedule, needs_table, slot_points, use_slot
+
+log = logging.getLogger(__name__)
+
+MIN_STEPS = 8  # a capture costs about four steps (three warm-ups and the capture); rarer forms run eagerly
+
+
+def form(alpha: float | None) -> str:
+    """Which capture a step at this alpha replays (None: a dense model, no alpha)."""
+    if alpha is None:
+        return "dense"
+    if alpha == 1:
+        return "sigmoid"
+    if alpha == 2:
+        return "clamp"
+    return "step" if math.isinf(alpha) else "table"
+
+
+class _Loss(torch.nn.Module):
+    """The model's loss and sparsity mass as a module of tensors in and out, what make_graphed_callables takes
+    (a fresh one per capture: each capture replaces its module's forward)."""
+
+    def __init__(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None):
+        super().__init__()
+        self.model, self.autocast_dtype = model, autocast_dtype
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, cache: bool = False):
+        on = self.autocast_dtype is not None
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=on, cache_enabled=cache):
+            res = self.model(x, targets=y)
+        return (res.loss,) if res.prune_mass is None else (res.loss, res.prune_mass)
+
+
+def schedule_alphas(steps: int, total: int, start: float, end: float) -> list[float]:
+    """The alpha of each of a run's steps 0..steps-1 (alpha_schedule over `total` steps, then held): a form's count
+    of steps, and the longest table, come from it."""
+    return [alpha_schedule(s, total, start, end) for s in range(steps)]
+
+
+class GraphedLoss:
+    """model(x, targets=y)'s (loss, sparsity mass or None), the forward and backward replayed from CUDA graphs.
+    alphas: the alpha of every step the run will take, repeats included (sizes the table slot and says which forms
+    are worth a capture; a dense model has none). min_steps: a form's steps in alphas for a capture (a dense model's
+    one form is always captured). capture: make_graphed_callables, replaceable so that the orchestration runs on a
+    CPU in tests."""
+
+    def __init__(self, model: torch.nn.Module, alphas=(), autocast_dtype: torch.dtype | None = torch.bfloat16,
+                 capture=None, min_steps: int = MIN_STEPS):
+        self.model, self.autocast_dtype = model, autocast_dtype
+        self.capture = capture or torch.cuda.make_graphed_callables
+        self.device = next(model.parameters()).device
+        alphas = [float(a) for a in alphas]
+        self.slot = TableSlot(self.device, slot_points(alphas)) if any(needs_table(a) for a in alphas) else None
+        steps = Counter(form(a) for a in alphas)
+        self.captured_forms = {"dense"} | {k for k, n in steps.items() if n >= min_steps}
+        self.graphs: dict[str, torch.nn.Module] = {}
+        self.paths: dict[str, dict[str, str]] = {}  # per form, the kernel paths its capture took
+        self.failed: dict[str, str] = {}            # per form, why its capture failed (it then runs eagerly)
+        self.eager = _Loss(model, autocast_dtype)
+        self.shape = None
+
+    def _alpha(self) -> float | None:
+        rules = [b.mixer.pruning for b in self.model.blocks if getattr(b.mixer, "pruning", None) is not None]
+        return rules[0].current_alpha() if rules else None
+
+    def replays(self, alpha: float | None) -> bool:
+        """Whether a step at this alpha replays a graph (captured already or to be), rather than running eagerly."""
+        kind = form(alpha)
+        return kind in self.captured_forms and kind not in self.failed
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.model.training:
+            raise ValueError("a graphed step trains: the model is in eval mode")
+        alpha = self._alpha()
+        kind = form(alpha)
+        if not self.replays(alpha):
+            out = self.eager(x, y, cache=True)
+            return out[0], (out[1] if len(out) > 1 else None)
+        if self.shape is None:
+            self.shape = (tuple(x.shape), tuple(y.shape))
+        elif (tuple(x.shape), tuple(y.shape)) != self.shape:
+            raise ValueError(f"a graphed step replays batches of {self.shape[0]} tokens, got {tuple(x.shape)}")
+        if kind == "table":  # (captured only when the run's alphas hold tables: the slot is sized for them)
+            self.slot.load(alpha)
+        with use_slot(self.slot) if kind == "table" else nullcontext():
+            graphed = self.graphs.get(kind) or self._capture(kind, x, y)
+            if graphed is None:
+                return self(x, y)  # (it failed: now eager)
+            out = graphed(x, y)
+        return out[0], (out[1] if len(out) > 1 else None)
+
+    def _capture(self, kind: str, x: torch.Tensor, y: torch.Tensor):
+        """The form's graphed module (its warm-up steps and the capture read the slot just loaded), or None when the
+        capture failed."""
+        try:
+            with kernels.record_paths() as self.paths[kind]:
+                graphed = self.capture(_Loss(self.model, self.autocast_dtype), (x, y), allow_unused_input=True)
+        except RuntimeError as e:
+            self.failed[kind] = f"{type(e).__name__}: {e}"
+            log.warning("capturing the %s form of the training step failed (%s): it runs eagerly", kind, e)
+            return None
+        if kind == "table" and self.paths[kind].get("log_keep") != "triton":
+            # the reference indexes the table with the capture's alpha, taken from the host: later replays would
+            # read each new table with it
+            raise RuntimeError(f"a graphed table step needs the Triton keep kernel; its capture took "
+                               f"{self.paths[kind].get('log_keep')!r} (MIXSCOPE_KERNELS, or no Triton here)")
+        self.graphs[kind] = graphed
+        return graphed

@@ -1,0 +1,184 @@
+"""A training step replayed from CUDA graphs (models.step_graph), checked on the CPU where no graph can be captured:
+the table slot the captured keep kernel reads (its values for each alpha, at fixed addresses), and GraphedLoss's
+bookkeeping (a capture per form of the alpha-sigmoid, the slot refilled before each step) with a stand-in capture
+that runs the module itself. The capture proper is tested on a GPU (tests/test_gpu.py)."""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+import kernels
+from models.pruning import pair_count, sparsity_loss
+from models.step_graph import GraphedLoss, form, schedule_alphas
+from models.transformer import DecoderLM
+from tests.helpers import randomize, tiny_config
+
+tab = importlib.import_module("models.pruning.alpha_sigmoid")  # (the package exports the function by this name)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
+
+
+@pytest.fixture
+def triton_keep(monkeypatch):
+    if "log_keep" not in kernels.TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton under TRITON_INTERPRET=1 (the tests' setting)")
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")  # the dispatch a GPU takes
+    from kernels import triton_keep
+    return triton_keep
+
+
+def test_the_keep_kernel_reads_each_alpha_from_one_slot_at_fixed_addresses(triton_keep):
+    """Refilled between calls with tables of different lengths (1.02's grid has 18,433 points, 1.5's and 8's
+    8,193), the slot gives the kernel the values each alpha's own table gives, bit for bit, from the same three
+    addresses every time."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 70, 70) * 4
+    alphas = [8.0, 1.02, 1.5, 8.0, 1.02]
+    slot = tab.TableSlot("cpu", tab.slot_points(alphas))
+    assert slot.p.numel() == tab._grid(1.02)[1] > tab._grid(8.0)[1]
+    seen = set()
+    for a in alphas:
+        want = triton_keep.log_keep(x, alpha=a, sinks=1)
+        slot.load(a)
+        with tab.use_slot(slot):
+            held = tab._table(a, "cpu")
+            seen.add(tuple(t.data_ptr() for t in held))
+            assert held.p.numel() == tab._table(a, "cpu").p.numel() == tab._grid(a)[1]
+            got = triton_keep.log_keep(x, alpha=a, sinks=1)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), a
+    assert seen == {(slot.p.data_ptr(), slot.d.data_ptr(), slot.params.data_ptr())}
+    assert tab._table(1.02, "cpu").p.data_ptr() != slot.p.data_ptr()  # outside use_slot: the kept table
+
+
+def test_a_slot_refuses_an_alpha_it_does_not_hold_and_a_table_longer_than_itself():
+    slot = tab.TableSlot("cpu", tab.slot_points([4.0]))
+    slot.load(4.0)
+    with tab.use_slot(slot):
+        with pytest.raises(RuntimeError, match="holds alpha 4.0"):
+            tab._table(3.0, "cpu")
+    with pytest.raises(ValueError, match="slot_points"):
+        slot.load(1.02)
+    assert slot.alpha == 4.0 and torch.equal(slot.p, tab._table(4.0, "cpu").p)   # (nothing half-loaded)
+    inner = tab.TableSlot("cpu", tab.slot_points([3.0]))
+    inner.load(3.0)
+    with tab.use_slot(slot), tab.use_slot(inner):
+        assert tab._table(3.0, "cpu").p.data_ptr() == inner.p.data_ptr()
+    with tab.use_slot(slot):  # the inner one gave the outer back
+        assert tab._table(4.0, "cpu").p.data_ptr() == slot.p.data_ptr()
+    assert tab.slot_points([1.0, 2.0, math.inf]) == 1
+
+
+def test_the_forms_a_schedule_passes_through():
+    assert [form(a) for a in (None, 1.0, 1.02, 2.0, 8.0, math.inf)] == ["dense", "sigmoid", "table", "clamp",
+                                                                          "table", "step"]
+    alphas = schedule_alphas(120, 100, 1.0, 8.0)  # (steps 0..119, the cosine over 100, then held)
+    assert len(alphas) == 120 and alphas[0] == 1.0 and alphas[100:] == [8.0] * 20
+    graphed = GraphedLoss(DecoderLM(tiny_config("mha", prune=True)), alphas, autocast_dtype=None)
+    assert graphed.captured_forms == {"dense", "table"}   # alpha 1 at one step, alpha 2 at none: eager
+    assert graphed.slot.p.numel() == max(tab._grid(a)[1] for a in alphas[1:])
+
+
+def test_a_slot_in_use_is_this_contexts_alone():
+    """App sessions run in threads: a slot one thread uses is not what another thread's _table answers from."""
+    import threading
+    slot = tab.TableSlot("cpu", tab.slot_points([4.0]))
+    slot.load(4.0)
+    seen = {}
+    with tab.use_slot(slot):
+        worker = threading.Thread(target=lambda: seen.setdefault("p", tab._table(3.0, "cpu").p.data_ptr()))
+        worker.start()
+        worker.join()
+    assert seen["p"] != slot.p.data_ptr()
+
+
+class _Capture:
+    """make_graphed_callables' stand-in: notes each capture and, like its warm-up, runs the module forward and
+    backward once while the slot holds the alpha it was captured at; the returned module runs eagerly after that
+    (a graph would replay with the pointers it captured, which the slot test above pins)."""
+
+    def __init__(self):
+        self.forms, self.alphas = [], []
+
+    def __call__(self, module, sample_args, allow_unused_input=False):
+        assert allow_unused_input
+        self.forms.append(form(module.model.blocks[0].mixer.pruning.current_alpha()
+                               if module.model.config.prune else None))
+        out = module(*sample_args)  # (a warm-up: autograd.grad, nothing reaches .grad)
+        torch.autograd.grad(sum(o.sum() for o in out), [p for p in module.parameters() if p.requires_grad],
+                            allow_unused=True)
+        return module
+
+
+def _eager_step(model, x, y):
+    model.zero_grad(set_to_none=True)
+    res = model(x, targets=y)
+    loss = res.loss if res.prune_mass is None else res.loss + sparsity_loss(res.prune_mass, 0.3, pair_count(2, 16))
+    loss.backward()
+    return res.loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("prune", [True, False])
+def test_a_graphed_loss_captures_once_a_form_and_gives_the_eager_steps_loss_and_gradients(triton_keep, prune):
+    """Across a schedule's alphas (the sigmoid, tables of different lengths, the clamp, tables again) the loss and
+    every gradient equal the eager step's; one capture per form, in the order the forms first come."""
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config("mha", prune=prune, n_layers=2, context=16)).train()
+    randomize(model, std=0.1)
+    x, y = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    alphas = [1.0, 1.02, 8.0, 2.0, 1.3, 1.02] if prune else [None, None]
+    capture = _Capture()
+    graphed = GraphedLoss(model, [a for a in alphas if a is not None], autocast_dtype=None, capture=capture,
+                          min_steps=1)
+    for a in alphas:
+        if a is not None:
+            model.set_alpha(a)
+        want_loss, want_grads = _eager_step(model, x, y)
+        model.zero_grad(set_to_none=True)
+        lm, mass = graphed(x, y)
+        assert (mass is None) == (not prune)
+        loss = lm if mass is None else lm + sparsity_loss(mass, 0.3, pair_count(2, 16))
+        loss.backward()
+        assert torch.equal(lm.detach(), want_loss), a
+        got = [p.grad for p in model.parameters() if p.grad is not None]
+        assert len(got) == len(want_grads) and all(torch.equal(g, w) for g, w in zip(got, want_grads)), a
+        if a is not None and tab.needs_table(a):
+            assert graphed.slot.alpha == a
+    assert capture.forms == (["sigmoid", "table", "clamp"] if prune else ["dense"])
+    assert set(graphed.paths) == set(capture.forms)
+    if prune:
+        assert graphed.paths["table"].get("log_keep") == "triton"
+    with pytest.raises(ValueError, match="replays batches of"):
+        graphed(x[:1], y[:1])
+
+
+def test_what_a_graphed_loss_refuses_and_where_it_runs_eagerly(monkeypatch, caplog):
+    model = DecoderLM(tiny_config("mha", prune=True, n_layers=2, context=16)).train()
+    x = torch.randint(0, 61, (1, 16))
+    model.set_alpha(1.5)
+    capture = _Capture()  # a form the run's alphas do not hold runs eagerly
+    lm, _ = GraphedLoss(model, [1.0, 2.0], autocast_dtype=None, capture=capture, min_steps=1)(x, x)
+    assert capture.forms == [] and torch.equal(lm, model(x, targets=x).loss)
+    # the reference keep path reads the table's range from the host: a captured table step would keep the
+    # capture's alpha in every replay
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
+    with pytest.raises(RuntimeError, match="needs the Triton keep kernel"):
+        GraphedLoss(model, [1.5], autocast_dtype=None, capture=_Capture(), min_steps=1)(x, x)
+    # a form the run's alphas hold at fewer than min_steps steps runs eagerly, with no capture
+    capture = _Capture()
+    lm, _ = GraphedLoss(model, [1.5] * 7, autocast_dtype=None, capture=capture)(x, x)
+    assert capture.forms == [] and torch.equal(lm, model(x, targets=x).loss)
+
+    def broken(module, sample_args, allow_unused_input=False):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    graphed = GraphedLoss(model, [1.5], autocast_dtype=None, capture=broken, min_steps=1)
+    with caplog.at_level("WARNING"):
+        lm, _ = graphed(x, x)   # a failed capture: said, noted, and the form eager from then on
+    assert "runs eagerly" in caplog.text and "not permitted" in graphed.failed["table"]
+    assert not graphed.replays(1.5) and torch.equal(lm, model(x, targets=x).loss)
+    model.eval()
+    with pytest.raises(ValueError, match="eval mode"):
+        graphed(x, x)
