@@ -199,16 +199,39 @@ def main(argv=None) -> int:
     y = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
     pairs = pair_count(cfg.n_layers, cfg.context)
     rows = []
+    head = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
+            "cuda_graph": args.cuda_graph, "threads": torch.get_num_threads(),
+            **({"vs_dense_note": "the pruned run trains the rule alone (freeze_base), its dense twin every "
+                                "parameter: vs_dense is not the rule's overhead"} if cfg.prune and tc.freeze_base
+               else {}),
+            "device": device_name(dev), "torch": torch.__version__}
+
+    def save(complete: bool) -> None:
+        """The JSON so far, after every row (complete: false until the last): a process that dies keeps its rows."""
+        if not args.json:
+            return
+        # (set when PyTorch's operator refused the causal bias: the pruned rows then ran SDPA, kernel_paths say)
+        refused = efficient._refused[0] if efficient._refused else None
+        result = head | {"causal_bias_refused": refused, "complete": complete,
+                         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+        part = f"{args.json}.part"
+        with open(part, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        os.replace(part, args.json)
+
     if cfg.prune:  # the dense twin first, then freed: one model in memory at a time
         dense = dataclasses.replace(cfg, prune=False, prune_distance=False, prune_sinks=0)
         twin, twin_opt = build(dense, False, dev)
-        rows.append(profile_row(twin, twin_opt, None, x, y, tc.gamma, pairs, args,
-                                GraphedLoss(twin) if args.cuda_graph else None))
-        del twin, twin_opt
+        twin_graphed = GraphedLoss(twin) if args.cuda_graph else None
+        rows.append(profile_row(twin, twin_opt, None, x, y, tc.gamma, pairs, args, twin_graphed))
+        save(False)
+        failed = bool(twin_graphed and twin_graphed.failed)
+        del twin, twin_opt, twin_graphed
         gc.collect()  # (a graphed module holds itself through its forward: the twin's graphs go with a collection)
-        if dev.type == "cuda":
+        if dev.type == "cuda" and not failed:  # (after a failed capture torch < 2.12 may assert in empty_cache)
             torch.cuda.empty_cache()
     model, opt = build(cfg, tc.freeze_base, dev)
+    head["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     alphas = [float(a) for a in args.alphas.split(",")] if cfg.prune else [None]
     graphed = None
     if args.cuda_graph:  # (every form a row times is captured: each takes WARMUP + steps + 1 steps)
@@ -217,26 +240,15 @@ def main(argv=None) -> int:
         rows.append(profile_row(model, opt, alpha, x, y, tc.gamma, pairs, args, graphed))
         if cfg.prune:
             rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        save(False)
     if cfg.prune and args.ab_alpha is not None:  # off, then on again right after: no row's place decides the A/B
         for switch in ("0", os.environ.get("MIXSCOPE_CAUSAL_BIAS") or "1"):
             with env("MIXSCOPE_CAUSAL_BIAS", switch):
                 rows.append(profile_row(model, opt, args.ab_alpha, x, y, tc.gamma, pairs, args))
             rows[-1] |= {"causal_bias_off": switch == "0",
                          "vs_dense": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
-    result = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
-              "cuda_graph": args.cuda_graph,
-              "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-              "threads": torch.get_num_threads(),
-              **({"vs_dense_note": "the pruned run trains the rule alone (freeze_base), its dense twin every "
-                                  "parameter: vs_dense is not the rule's overhead"} if cfg.prune and tc.freeze_base
-                 else {}),
-              # (set when PyTorch's operator refused the causal bias: the pruned rows then ran SDPA, kernel_paths say)
-              "causal_bias_refused": efficient._refused[0] if efficient._refused else None,
-              "device": device_name(dev), "torch": torch.__version__,
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+            save(False)
+    save(True)
     return 0
 
 

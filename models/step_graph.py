@@ -22,8 +22,14 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
 - The rest of the step must not change while graphs live: which parameters train, the kernel paths
   (MIXSCOPE_KERNELS, MIXSCOPE_CAUSAL_BIAS), training mode (an eval-mode call is refused).
 
-A capture that fails is reported (`failed`) and its form runs eagerly from then on. On other devices models.train
-runs eagerly and says so.
+- The gradients a replay hands back are the graph's own buffers (p.grad shares their memory), so a replayed step
+  needs every trained p.grad None before it (zero_grad(set_to_none=True), as models.train does): a gradient left
+  there would be overwritten by the replay, then added to itself. Refused.
+
+A capture that fails is reported (`failed`) and every form of the step runs eagerly from then on, as a best effort:
+on torch before 2.12 a capture that raised can leave the caching allocator believing a capture is still under way
+(pytorch/pytorch#180395), which a later capture or empty_cache trips over. A device fault is raised. On other
+devices models.train runs eagerly and says so.
 """
 from __future__ import annotations
 
@@ -92,7 +98,7 @@ class GraphedLoss:
         self.captured_forms = {"dense"} | {k for k, n in steps.items() if n >= min_steps}
         self.graphs: dict[str, torch.nn.Module] = {}
         self.paths: dict[str, dict[str, str]] = {}  # per form, the kernel paths its capture took
-        self.failed: dict[str, str] = {}            # per form, why its capture failed (it then runs eagerly)
+        self.failed: dict[str, str] = {}            # per form, why its capture failed (then every form is eager)
         self.eager = _Loss(model, autocast_dtype)
         self.shape = None
 
@@ -101,9 +107,9 @@ class GraphedLoss:
         return rules[0].current_alpha() if rules else None
 
     def replays(self, alpha: float | None) -> bool:
-        """Whether a step at this alpha replays a graph (captured already or to be), rather than running eagerly."""
-        kind = form(alpha)
-        return kind in self.captured_forms and kind not in self.failed
+        """Whether a step at this alpha replays a graph (captured already or to be), rather than running eagerly:
+        after any capture failed, none does."""
+        return form(alpha) in self.captured_forms and not self.failed
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.model.training:
@@ -117,6 +123,9 @@ class GraphedLoss:
             self.shape = (tuple(x.shape), tuple(y.shape))
         elif (tuple(x.shape), tuple(y.shape)) != self.shape:
             raise ValueError(f"a graphed step replays batches of {self.shape[0]} tokens, got {tuple(x.shape)}")
+        if any(p.grad is not None for p in self.model.parameters() if p.requires_grad):
+            raise ValueError("a replayed step writes its gradients into the graph's own buffers: set every .grad to "
+                             "None before it (zero_grad(set_to_none=True))")
         if kind == "table":  # (captured only when the run's alphas hold tables: the slot is sized for them)
             self.slot.load(alpha)
         with use_slot(self.slot) if kind == "table" else nullcontext():
@@ -129,12 +138,19 @@ class GraphedLoss:
     def _capture(self, kind: str, x: torch.Tensor, y: torch.Tensor):
         """The form's graphed module (its warm-up steps and the capture read the slot just loaded), or None when the
         capture failed."""
+        stream = torch.cuda.current_stream() if x.is_cuda else None
+        fatal = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None))
+                      if t is not None)
         try:
             with kernels.record_paths() as self.paths[kind]:
                 graphed = self.capture(_Loss(self.model, self.autocast_dtype), (x, y), allow_unused_input=True)
+        except fatal:
+            raise
         except RuntimeError as e:
+            if stream is not None:  # (a capture that raised leaves its side stream current: pytorch/graphs.py)
+                torch.cuda.set_stream(stream)
             self.failed[kind] = f"{type(e).__name__}: {e}"
-            log.warning("capturing the %s form of the training step failed (%s): it runs eagerly", kind, e)
+            log.warning("capturing the %s form of the training step failed (%s): every form runs eagerly", kind, e)
             return None
         if kind == "table" and self.paths[kind].get("log_keep") != "triton":
             # the reference indexes the table with the capture's alpha, taken from the host: later replays would

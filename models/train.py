@@ -313,10 +313,12 @@ class StopFlag:
 MODEL_FILES = (*FILES, LOG)  # what a finished run leaves (a model directory and its curve)
 
 
-def graphed_loss(model: DecoderLM, tc: TrainConfig, dev: torch.device, world: int) -> GraphedLoss | None:
-    """train.cuda_graph's GraphedLoss for this run, or None (with a warning) where its steps run eagerly: off
-    CUDA, over several processes, or where a pruned step's keep structure would not take the Triton kernel (the
-    reference's reads its table's range from the host: models/step_graph.py)."""
+def graphed_loss(model: DecoderLM, tc: TrainConfig, dev: torch.device, world: int,
+                 start: int = 0) -> GraphedLoss | None:
+    """train.cuda_graph's GraphedLoss for this run's steps from `start` (a resumed run's forms are counted over
+    the steps it has left), or None (with a warning) where its steps run eagerly: off CUDA, over several processes,
+    or where a pruned step's keep structure would not take the Triton kernel (the reference's reads its table's
+    range from the host: models/step_graph.py)."""
     import kernels
     probe = torch.empty(0, device=dev)
     if dev.type != "cuda" or world > 1:
@@ -325,7 +327,7 @@ def graphed_loss(model: DecoderLM, tc: TrainConfig, dev: torch.device, world: in
         why = "the Triton keep kernel (MIXSCOPE_KERNELS=reference, or no Triton here)"
     else:
         schedule = (tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)
-        return GraphedLoss(model, schedule_alphas(tc.steps, *schedule) if model.config.prune else ())
+        return GraphedLoss(model, schedule_alphas(tc.steps, *schedule)[start:] if model.config.prune else ())
     log.warning("train.cuda_graph needs %s: this run's steps run eagerly", why)
     return None
 
@@ -420,7 +422,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     fwd = model
     if tc.compile and dev.type == "cuda":
         fwd = torch.compile(model)
-    graphed = graphed_loss(model, tc, dev, world) if tc.cuda_graph else None
+    graphed = graphed_loss(model, tc, dev, world, start) if tc.cuda_graph else None
     if world > 1:  # MHE-ADD's e^K gets no gradient by construction (papers.md), hence unused parameters
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=model_cfg.mixer == "mhe-add")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"

@@ -97,6 +97,7 @@ def test_train_step_profile_runs(tmp_path):
     assert all(r["vs_dense"] == r["tokens_per_s"] / twin["tokens_per_s"] for r in res["rows"][1:])
     assert "not the rule's overhead" in res["vs_dense_note"]                   # freeze_base: not like for like
     assert res["trainable_params"] == 2 * (2 * 16 * 4 + 1)   # the base is frozen: pruning alone
+    assert res["complete"] is True and not os.path.exists(f"{out}.part")   # (written after every row)
     assert res["cuda_graph"] is False and not any(r["cuda_graph"] for r in res["rows"])
     for bad in (["--cuda-graph"], ["--cuda-graph", "--device", "cuda", "--ab-alpha", "2"]):  # (refused before a
         with pytest.raises(SystemExit):                                                      # model is built)

@@ -144,8 +144,8 @@ def test_training_replayed_from_cuda_graphs_follows_the_eager_run(prune):
     side (clipped, fused AdamW), one eager and one graphed, on fresh batches that are overlapping views of one
     tensor as models.train's get_batch makes them: across the sigmoid (alpha 1), tables of different values and
     lengths between replays of one capture (1.02, 8, 1.3) and the clamp (2), each step's loss and gradients equal
-    the eager copy's, and after the steps so do the weights' changes. A replay that kept an earlier alpha's table
-    would give another loss (1.02's and 8's differ)."""
+    the eager copy's (and the sparsity mass), and after the steps so do the weights' changes. A replay that kept an
+    earlier alpha's table would give another mass: at the alpha-8 step, 1.02's lies far outside the tolerance."""
     import copy
 
     from models.step_graph import GraphedLoss
@@ -164,10 +164,14 @@ def test_training_replayed_from_cuda_graphs_follows_the_eager_run(prune):
     alphas = [1.0, 1.02, 8.0, 2.0, 1.3, 1.02] if prune else [None] * 3
     graphed = GraphedLoss(graphed_model, [a for a in alphas if a is not None], min_steps=1)
     pairs = pair_count(cfg.n_layers, 1024)
-    losses = []
+    apart = None
     for a in alphas:
         t = torch.randint(0, 61, (2, 1025), device=DEV)
         x, y = t[:, :-1], t[:, 1:]
+        if a == 8.0:  # how far this step's mass lies from the one a stale table (the capture's, 1.02) would give
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                eager.set_alpha(1.02)
+                stale = float(eager(x, targets=y).prune_mass)
         out = {}
         for model in (eager, graphed_model):
             if a is not None:
@@ -183,19 +187,22 @@ def test_training_replayed_from_cuda_graphs_follows_the_eager_run(prune):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opts[model].step()
             opts[model].zero_grad(set_to_none=True)
-            out[model is eager] = (float(lm), grads)
-        (loss, got), (want_loss, want) = out[False], out[True]
+            out[model is eager] = (float(lm), None if mass is None else float(mass), grads)
+        (loss, got_mass, got), (want_loss, want_mass, want) = out[False], out[True]
         assert abs(loss - want_loss) < 1e-3 * abs(want_loss) and got.keys() == want.keys(), (a, loss, want_loss)
+        if prune:
+            assert abs(got_mass - want_mass) < 1e-3 * abs(want_mass), (a, got_mass, want_mass)
         for n in want:
             assert rel_err(got[n], want[n]) < 2e-2, (a, n)
-        losses.append(want_loss)
+        if a == 8.0:
+            apart = abs(stale - want_mass) / abs(want_mass)
     moved = dict(graphed_model.named_parameters())
     for n, p in eager.named_parameters():
         assert rel_err(moved[n].detach() - start[n], p.detach() - start[n]) < 5e-2, n
+    assert sorted(graphed.graphs) == (["clamp", "sigmoid", "table"] if prune else ["dense"]) and not graphed.failed
     if prune:
-        assert sorted(graphed.graphs) == ["clamp", "sigmoid", "table"] and not graphed.failed
         assert graphed.paths["table"]["log_keep"] == "triton"
-        assert round(losses[1], 5) != round(losses[2], 5)
+        assert apart > 1e-2, apart  # (ten times the tolerance: a stale table would have failed the step)
 
 
 def test_a_training_run_with_cuda_graph_follows_the_eager_run(tmp_path):

@@ -54,6 +54,39 @@ def test_the_keep_kernel_reads_each_alpha_from_one_slot_at_fixed_addresses(trito
     assert tab._table(1.02, "cpu").p.data_ptr() != slot.p.data_ptr()  # outside use_slot: the kept table
 
 
+class _Launches:
+    """triton_keep._forward_kernel, noting each launch's table pointers (P, D, PARAMS), its other arguments that
+    are not tensors, and its keywords: what a CUDA graph keeps from its capture."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(([a.data_ptr() for a in args[1:4]], [a for a in args if not torch.is_tensor(a)], kw))
+            return self.real[grid](*args, **kw)
+        return launch
+
+
+def test_a_table_steps_launch_is_the_same_at_every_alpha_while_a_slot_is_in_use(triton_keep, monkeypatch):
+    """What a capture keeps of the keep kernel's launch (its pointers, numbers and constexprs) does not depend on
+    alpha while a slot is in use: a replay at another alpha reads that alpha's table. Without the slot the table
+    pointers move (the test's own check that it sees them)."""
+    launches = _Launches(triton_keep._forward_kernel)
+    monkeypatch.setattr(triton_keep, "_forward_kernel", launches)
+    x = torch.randn(1, 40, 40)
+    slot = tab.TableSlot("cpu", tab.slot_points([1.02, 8.0]))
+    for a in (1.02, 8.0):
+        slot.load(a)
+        with tab.use_slot(slot):
+            triton_keep.log_keep(x, alpha=a)
+    for a in (1.02, 8.0):
+        triton_keep.log_keep(x, alpha=a)
+    (in_slot, in_slot_8, free, free_8) = launches.calls
+    assert in_slot == in_slot_8 and in_slot[0] == [slot.p.data_ptr(), slot.d.data_ptr(), slot.params.data_ptr()]
+    assert free[0] != free_8[0] and free[1:] == free_8[1:] == in_slot[1:]
+
+
 def test_a_slot_refuses_an_alpha_it_does_not_hold_and_a_table_longer_than_itself():
     slot = tab.TableSlot("cpu", tab.slot_points([4.0]))
     slot.load(4.0)
@@ -174,11 +207,19 @@ def test_what_a_graphed_loss_refuses_and_where_it_runs_eagerly(monkeypatch, capl
 
     def broken(module, sample_args, allow_unused_input=False):
         raise RuntimeError("operation not permitted when stream is capturing")
-    graphed = GraphedLoss(model, [1.5], autocast_dtype=None, capture=broken, min_steps=1)
+    graphed = GraphedLoss(model, [1.5, 1.0], autocast_dtype=None, capture=broken, min_steps=1)
     with caplog.at_level("WARNING"):
-        lm, _ = graphed(x, x)   # a failed capture: said, noted, and the form eager from then on
+        lm, _ = graphed(x, x)   # a failed capture: said, noted, and every form eager from then on
     assert "runs eagerly" in caplog.text and "not permitted" in graphed.failed["table"]
-    assert not graphed.replays(1.5) and torch.equal(lm, model(x, targets=x).loss)
-    model.eval()
+    assert not graphed.replays(1.5) and not graphed.replays(1.0) and torch.equal(lm, model(x, targets=x).loss)
+    # a replay's gradients are the graph's own buffers: a gradient left from before would be added to itself
+    dense = DecoderLM(tiny_config("mha", n_layers=2, context=16)).train()
+    graphed = GraphedLoss(dense, autocast_dtype=None, capture=_Capture())
+    graphed(x, x)[0].backward()
+    with pytest.raises(ValueError, match="set every .grad to None"):
+        graphed(x, x)
+    dense.zero_grad(set_to_none=True)
+    graphed(x, x)
+    dense.eval()
     with pytest.raises(ValueError, match="eval mode"):
         graphed(x, x)

@@ -147,7 +147,7 @@ def test_cuda_graph_off_a_gpu_runs_the_same_eager_steps_and_says_so(tmp_path, da
     monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
     runs, stand_ins = {}, []
 
-    def stand_in(model, tc, dev, world):
+    def stand_in(model, tc, dev, world, start):
         stand_ins.append(GraphedLoss(model, train_mod.schedule_alphas(tc.steps, tc.steps, tc.alpha_start,
                                                                       tc.alpha_end),
                                      autocast_dtype=None, capture=_Capture(), min_steps=1))
