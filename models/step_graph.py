@@ -41,6 +41,7 @@ from contextlib import nullcontext
 import torch
 
 import kernels
+from kernels import efficient
 from models.pruning.alpha_sigmoid import TableSlot, alpha_schedule, needs_table, slot_points, use_slot
 
 log = logging.getLogger(__name__)
@@ -139,14 +140,12 @@ class GraphedLoss:
         """The form's graphed module (its warm-up steps and the capture read the slot just loaded), or None when the
         capture failed."""
         stream = torch.cuda.current_stream() if x.is_cuda else None
-        fatal = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None))
-                      if t is not None)
         try:
             with kernels.record_paths() as self.paths[kind]:
                 graphed = self.capture(_Loss(self.model, self.autocast_dtype), (x, y), allow_unused_input=True)
-        except fatal:
-            raise
         except RuntimeError as e:
+            if not efficient.refusal(e):  # out of memory, or the device failed: nothing eager would fare better
+                raise
             if stream is not None:  # (a capture that raised leaves its side stream current: pytorch/graphs.py)
                 torch.cuda.set_stream(stream)
             self.failed[kind] = f"{type(e).__name__}: {e}"

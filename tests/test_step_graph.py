@@ -212,6 +212,10 @@ def test_what_a_graphed_loss_refuses_and_where_it_runs_eagerly(monkeypatch, capl
         lm, _ = graphed(x, x)   # a failed capture: said, noted, and every form eager from then on
     assert "runs eagerly" in caplog.text and "not permitted" in graphed.failed["table"]
     assert not graphed.replays(1.5) and not graphed.replays(1.0) and torch.equal(lm, model(x, targets=x).loss)
+    def out_of_memory(module, sample_args, allow_unused_input=False):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.OutOfMemoryError):  # (eager would fare no better: raised, not turned eager)
+        GraphedLoss(model, [1.5], autocast_dtype=None, capture=out_of_memory, min_steps=1)(x, x)
     # a replay's gradients are the graph's own buffers: a gradient left from before would be added to itself
     dense = DecoderLM(tiny_config("mha", n_layers=2, context=16)).train()
     graphed = GraphedLoss(dense, autocast_dtype=None, capture=_Capture())
