@@ -104,6 +104,40 @@ def test_train_step_profile_runs(tmp_path):
             train_step_profile.main(["--config", str(cfg), *bad])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
+def test_a_graphed_profile_row_says_what_replayed(monkeypatch):
+    """bench.train_step_profile's rows with --cuda-graph, on the CPU with make_graphed_callables' stand-in
+    (tests/test_step_graph.py): a row that replayed says so and carries the paths its capture took (a replay notes
+    none); after a failed capture the row ran eagerly and says why."""
+    import argparse
+
+    import torch
+
+    import kernels
+    from bench import train_step_profile as tsp
+    from models.step_graph import GraphedLoss
+    from tests.helpers import tiny_config
+    from tests.test_step_graph import _Capture
+    if "log_keep" not in kernels.TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton under TRITON_INTERPRET=1 (the tests' setting)")
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")  # (a graphed table step needs the Triton keep kernel)
+    model, opt = tsp.build(tiny_config("mha", prune=True, context=16), False, torch.device("cpu"))
+    x = torch.randint(0, 61, (2, 16))
+    args = argparse.Namespace(steps=1, clip=1.0, top=3, schedule=(10, 1.0, 8.0))
+
+    def broken(module, sample_args, allow_unused_input=False):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    for capture in (_Capture(), broken):
+        graphed = GraphedLoss(model, [1.5], autocast_dtype=None, capture=capture, min_steps=1)
+        row = tsp.profile_row(model, opt, 1.5, x, x, 0.3, 16 * 15, args, graphed)
+        if capture is broken:
+            assert row["cuda_graph"] is False and "not permitted" in row["capture_failed"]
+        else:
+            assert row["cuda_graph"] is True and "capture_failed" not in row
+            assert row["kernel_paths"]["log_keep"] == "triton"
+        assert len(row["step_s_each"]) == 1 and row["table_s_per_step"] > 0
+
+
 def test_decode_vs_hf_counts_weight_bytes_and_refuses_without_the_model(tmp_path, capsys):
     from bench import decode_vs_hf
     from models.transformer import DecoderLM

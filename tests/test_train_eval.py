@@ -137,6 +137,7 @@ def test_bad_configs(tmp_path, data_dir):
         load_run_config(write_config(tmp_path / "g.json", data_dir, cuda_graph=True, compile=True))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 def test_cuda_graph_off_a_gpu_runs_the_same_eager_steps_and_says_so(tmp_path, data_dir, caplog, monkeypatch):
     """train.cuda_graph (models/step_graph.py) needs CUDA: here the run says it runs eagerly, and its curve (LM loss,
     alpha, the soft kept fraction from the sparsity mass) and weights are those of the run without it. The loop's
