@@ -341,18 +341,13 @@ def main(argv=None) -> int:
             # at the config's own 32, the batch models.train runs and the first numbers were taken at.
             # Then both models with their forward and backward replayed from CUDA graphs (train.cuda_graph), in
             # processes of their own after the eager ones: a capture that fails loses only its own rows.
-            for batch, tag in (("8", ""), ("32", "_b32")):
+            eager, graphed = ("--alphas", "1.02,2,8,1.02", "--ab-alpha", "2"), ("--alphas", "1.02,2,8", "--cuda-graph")
+            for batch, tag, how in (("8", "", eager), ("32", "_b32", eager),
+                                    ("8", "_graphed", graphed), ("32", "_graphed_b32", graphed)):
                 prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
                 report[f"train_profile{tag}"] = run_module(
-                    prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json",
-                    "--alphas", "1.02,2,8,1.02", "--ab-alpha", "2", "--steps", "10", "--batch", batch,
-                    "--device", "cuda") | profile_summary(prof, since)
-            for batch, tag in (("8", "_graphed"), ("32", "_graphed_b32")):
-                prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
-                report[f"train_profile{tag}"] = run_module(
-                    prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json",
-                    "--alphas", "1.02,2,8", "--cuda-graph", "--steps", "10", "--batch", batch,
-                    "--device", "cuda") | profile_summary(prof, since)
+                    prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json", *how,
+                    "--steps", "10", "--batch", batch, "--device", "cuda") | profile_summary(prof, since)
             ok = True  # a profile, not a check
         elif part == "bench":
             report["bench"] = run_bench(results, name, (trained + shipped)[:4])

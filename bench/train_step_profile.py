@@ -46,7 +46,7 @@ from models.adapters import set_trainable_params, trainable_params
 from models.pruning import alpha_schedule, pair_count, sparsity_loss
 from models.pruning.alpha_sigmoid import AHEAD, clear_tables, needs_table, prepare_tables
 from models.device import describe as device_name
-from models.step_graph import GraphedLoss, form
+from models.step_graph import GraphedLoss, eager_loss, form
 from models.train import load_run_config
 from models.transformer import DecoderLM
 
@@ -54,17 +54,8 @@ from models.transformer import DecoderLM
 WARMUP = 2  # steps before timing: a fresh model's first steps also compile kernels and grow the allocator's pool
 
 
-def eager_loss(model):
-    """(LM loss, sparsity mass or None) of a batch as models.train computes them without train.cuda_graph."""
-    def run(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):  # as models.train runs on a GPU
-            res = model(x, targets=y)
-        return res.loss, res.prune_mass
-    return run
-
-
 def step_times(model, opt, loss_of, x, y, gamma: float, pairs: int, steps: int, clip: float) -> list[float]:
-    """loss_of(x, y) -> (LM loss, mass or None): eager_loss, or a models.step_graph.GraphedLoss."""
+    """loss_of(x, y) -> (LM loss, mass or None): models.step_graph's eager_loss, or its GraphedLoss."""
     out = []
     cuda = x.is_cuda
     for _ in range(steps):  # (the alpha-sigmoid's table is kept from the warm-up: table_cost adds its share)
@@ -137,7 +128,8 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args, graphed
     forward and backward replayed from CUDA graphs (the warm-up captures a form's first step)."""
     if alpha is not None:
         model.set_alpha(alpha)
-    loss_of = graphed or eager_loss(model)
+    # (bf16 autocast on a GPU, as models.train runs)
+    loss_of = graphed or eager_loss(model, torch.bfloat16 if x.is_cuda else None)
     step_times(model, opt, loss_of, x, y, gamma, pairs, WARMUP, args.clip)
     times = step_times(model, opt, loss_of, x, y, gamma, pairs, args.steps, args.clip)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])

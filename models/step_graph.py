@@ -21,7 +21,6 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
   weights it uses, as the cache's first use would.
 - The rest of the step must not change while graphs live: which parameters train, the kernel paths
   (MIXSCOPE_KERNELS, MIXSCOPE_CAUSAL_BIAS), training mode (an eval-mode call is refused).
-
 - The gradients a replay hands back are the graph's own buffers (p.grad shares their memory), so a replayed step
   needs every trained p.grad None before it (zero_grad(set_to_none=True), as models.train does): a gradient left
   there would be overwritten by the replay, then added to itself. Refused.
@@ -60,6 +59,20 @@ def form(alpha: float | None) -> str:
     return "step" if math.isinf(alpha) else "table"
 
 
+def _forward(model, x: torch.Tensor, y: torch.Tensor, autocast_dtype: torch.dtype | None, cache: bool):
+    with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None,
+                        cache_enabled=cache):
+        res = model(x, targets=y)
+    return res.loss, res.prune_mass
+
+
+def eager_loss(model: torch.nn.Module, autocast_dtype: torch.dtype | None = torch.bfloat16):
+    """(x, y) -> (LM loss, sparsity mass or None) of a step run eagerly, as models.train computes them without
+    train.cuda_graph (autocast in autocast_dtype; None: off): a GraphedLoss's forms that do not replay, and
+    bench.train_step_profile's eager rows."""
+    return lambda x, y: _forward(model, x, y, autocast_dtype, cache=True)
+
+
 class _Loss(torch.nn.Module):
     """The model's loss and sparsity mass as a module of tensors in and out, what make_graphed_callables takes
     (a fresh one per capture: each capture replaces its module's forward)."""
@@ -68,11 +81,9 @@ class _Loss(torch.nn.Module):
         super().__init__()
         self.model, self.autocast_dtype = model, autocast_dtype
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, cache: bool = False):
-        on = self.autocast_dtype is not None
-        with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=on, cache_enabled=cache):
-            res = self.model(x, targets=y)
-        return (res.loss,) if res.prune_mass is None else (res.loss, res.prune_mass)
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        loss, mass = _forward(self.model, x, y, self.autocast_dtype, cache=False)
+        return (loss,) if mass is None else (loss, mass)
 
 
 def schedule_alphas(steps: int, total: int, start: float, end: float) -> list[float]:
@@ -100,7 +111,7 @@ class GraphedLoss:
         self.graphs: dict[str, torch.nn.Module] = {}
         self.paths: dict[str, dict[str, str]] = {}  # per form, the kernel paths its capture took
         self.failed: dict[str, str] = {}            # per form, why its capture failed (then every form is eager)
-        self.eager = _Loss(model, autocast_dtype)
+        self.eager = eager_loss(model, autocast_dtype)
         self.shape = None
 
     def _alpha(self) -> float | None:
@@ -118,8 +129,7 @@ class GraphedLoss:
         alpha = self._alpha()
         kind = form(alpha)
         if not self.replays(alpha):
-            out = self.eager(x, y, cache=True)
-            return out[0], (out[1] if len(out) > 1 else None)
+            return self.eager(x, y)
         if self.shape is None:
             self.shape = (tuple(x.shape), tuple(y.shape))
         elif (tuple(x.shape), tuple(y.shape)) != self.shape:

@@ -320,10 +320,9 @@ def graphed_loss(model: DecoderLM, tc: TrainConfig, dev: torch.device, world: in
     or where a pruned step's keep structure would not take the Triton kernel (the reference's reads its table's
     range from the host: models/step_graph.py)."""
     import kernels
-    probe = torch.empty(0, device=dev)
     if dev.type != "cuda" or world > 1:
         why = "one CUDA process"
-    elif model.config.prune and kernels.backend_for("log_keep", probe) != "triton":
+    elif model.config.prune and kernels.backend_for("log_keep", torch.empty(0, device=dev)) != "triton":
         why = "the Triton keep kernel (MIXSCOPE_KERNELS=reference, or no Triton here)"
     else:
         schedule = (tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)
