@@ -18,10 +18,11 @@ parameter training (what a dense run of it does). Each pruned row carries vs_den
 (issue target: >= 0.5), and each row its trainable and rule parameters. Under freeze_base the pruned run trains
 the rule alone while its twin trains everything, so vs_dense there is not the rule's overhead (the JSON says so).
 Each row notes the kernel paths its profiled step took (kernel_paths: on a GPU a pruned step's attention is
-"efficient", kernels.efficient); --ab-alpha adds a row with that path switched off (causal_bias_off), then
-one with it on again, so that the A/B compares neighbours. --cuda-graph replays both models' forward and backward
-from CUDA graphs, as train.cuda_graph does (models.step_graph: one capture per form of the alpha-sigmoid, in the
-first warm-up step at that form; each row's kernel_paths are those its capture took).
+"efficient", kernels.efficient, or "triton" under MIXSCOPE_CAUSAL_BIAS=triton, kernels.triton_causal_bias);
+--ab-alpha adds a row with that path switched off (causal_bias "0", causal_bias_off), one in our own kernels
+("triton"), then one on PyTorch's again ("1"), so that the A/B compares neighbours. --cuda-graph replays both
+models' forward and backward from CUDA graphs, as train.cuda_graph does (models.step_graph: one capture per form of
+the alpha-sigmoid, in the first warm-up step at that form; each row's kernel_paths are those its capture took).
 """
 from __future__ import annotations
 
@@ -173,8 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--ab-alpha", type=float, default=None,
-                    help="one more pruned row at this alpha with MIXSCOPE_CAUSAL_BIAS=0 (attention on SDPA with the "
-                         "bias alone, every block computed): the A/B of kernels.efficient")
+                    help="three more pruned rows at this alpha, one per MIXSCOPE_CAUSAL_BIAS: 0 (attention on SDPA "
+                         "with the bias alone, every block computed), triton (kernels.triton_causal_bias), 1 "
+                         "(kernels.efficient): the A/B of the three")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="each model's forward and backward replayed from CUDA graphs, as train.cuda_graph runs them "
                          "(models.step_graph; --device cuda, not with --ab-alpha: a graph keeps the path it captured)")
@@ -233,11 +235,11 @@ def main(argv=None) -> int:
         if cfg.prune:
             rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
         save(False)
-    if cfg.prune and args.ab_alpha is not None:  # off, then on again right after: no row's place decides the A/B
-        for switch in ("0", os.environ.get("MIXSCOPE_CAUSAL_BIAS") or "1"):
+    if cfg.prune and args.ab_alpha is not None:  # off, ours, then the default again right after: no row's place
+        for switch in ("0", "triton", "1"):          # decides the A/B
             with env("MIXSCOPE_CAUSAL_BIAS", switch):
                 rows.append(profile_row(model, opt, args.ab_alpha, x, y, tc.gamma, pairs, args))
-            rows[-1] |= {"causal_bias_off": switch == "0",
+            rows[-1] |= {"causal_bias": switch, "causal_bias_off": switch == "0",
                          "vs_dense": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
             save(False)
     save(True)

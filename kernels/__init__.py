@@ -2,12 +2,12 @@
 
 `MIXSCOPE_KERNELS=reference|triton` overrides the choice (triton on CPU tensors needs TRITON_INTERPRET=1,
 the interpreter the tests use); `MIXSCOPE_KEEP_PASS=1` gives the Triton compacted decode its keep pass;
-`MIXSCOPE_CAUSAL_BIAS=0` keeps a pruned training step's attention on plain SDPA (kernels.efficient). The
-app, `generate` and the benchmarks all call these functions, so they run the same code. Ops without a Triton
-kernel (attention weights for the maps, SHE's matrix lags) and anything that needs a gradient through attention
-or the lag sum (their kernels are inference-only) run the reference on every device; training's keep structure
-has kernels for both directions (log_keep, log_keep_grad); `record_paths()` reports what really ran, for the
-caller's own context only.
+`MIXSCOPE_CAUSAL_BIAS=0` keeps a pruned training step's attention on plain SDPA (kernels.efficient), `=triton`
+gives it our own forward and backward (kernels.triton_causal_bias). The app, `generate` and the benchmarks all call
+these functions, so they run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's
+matrix lags) and anything else that needs a gradient through attention or the lag sum (those kernels are
+inference-only) run the reference on every device; training's keep structure has kernels for both directions
+(log_keep, log_keep_grad); `record_paths()` reports what really ran, for the caller's own context only.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _note(op: str, path: str) -> None:
 @contextmanager
 def record_paths():
     """with record_paths() as paths: ... -> paths holds op -> "triton" | "reference" for the calls made inside
-    ("efficient" for attention: PyTorch's memory-efficient kernel with its causal mask, kernels.efficient).
+    ("efficient" for attention: PyTorch's memory-efficient kernel with its causal mask, kernels.efficient; "triton"
+    for a training step's: kernels.triton_causal_bias).
     Nested recorders each see their own calls, and an enclosing one sees its inner ones' too."""
     outer = _recording.get()
     paths: dict[str, str] = {}
@@ -84,12 +85,13 @@ def recording_into(*recorders: dict[str, str] | None):
 
 def _triton_ops() -> dict[str, object]:
     try:
-        from kernels import triton_attention, triton_keep, triton_lag, triton_step  # noqa: F401 - (attention's
-        # two wrappers import it when called; here it is what fails without triton)
+        from kernels import triton_attention, triton_causal_bias, triton_keep, triton_lag, triton_step  # noqa: F401
+        # (attention's two wrappers import triton_attention when called; here it is what fails without triton)
     except ImportError:  # no triton on this machine: everything runs the reference
         return {}
     return {"attention": _triton_attention, "lag_conv": triton_lag.lag_conv, "compact_decode": _triton_compact_decode,
-            "log_keep": triton_keep.log_keep, "log_keep_grad": triton_keep.log_keep_grad,
+            "causal_bias": triton_causal_bias.attention, "log_keep": triton_keep.log_keep,
+            "log_keep_grad": triton_keep.log_keep_grad,
             "step_write": triton_step.step_write, "rule_product": triton_step.rule_product,
             "silu_mul": triton_step.silu_mul, "add_norm": triton_step.add_norm}
 
@@ -174,12 +176,15 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
         return reference.attention(q, k, v, scale=scale, bias=_with_lengths(bias, lengths, k.shape[2], q.dtype),
                                    need_weights=True, causal=causal, **maps)
     if _needs_grad(q, k, v, bias, *maps.values()):
-        # Training: the Triton kernels have no backward; PyTorch's SDPA (flash / memory-efficient on CUDA, the
+        # Training: the inference kernels have no backward; PyTorch's SDPA (flash / memory-efficient on CUDA, the
         # log I bias included) has a real one, and kernels.bench measures it against FlexAttention. Where the dispatch
         # takes the fast kernels (CUDA, not MIXSCOPE_KERNELS=reference), a bias that masks the future lets it skip
-        # the blocks above the diagonal.
-        if (bias_is_causal and causal and lengths is None and not any(m is not None for m in maps.values())
-                and efficient.usable(q, k, v, bias)):
+        # the blocks above the diagonal: in our own kernels if asked (MIXSCOPE_CAUSAL_BIAS=triton), else in PyTorch's.
+        whole = bias_is_causal and causal and lengths is None and not any(m is not None for m in maps.values())
+        if whole and _causal_bias_triton(q, k, v, bias):
+            _note("attention", "triton")
+            return TRITON["causal_bias"](q, k, v, bias, scale), None
+        if whole and efficient.usable(q, k, v, bias):
             try:
                 out = efficient.attention(q, k, v, bias, scale)
                 _note("attention", "efficient")
@@ -194,6 +199,16 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
     out = _run("attention", q, _reference_attention, q, k, v, scale=scale, bias=bias, causal=causal, lengths=lengths,
                merge_counts=merge_counts, bias_is_causal=bias_is_causal, **maps)
     return out, None
+
+
+def _causal_bias_triton(q, k, v, bias) -> bool:
+    """Whether a training step's attention over a whole sequence with a causal bias takes
+    kernels.triton_causal_bias: asked for, the Triton path taken for q (CUDA, or forced in the interpreter), and
+    shapes the kernels accept."""
+    if efficient.choice() != "triton" or backend_for("causal_bias", q) != "triton":
+        return False
+    from kernels import triton_causal_bias
+    return triton_causal_bias.fits(q, k, v, bias)
 
 
 def keep_pass() -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import reference
+from kernels import efficient, reference
 from models.pruning.interaction import rule_dtype
 
 
@@ -327,7 +327,9 @@ def bench_models(dev, steps: int, model_dirs: list[str]) -> list[dict]:
 
 def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(1024, 2048)) -> list[dict]:
     """Training attention with the pruning bias log I (which needs a gradient), forward + backward:
-    SDPA with an additive mask (what training runs) against FlexAttention with a score_mod reading log I."""
+    SDPA with an additive mask (what training ran first) against FlexAttention with a score_mod reading log I, and on
+    a GPU PyTorch's memory-efficient kernel with its causal mask (kernels.efficient, training's default there) and
+    ours (kernels.triton_causal_bias), both given log I in the inputs' dtype, as a bf16 autocast step hands it."""
     out = []
     flex = None
     if dev.type == "cuda":
@@ -353,6 +355,15 @@ def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(10
             torch.autograd.backward(o, grad)
 
         impls = {"sdpa": sdpa}
+        log_i_cast = log_i.detach().to(dtype).requires_grad_()
+        if dev.type == "cuda" and efficient.usable(q, k, v, log_i_cast):
+            def memory_efficient():
+                torch.autograd.backward(efficient.attention(q, k, v, log_i_cast, d ** -0.5), grad)
+            impls["efficient"] = memory_efficient
+        if dev.type == "cuda" and "causal_bias" in kernels.TRITON:
+            def ours():
+                torch.autograd.backward(kernels.TRITON["causal_bias"](q, k, v, log_i_cast, d ** -0.5), grad)
+            impls["triton"] = ours
         if flex is not None:
             mask = create_block_mask(lambda bb, hh, qi, ki: ki <= qi, None, None, t, t, device=dev.type)
 
@@ -486,7 +497,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             by_case.setdefault(r["case"], {})[r["impl"]] = r["ms"]
     out = []
     for case, impls in by_case.items():
-        base = {k: v for k, v in impls.items() if k.startswith(("sdpa", "flex"))}
+        base = {k: v for k, v in impls.items() if k.startswith(("sdpa", "flex", "efficient"))}  # (PyTorch's own)
         if base:
             best = min(base, key=base.get)
             out.append({"case": case, "baseline": best}

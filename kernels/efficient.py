@@ -19,7 +19,8 @@ newer versions add cuDNN), and flash takes no bias, so a grouped pruned step on 
 every score of every head materialised (PyTorch's account, not yet seen on our GPU: the SmolLM2 profile's A/B is
 to tell). A copy of K and V a layer is cheap beside either.
 
-`MIXSCOPE_CAUSAL_BIAS=0` turns it off (the plain SDPA path then runs), for an A/B of the two on a GPU. If the
+`MIXSCOPE_CAUSAL_BIAS=0` turns it off (the plain SDPA path then runs), for an A/B of the two on a GPU;
+`MIXSCOPE_CAUSAL_BIAS=triton` hands the calls that fit to our own kernels (kernels.triton_causal_bias) first. If the
 operator's forward refuses a call (a PyTorch that changed it), the path is off for the rest of the process, with a
 warning, and the call runs on SDPA (`kernels.attention`): a training run or a profile goes on, and notes the path it
 took. Out of memory and device errors are raised as they are, and so is any error of the backward. Under
@@ -40,11 +41,17 @@ ALIGN = 16  # elements: the kernel reads bias rows 16-aligned (SDPA pads a mask 
 _refused: list[str] = []  # the operator's error, once it refused a call in this process
 
 
-def enabled() -> bool:
+def choice() -> str:
+    """MIXSCOPE_CAUSAL_BIAS: "1" (the default) this path, "triton" our own kernels first
+    (kernels.triton_causal_bias; this path where they do not fit), "0" plain SDPA."""
     v = os.environ.get("MIXSCOPE_CAUSAL_BIAS", "").strip().lower()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"MIXSCOPE_CAUSAL_BIAS must be 0 or 1, got {v!r}")
-    return v != "0" and not _refused
+    if v not in ("", "0", "1", "triton"):
+        raise ValueError(f"MIXSCOPE_CAUSAL_BIAS must be 0, 1 or triton, got {v!r}")
+    return v or "1"
+
+
+def enabled() -> bool:
+    return choice() != "0" and not _refused
 
 
 def refusal(err: Exception) -> bool:

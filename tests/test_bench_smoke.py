@@ -105,6 +105,28 @@ def test_train_step_profile_runs(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
+def test_the_profiles_ab_rows_take_each_attention_path(tmp_path, monkeypatch):
+    """--ab-alpha adds three rows at that alpha, one per MIXSCOPE_CAUSAL_BIAS (0, triton, 1), each with the path its
+    attention took: here, in the interpreter, SDPA, our kernels, and SDPA again (PyTorch's kernel is CUDA's)."""
+    import kernels
+    from bench import train_step_profile
+    if "causal_bias" not in kernels.TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton under TRITON_INTERPRET=1 (the tests' setting)")
+    monkeypatch.setenv("MIXSCOPE_KERNELS", "triton")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model": {"mixer": "mha", "vocab_size": 64, "context": 16, "d_model": 16, "n_layers": 1,
+                                         "n_heads": 2, "prune": True, "prune_r": 4},
+                               "train": {"batch_size": 2, "eval_stride": 8}}))
+    out = tmp_path / "p.json"
+    assert train_step_profile.main(["--config", str(cfg), "--alphas", "2", "--ab-alpha", "2", "--steps", "1",
+                                    "--top", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r.get("causal_bias"), r["kernel_paths"]["attention"]) for r in rows[2:]] == [
+        ("0", "reference"), ("triton", "triton"), ("1", "reference")]
+    assert [r["causal_bias_off"] for r in rows[2:]] == [True, False, False]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 def test_a_graphed_profile_row_says_what_replayed(monkeypatch):
     """bench.train_step_profile's rows with --cuda-graph, on the CPU with make_graphed_callables' stand-in
     (tests/test_step_graph.py): a row that replayed says so and carries the paths its capture took (a replay notes
@@ -285,9 +307,11 @@ def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     out.mkdir()
     env = os.environ | {"PATH": f"{stubs}:{os.environ['PATH']}", "OUT": str(out)}
     got = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh")], env=env, capture_output=True, text=True)
-    assert got.returncode == 1 and "failed or cut short: kernels16k kernels16k-fp32 profile-smollm2" in got.stdout
+    assert got.returncode == 1 and ("failed or cut short: train-attention profile-smollm2 kernels16k kernels16k-fp32"
+                                    in got.stdout)
     said = [line.split(":")[1].split()[0] for line in got.stdout.splitlines() if "(limit" in line]
-    assert said == ["profile", "tests", "decode", "kernels16k", "kernels16k-fp32", "profile-smollm2"]
+    assert said == ["profile", "train-attention", "tests", "profile-smollm2", "decode", "kernels16k",
+                    "kernels16k-fp32"]
     assert "kernels16k exit 3" in got.stdout and "kernels_16k_h200.json" in got.stdout
     assert (out / "part-tests.txt").read_text() == "ran tests\n"
     with tarfile.open(out / "results.tgz") as tar:

@@ -71,23 +71,24 @@ def rand(*shape, dtype):
 
 
 # First, what is newest and not yet run on a GPU (a run cut short by its time limit still reports these):
-# a pruned training step's attention with the causal mask beside log I (kernels.efficient).
+# a pruned training step's attention with the causal mask beside log I (kernels.efficient, kernels.triton_causal_bias).
+@pytest.mark.parametrize("impl", ["triton", "efficient"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("b,h,g,t,d", [(2, 8, 8, 1024, 64), (1, 4, 4, 512, 128), (3, 2, 2, 80, 32),
                                        (2, 9, 3, 512, 64), (1, 8, 1, 256, 64)])
-def test_causal_bias_attention_equals_sdpa_with_the_bias(b, h, g, t, d, dtype):
+def test_causal_bias_attention_equals_sdpa_with_the_bias(b, h, g, t, d, dtype, impl):
     """kernels.efficient (the memory-efficient kernel with log I and its own causal mask, grouped K/V repeated to
-    the heads) against SDPA handed the bias alone, as the step ran before: the output and the gradients of q, k, v
-    and of the bias on and below the diagonal (above it the kernel leaves the gradient unwritten; nothing reads
-    it), both against float64."""
-    from kernels import efficient
+    the heads) and kernels.triton_causal_bias (ours) against SDPA handed the bias alone, as the step ran before: the
+    output and the gradients of q, k, v and of the bias on and below the diagonal, both against float64. Above the
+    diagonal PyTorch's kernel leaves the bias's gradient unwritten (nothing reads it); ours writes zeros there."""
+    from kernels import efficient, triton_causal_bias
     torch.manual_seed(0)
     q = rand(b, h, t, d, dtype=dtype)
     k, v = (rand(b, g, t, d, dtype=dtype) for _ in range(2))
     causal = torch.ones(t, t, dtype=torch.bool, device=DEV).tril()
     bias = (rand(b, 1, t, t, dtype=torch.float32).clamp_max(0) * 3).masked_fill(~causal, float("-inf")).to(dtype)
     grad_out = rand(b, h, t, d, dtype=dtype)
-    assert efficient.usable(q, k, v, bias)
+    assert efficient.usable(q, k, v, bias) and triton_causal_bias.fits(q, k, v, bias)
 
     def run(fn, *ins):
         ins = [x.detach().clone().requires_grad_(True) for x in ins]
@@ -95,7 +96,9 @@ def test_causal_bias_attention_equals_sdpa_with_the_bias(b, h, g, t, d, dtype):
         out.backward(grad_out.to(out.dtype))
         return [out.detach()] + [x.grad for x in ins]
     scale = d ** -0.5
-    got = run(lambda *a: efficient.attention(*a, scale), q, k, v, bias)
+    got = run(lambda *a: (efficient if impl == "efficient" else triton_causal_bias).attention(*a, scale), q, k, v, bias)
+    if impl == "triton":
+        assert torch.count_nonzero(got[4][~causal.expand(b, 1, t, t)]) == 0
     def plain(q, k, v, m):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=g != h)
     sdpa = run(plain, q, k, v, bias)
@@ -112,8 +115,8 @@ def test_causal_bias_attention_equals_sdpa_with_the_bias(b, h, g, t, d, dtype):
                          ids=lambda m: m["mixer"])
 def test_pruned_training_step_with_the_causal_bias_kernel_equals_plain_sdpa(monkeypatch, mixer, autocast):
     """A pruned training step at the GPU config's length (T = 1024, heads of 64), with a K/V per head and grouped,
-    takes kernels.efficient, and its loss and gradients equal those of the step on SDPA with the bias alone
-    (MIXSCOPE_CAUSAL_BIAS=0)."""
+    takes kernels.efficient (or, asked, kernels.triton_causal_bias), and its loss and gradients equal those of the
+    step on SDPA with the bias alone (MIXSCOPE_CAUSAL_BIAS=0)."""
     cfg = tiny_config(**mixer, d_model=128, n_heads=2, context=1024, prune=True, prune_sinks=2, prune_distance=True)
     model = DecoderLM(cfg).to(DEV).train()
     randomize(model, std=0.2)
@@ -124,7 +127,7 @@ def test_pruned_training_step_with_the_causal_bias_kernel_equals_plain_sdpa(monk
     model.set_alpha(2.5)
     idx = torch.randint(0, 61, (2, 1025), device=DEV)
     out = {}
-    for switch, path in (("1", "efficient"), ("0", "reference")):
+    for switch, path in (("1", "efficient"), ("triton", "triton"), ("0", "reference")):
         monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", switch)
         model.zero_grad(set_to_none=True)
         with kernels.record_paths() as paths, torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -132,10 +135,12 @@ def test_pruned_training_step_with_the_causal_bias_kernel_equals_plain_sdpa(monk
             (res.loss + sparsity_loss(res.prune_mass, 0.3, pair_count(cfg.n_layers, 1024))).backward()
         assert paths["attention"] == path
         out[path] = (res.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    (loss, got), (want_loss, want) = out["efficient"], out["reference"]
-    assert abs(float(loss - want_loss)) < 1e-3 * abs(float(want_loss)) and got.keys() == want.keys()
-    for n in want:
-        assert float(want[n].norm()) > 0 and rel_err(got[n], want[n]) < (2e-2 if autocast else 1e-4), n
+    want_loss, want = out["reference"]
+    for path in ("efficient", "triton"):
+        loss, got = out[path]
+        assert abs(float(loss - want_loss)) < 1e-3 * abs(float(want_loss)) and got.keys() == want.keys(), path
+        for n in want:
+            assert float(want[n].norm()) > 0 and rel_err(got[n], want[n]) < (2e-2 if autocast else 1e-4), (path, n)
 
 
 @pytest.mark.parametrize("prune", [True, False], ids=["pruned", "dense"])
