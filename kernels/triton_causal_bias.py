@@ -35,7 +35,7 @@ MAX_D = 128  # head widths beyond this would hold too many registers per tile
 # (block_m, block_n, num_warps, num_stages) of each kernel: "forward", "kv" (a program holds a key block's K, V and
 # their gradients while query blocks stream past), "q" (a query block's q, dO and dq while key blocks stream past).
 # Chosen so that ptxas spills nothing for sm_90 under Triton 3.6 and 3.9 in half types (tests/test_kernels_compile.py;
-# float32's q and d = 128 kv kernels a few dozen bytes, which no smaller block avoided), not timed.
+# float32's q kernel spills 8 bytes under 3.6 at d = 64), not timed.
 LAUNCH = {
     "half": {"forward": (64, 64, 8, 3), "kv": (32, 64, 8, 2), "q": (64, 32, 8, 2)},        # d <= 64
     "half-128": {"forward": (64, 32, 8, 3), "kv": (32, 32, 8, 2), "q": (32, 32, 4, 2)},    # 64 < d <= 128
@@ -108,6 +108,7 @@ def _forward_kernel(Q, K, V, BIAS, O, LSE,
 @triton.jit
 def _kv_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV,
                sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sdb, sdh, sdt,
+               sgkb, sgkg, sgkt, sgvb, sgvg, sgvt,
                G, R, T, D, qk_scale, scale,
                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dK and dV of one key block of one group: the group's heads, each query block from the diagonal down."""
@@ -142,15 +143,15 @@ def _kv_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV,
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     dk = dk * scale
-    tl.store(DK + b * skb + g * skg + offs_n[:, None] * skt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + b * sgkb + g * sgkg + offs_n[:, None] * sgkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=kv_mask)
-    tl.store(DV + b * svb + g * svg + offs_n[:, None] * svt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + b * sgvb + g * sgvg + offs_n[:, None] * sgvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=kv_mask)
 
 
 @triton.jit
 def _q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
-              sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sdb, sdh, sdt,
+              sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sdb, sdh, sdt, sgqb, sgqh, sgqt,
               H, R, T, D, qk_scale, scale,
               HAS_DB: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -185,7 +186,7 @@ def _q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
             tl.atomic_add(DB + b * T * T + offs_m[:, None] * T + offs_n[None, :], ds,
                           mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
     dq = dq * scale
-    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+    tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
 
 
@@ -201,20 +202,24 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor |
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its rows are contiguous (the kernels read any other layout through its strides)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _forward(q, k, v, bias, scale):
     b, h, t, d = q.shape
     g = k.shape[1]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # laid out [B,T,H,D], as SDPA's kernels lay theirs out: the mixer's transpose back to [B,T,H*D] is then a view
+    out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(b, h, t, dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = launch("forward", d, q.dtype, t)
     _forward_kernel[(b * h, triton.cdiv(t, bm))](
-        q, k, v, bias, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2), bias.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, bias, out, lse, *_strides(q), *_strides(k), *_strides(v),
+        bias.stride(0), bias.stride(2), bias.stride(3), *_strides(out),
         h, h // g, t, d, scale * LOG2E,
         PRECISION=precision(q.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(d), num_warps=warps, num_stages=stages)
     return out, lse
@@ -223,24 +228,22 @@ def _forward(q, k, v, bias, scale):
 def _backward(q, k, v, bias, out, lse, dout, scale, bias_grad: bool):
     b, h, t, d = q.shape
     g = k.shape[1]
-    dout = dout.contiguous()  # the kernels read dO with out's strides (out is contiguous)
-    delta = (dout.float() * out.float()).sum(-1)  # [B,H,T]: rowsum(dO * O), the softmax backward's correction
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dout = _rows(dout)
+    # [B,H,T] rowsum(dO * O), the softmax backward's correction; contiguous, as the kernels index it
+    delta = (dout.float() * out.float()).sum(-1).contiguous()
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     # float32 [B,T,T], zeroed: every head adds into it, and blocks above the diagonal stay zero
     db = torch.zeros((b, t, t) if bias_grad else (1,), dtype=torch.float32, device=q.device)
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-              v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2), bias.stride(3),
-              out.stride(0), out.stride(1), out.stride(2))
+    reads = (*_strides(q), *_strides(k), *_strides(v), bias.stride(0), bias.stride(2), bias.stride(3),
+             *_strides(dout))
     bd, prec = _pow2(d), precision(q.dtype)
     bm, bn, warps, stages = launch("kv", d, q.dtype, t)
     _kv_kernel[(b * g, triton.cdiv(t, bn))](
-        q, k, v, bias, dout, lse, delta, dk, dv, *common, g, h // g, t, d, scale * LOG2E, scale,
-        PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+        q, k, v, bias, dout, lse, delta, dk, dv, *reads, *_strides(dk), *_strides(dv), g, h // g, t, d,
+        scale * LOG2E, scale, PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
     bm, bn, warps, stages = launch("q", d, q.dtype, t)
     _q_kernel[(b * h, triton.cdiv(t, bm))](
-        q, k, v, bias, dout, lse, delta, dq, db, *common, h, h // g, t, d, scale * LOG2E, scale,
+        q, k, v, bias, dout, lse, delta, dq, db, *reads, *_strides(dq), h, h // g, t, d, scale * LOG2E, scale,
         HAS_DB=bias_grad, PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
     return dq, dk, dv, (db.to(bias.dtype).unsqueeze(1) if bias_grad else None)
 
@@ -248,9 +251,8 @@ def _backward(q, k, v, bias, out, lse, dout, scale, bias_grad: bool):
 class _CausalBiasAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, scale):
-        # dq/dk/dv come back with the strides of q/k/v's contiguous copies: the kernels write rows, not layouts
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        bias = _rows(bias)
+        # read in place through their strides (the mixers' q, k, v are transposed views): no copies
+        q, k, v, bias = (_rows(x) for x in (q, k, v, bias))
         out, lse = _forward(q, k, v, bias, scale)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.scale = scale

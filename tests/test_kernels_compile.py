@@ -128,7 +128,8 @@ NO_SPILLS = ("merge", "keep pass", "keep forward", "keep backward", "causal bias
              "causal bias q bf16", "causal bias forward fp16", "causal bias kv fp16", "causal bias q fp16",
              "causal bias forward fp32", "causal bias kv fp32 d=64")
 # float32 decode on its own launch shape: tens of bytes at most (on the bf16 shapes it spilled up to 47 KB); so too
-# float32 training attention's q kernel and its kv kernel at d = 128 (at their smallest blocks, 20-44 bytes)
+# float32 training attention's q kernel and its kv kernel at d = 128 (0-8 bytes at their smallest blocks on
+# 2026-11-28, 20-44 before the kernels took their outputs' strides)
 FEW_SPILLS, FEW_SPILL_BYTES = ("decode fp32", "causal bias q fp32", "causal bias kv fp32 d=128"), 64
 
 

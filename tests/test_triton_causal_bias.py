@@ -61,6 +61,30 @@ def test_forward_and_every_gradient_equal_the_equation(b, h, g, t, d):
     assert torch.count_nonzero(got[4].triu(1)) == 0 and not got[4].isnan().any()
 
 
+def test_inputs_are_read_in_place_through_their_strides():
+    """q, k, v as the mixers hand them (transposed views of [B,T,H,D]), a bias with padded rows, a gradient of the
+    output in another layout: the same values and gradients as contiguous copies, and the output laid out [B,T,H,D]
+    (the mixer's transpose back to [B,T,H*D] is a view)."""
+    gen = torch.Generator().manual_seed(6)
+    b, h, g, t, d = 2, 4, 2, 33, 16
+    q, k, v, bias = inputs(b, h, g, t, d, gen=gen)
+    grad_out = torch.randn(b, h, t, d, generator=gen)
+    views = [q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2),
+             v.transpose(1, 2).contiguous().transpose(1, 2),
+             torch.cat([bias, torch.zeros(b, 1, t, 5)], -1)[..., :t]]
+    assert not any(x.is_contiguous() for x in views)
+    leaves = [x.detach().clone().requires_grad_(True) for x in views]
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in leaves[:3]] + [
+        torch.nn.functional.pad(leaves[3], (0, 5))[..., :t]]
+    out = cb.attention(*strided, 0.25)
+    assert out.transpose(1, 2).is_contiguous()
+    out.backward(grad_out.transpose(2, 3).contiguous().transpose(2, 3))
+    want = grads(lambda *a: cb.attention(*a, 0.25), [x.contiguous().requires_grad_(True) for x in views], grad_out)
+    torch.testing.assert_close(out, want[0], atol=1e-6, rtol=1e-5)
+    for a, w in zip(leaves, want[1:]):
+        torch.testing.assert_close(a.grad, w, atol=1e-6, rtol=1e-5)
+
+
 def test_a_bias_without_a_gradient_and_one_the_mask_overrides():
     """A bias that needs no gradient gets none (the kernel skips the atomic adds), q/k/v's are unchanged; and what
     a bias holds above the diagonal changes nothing: the causal mask applies whatever it says."""
