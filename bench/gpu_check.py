@@ -12,8 +12,9 @@ the app's pages; split it over several calls with --only and a kept --runs direc
 4. decode: batch-1 decode, eager against CUDA graphs (bench.decode_zoo), and SmolLM2 against transformers' best
    configuration (bench.decode_vs_hf --device cuda) when assets/models/smollm2-135m is there;
 5. profile: where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda),
-   at batch 8 and at the config's 32, with an A/B row of the pruned step's attention (kernels.efficient off), then
-   both models replayed from CUDA graphs at each batch (--cuda-graph: train.cuda_graph's step);
+   at batch 8 and at the config's 32, with A/B rows of the pruned step's attention (on SDPA, in
+   kernels.triton_causal_bias, in kernels.efficient), then both models replayed from CUDA graphs at each batch
+   (--cuda-graph: train.cuda_graph's step), and at batch 8 with the attention in kernels.triton_causal_bias;
 6. bench: `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
 7. app: every app page on SmolLM2 and a pruned delta at 1k and 8k tokens, the Generate page clicked
    (bench.app_pages), when the app's packages are installed here.
@@ -339,8 +340,9 @@ def main(argv=None) -> int:
             # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense >= 0.5);
             # alpha 1.02 again last: the second H200 run's first row was 8.8 ms over alpha 2's with the same kernels,
             # and a repeat after the others tells the row's place from its alpha; alpha 2 once more with
-            # kernels.efficient off (the A/B). At batch 8 (both steps waited on the host in the second run) and
-            # at the config's own 32, the batch models.train runs and the issue's first numbers were taken at.
+            # kernels.efficient off, in kernels.triton_causal_bias, then on again (the A/B). At batch 8 (both steps
+            # waited on the host in the second run) and at the config's own 32, the batch models.train runs and the
+            # issue's first numbers were taken at.
             # Then both models with their forward and backward replayed from CUDA graphs (train.cuda_graph), in
             # processes of their own after the eager ones: a capture that fails loses only its own rows; at batch 8
             # once more with the pruned step's attention in our own kernels (MIXSCOPE_CAUSAL_BIAS=triton).
