@@ -43,7 +43,8 @@ _refused: list[str] = []  # the operator's error, once it refused a call in this
 
 def choice() -> str:
     """MIXSCOPE_CAUSAL_BIAS: "1" (the default) this path, "triton" our own kernels first
-    (kernels.triton_causal_bias; this path where they do not fit), "0" plain SDPA."""
+    (kernels.triton_causal_bias; this path where they do not fit), "0" plain SDPA. Read by every whole-sequence
+    training call on any device, so a value not among these raises there too."""
     v = os.environ.get("MIXSCOPE_CAUSAL_BIAS", "").strip().lower()
     if v not in ("", "0", "1", "triton"):
         raise ValueError(f"MIXSCOPE_CAUSAL_BIAS must be 0, 1 or triton, got {v!r}")

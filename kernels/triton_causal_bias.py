@@ -1,10 +1,12 @@
 """A pruned model's training attention in Triton, forward and backward: softmax(q k^T * scale + bias) v under the
 causal mask, where bias [B,1,T,T] (the layer's log I) is shared by the heads and carries a gradient.
 
-Why a kernel of our own: given a bias with a gradient, PyTorch runs its memory-efficient kernel (kernels.efficient),
-which took 5.9 ms of a pruned step's device time on an H200 against 2.0 ms of cuDNN flash for the dense twin
-(bench/results/train_step_profile_mha-pruned_h200.json). It also writes the bias's gradient once per head, [B,H,T,T],
-which autograd then sums over the heads (1.0 ms more), and it takes K/V repeated to every head. Here:
+Why a kernel of our own: given a bias with a gradient, SDPA runs PyTorch's memory-efficient kernel. Handed log I
+alone, every block computed (before kernels.efficient gave it the causal mask too, which is not yet timed), it took
+5.9 ms of a pruned step's device time on an H200 against 2.0 ms of cuDNN flash for the dense twin
+(bench/results/train_step_profile_mha-pruned_h200.json). It writes the bias's gradient once per head, [B,H,T,T],
+which autograd then sums over the heads (aten::sum had 1.0 ms of that step, every sum of the step counted), and
+kernels.efficient repeats grouped K/V to every head for it. Here:
 
 - the backward adds each head's share of the bias's gradient into one float32 [B,1,T,T] as it goes (atomic adds:
   the heads' order varies between runs, so the gradient's last bits do too);
@@ -31,15 +33,16 @@ from kernels.triton_attention import LOG2E, _pow2, precision
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 128  # head widths beyond this would hold too many registers per tile
+MAX_ROWS = 65535  # batch x heads: the grids' second axis
 
 # (block_m, block_n, num_warps, num_stages) of each kernel: "forward", "kv" (a program holds a key block's K, V and
 # their gradients while query blocks stream past), "q" (a query block's q, dO and dq while key blocks stream past).
 # Chosen so that ptxas spills nothing for sm_90 under Triton 3.6 and 3.9 in half types (tests/test_kernels_compile.py;
-# float32's q kernel spills 8 bytes under 3.6 at d = 64), not timed.
+# float32's q kernel spills 12 bytes under 3.6 at d = 64), not timed.
 LAUNCH = {
     "half": {"forward": (64, 64, 8, 3), "kv": (32, 64, 8, 2), "q": (64, 32, 8, 2)},        # d <= 64
     "half-128": {"forward": (64, 32, 8, 3), "kv": (32, 32, 8, 2), "q": (32, 32, 4, 2)},    # 64 < d <= 128
-    "float32": {"forward": (32, 32, 8, 3), "kv": (16, 16, 8, 2), "q": (32, 16, 8, 2)},     # IEEE dots, twice the bytes
+    "float32": {"forward": (32, 16, 8, 3), "kv": (16, 16, 8, 2), "q": (32, 16, 8, 2)},     # IEEE dots, twice the bytes
     "float32-128": {"forward": (32, 16, 8, 3), "kv": (16, 16, 8, 2), "q": (32, 16, 8, 2)},
 }
 
@@ -65,12 +68,14 @@ def _logits(q, k, BIAS_B, offs_m, offs_n, m_mask, n_mask, sbt, sbs, qk_scale, PR
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, BIAS, O, LSE,
-                    sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sob, soh, sot,
-                    H, R, T, D, qk_scale,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
+def _causal_bias_forward_kernel(Q, K, V, BIAS, O, LSE,
+                                sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sob, soh, sot,
+                                H, R, T, D, qk_scale,
+                                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+    # query blocks on axis 0, the last (the most key blocks) first: the causal triangle's long programs start early
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)  # (at most 65,535: fits() says so)
     b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: b x T x T overflows int32 for long sequences
     h = pid_bh % H
     g = h // R
@@ -106,11 +111,12 @@ def _forward_kernel(Q, K, V, BIAS, O, LSE,
 
 
 @triton.jit
-def _kv_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV,
-               sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sdb, sdh, sdt,
-               sgkb, sgkg, sgkt, sgvb, sgvg, sgvt,
-               G, R, T, D, qk_scale, scale,
-               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _causal_bias_kv_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV,
+                           sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sdb, sdh, sdt,
+                           sgkb, sgkg, sgkt, sgvb, sgvg, sgvt,
+                           G, R, T, D, qk_scale, scale,
+                           PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
     """dK and dV of one key block of one group: the group's heads, each query block from the diagonal down."""
     pid_bg = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -150,14 +156,16 @@ def _kv_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
-              sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sdb, sdh, sdt, sgqb, sgqh, sgqt,
-              H, R, T, D, qk_scale, scale,
-              HAS_DB: tl.constexpr, PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _causal_bias_q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
+                          sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sdb, sdh, sdt, sgqb, sgqh, sgqt,
+                          H, R, T, D, qk_scale, scale,
+                          HAS_DB: tl.constexpr, PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one query block of one head, and that head's share of the bias's gradient over the same tiles."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # as the forward's grid: the heads of a batch row, which add into the same bias-gradient tiles, are far apart in
+    # launch order, and the longest query blocks start first
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     g = h // R
@@ -191,12 +199,14 @@ def _q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether these kernels take the call: the contract's shapes, one dtype of the three for all four, D <= 128."""
+    """Whether these kernels take the call: the contract's shapes, one dtype of the three for all four, D <= 128,
+    B x H <= 65,535."""
     if bias is None or q.dim() != 4 or k.dim() != 4 or bias.dim() != 4:
         return False
     b, h, t, d = q.shape
     g = k.shape[1]
-    return (g >= 1 and h % g == 0 and d <= MAX_D and k.shape == (b, g, t, d) and v.shape == (b, g, t, d)
+    return (g >= 1 and h % g == 0 and d <= MAX_D and b * h <= MAX_ROWS and k.shape == (b, g, t, d)
+            and v.shape == (b, g, t, d)
             and tuple(bias.shape) == (b, 1, t, t) and q.dtype in DTYPES
             and q.dtype == k.dtype == v.dtype == bias.dtype)
 
@@ -217,7 +227,7 @@ def _forward(q, k, v, bias, scale):
     out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(b, h, t, dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = launch("forward", d, q.dtype, t)
-    _forward_kernel[(b * h, triton.cdiv(t, bm))](
+    _causal_bias_forward_kernel[(triton.cdiv(t, bm), b * h)](
         q, k, v, bias, out, lse, *_strides(q), *_strides(k), *_strides(v),
         bias.stride(0), bias.stride(2), bias.stride(3), *_strides(out),
         h, h // g, t, d, scale * LOG2E,
@@ -225,24 +235,28 @@ def _forward(q, k, v, bias, scale):
     return out, lse
 
 
-def _backward(q, k, v, bias, out, lse, dout, scale, bias_grad: bool):
+def _backward(q, k, v, bias, out, lse, dout, scale, kv_grad: bool, bias_grad: bool):
     b, h, t, d = q.shape
     g = k.shape[1]
     dout = _rows(dout)
     # [B,H,T] rowsum(dO * O), the softmax backward's correction; contiguous, as the kernels index it
     delta = (dout.float() * out.float()).sum(-1).contiguous()
-    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    dq = torch.empty_like(q)
     # float32 [B,T,T], zeroed: every head adds into it, and blocks above the diagonal stay zero
     db = torch.zeros((b, t, t) if bias_grad else (1,), dtype=torch.float32, device=q.device)
     reads = (*_strides(q), *_strides(k), *_strides(v), bias.stride(0), bias.stride(2), bias.stride(3),
              *_strides(dout))
     bd, prec = _pow2(d), precision(q.dtype)
-    bm, bn, warps, stages = launch("kv", d, q.dtype, t)
-    _kv_kernel[(b * g, triton.cdiv(t, bn))](
-        q, k, v, bias, dout, lse, delta, dk, dv, *reads, *_strides(dk), *_strides(dv), g, h // g, t, d,
-        scale * LOG2E, scale, PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+    dk = dv = None
+    if kv_grad:  # (not when K and V need none: a frozen first layer under freeze_base)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        bm, bn, warps, stages = launch("kv", d, q.dtype, t)
+        _causal_bias_kv_kernel[(b * g, triton.cdiv(t, bn))](
+            q, k, v, bias, dout, lse, delta, dk, dv, *reads, *_strides(dk), *_strides(dv), g, h // g, t, d,
+            scale * LOG2E, scale, PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,
+            num_stages=stages)
     bm, bn, warps, stages = launch("q", d, q.dtype, t)
-    _q_kernel[(b * h, triton.cdiv(t, bm))](
+    _causal_bias_q_kernel[(triton.cdiv(t, bm), b * h)](
         q, k, v, bias, dout, lse, delta, dq, db, *reads, *_strides(dq), h, h // g, t, d, scale * LOG2E, scale,
         HAS_DB=bias_grad, PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
     return dq, dk, dv, (db.to(bias.dtype).unsqueeze(1) if bias_grad else None)
@@ -261,7 +275,8 @@ class _CausalBiasAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        dq, dk, dv, db = _backward(q, k, v, bias, out, lse, dout, ctx.scale, ctx.needs_input_grad[3])
+        need = ctx.needs_input_grad
+        dq, dk, dv, db = _backward(q, k, v, bias, out, lse, dout, ctx.scale, need[1] or need[2], need[3])
         return dq, dk, dv, db, None
 
 

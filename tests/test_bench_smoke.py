@@ -125,6 +125,16 @@ def test_the_profiles_ab_rows_take_each_attention_path(tmp_path, monkeypatch):
         ("0", "reference"), ("triton", "triton"), ("1", "reference")]
     assert [r["causal_bias_off"] for r in rows[2:]] == [True, False, False]
 
+    def broken(*a):
+        raise RuntimeError("no kernel image is available")
+    monkeypatch.setitem(kernels.TRITON, "causal_bias", broken)  # a path that fails loses its own row only
+    assert train_step_profile.main(["--config", str(cfg), "--alphas", "2", "--ab-alpha", "2", "--steps", "1",
+                                    "--top", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["causal_bias"] for r in rows[2:]] == ["0", "triton", "1"]
+    assert "no kernel image" in rows[3]["error"] and "tokens_per_s" not in rows[3]
+    assert rows[4]["kernel_paths"]["attention"] == "reference" and rows[4]["vs_dense"] > 0
+
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 def test_a_graphed_profile_row_says_what_replayed(monkeypatch):

@@ -92,8 +92,9 @@ def cases():
     for dtype, d in (("bf16", 64), ("bf16", 128), ("fp16", 64), ("fp32", 64), ("fp32", 128)):
         ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "BIAS", "O", "DO", "DK", "DV", "DQ")} | {
             "LSE": "*fp32", "DELTA": "*fp32", "DB": "*fp32"}
-        for name, fn, extra in (("forward", cb._forward_kernel, {}), ("kv", cb._kv_kernel, {}),
-                                ("q", cb._q_kernel, {"HAS_DB": True})):
+        for name, fn, extra in (("forward", cb._causal_bias_forward_kernel, {}),
+                                ("kv", cb._causal_bias_kv_kernel, {}),
+                                ("q", cb._causal_bias_q_kernel, {"HAS_DB": True})):
             bm, bn, warps, stages = cb.launch(name, d, torch_dtype[dtype])
             out.append((f"causal bias {name} {dtype} d={d}", fn, ptrs,
                         dict(PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, **extra),
@@ -128,7 +129,7 @@ NO_SPILLS = ("merge", "keep pass", "keep forward", "keep backward", "causal bias
              "causal bias q bf16", "causal bias forward fp16", "causal bias kv fp16", "causal bias q fp16",
              "causal bias forward fp32", "causal bias kv fp32 d=64")
 # float32 decode on its own launch shape: tens of bytes at most (on the bf16 shapes it spilled up to 47 KB); so too
-# float32 training attention's q kernel and its kv kernel at d = 128 (0-8 bytes at their smallest blocks on
+# float32 training attention's q kernel and its kv kernel at d = 128 (0-12 bytes at their smallest blocks on
 # 2026-11-28, 20-44 before the kernels took their outputs' strides)
 FEW_SPILLS, FEW_SPILL_BYTES = ("decode fp32", "causal bias q fp32", "causal bias kv fp32 d=128"), 64
 

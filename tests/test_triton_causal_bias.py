@@ -15,6 +15,13 @@ from tests.helpers import randomize, tiny_config
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 
 
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every buffer the kernels fill starts as NaN: an element left unwritten shows."""
+    from tests.test_kernels_triton import _Poisoned
+    monkeypatch.setattr(cb, "torch", _Poisoned())
+
+
 def naive(q, k, v, bias, scale):
     """softmax(q k^T * scale + bias) v over keys j <= i, head h reading K/V group h // (H/G): the equation, nothing
     fused."""
@@ -44,10 +51,10 @@ def grads(fn, ins, grad_out, dtype=None):
 
 
 @pytest.mark.parametrize("b,h,g,t,d", [(2, 4, 2, 37, 24), (1, 3, 1, 70, 16), (1, 2, 2, 64, 64), (2, 1, 1, 9, 8),
-                                       (1, 4, 4, 130, 32)])
+                                       (1, 4, 4, 130, 32), (1, 2, 1, 40, 96)])
 def test_forward_and_every_gradient_equal_the_equation(b, h, g, t, d):
-    """MHA, GQA and MQA; lengths that fill no block, one and several; head widths under a block's. The bias's
-    gradient sums its heads, and above the diagonal it is an exact zero."""
+    """MHA, GQA and MQA; lengths that fill no block, one and several; head widths under a block's, and one past 64
+    (the wide launch shapes). The bias's gradient sums its heads, and above the diagonal it is an exact zero."""
     gen = torch.Generator().manual_seed(t * 7 + d)
     q, k, v, bias = inputs(b, h, g, t, d, gen=gen)
     grad_out = torch.randn(b, h, t, d, generator=gen)
@@ -59,6 +66,58 @@ def test_forward_and_every_gradient_equal_the_equation(b, h, g, t, d):
         assert a.dtype == torch.float32 and a.shape == w.shape, name
         torch.testing.assert_close(a.double(), w.nan_to_num(), atol=2e-5, rtol=1e-4, msg=name)
     assert torch.count_nonzero(got[4].triu(1)) == 0 and not got[4].isnan().any()
+
+
+@pytest.mark.parametrize("shapes", [
+    {"forward": (16, 32, 4, 2), "kv": (64, 16, 4, 2), "q": (16, 64, 4, 2)},   # query blocks shorter, then longer
+    {"forward": (64, 16, 4, 2), "kv": (16, 64, 4, 2), "q": (64, 16, 4, 2)}])  # than key blocks, and the reverse
+def test_any_pair_of_block_sizes_gives_the_same_gradients(monkeypatch, shapes):
+    """The kv kernel starts at the query block holding its first key, whatever the two block sizes: the launch
+    tables with block_m and block_n unequal either way (the interpreter runs float32's table)."""
+    monkeypatch.setitem(cb.LAUNCH, "float32", shapes)
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, bias = inputs(1, 4, 2, 100, 16, gen=gen)
+    grad_out = torch.randn(1, 4, 100, 16, generator=gen)
+    ins = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    got = grads(lambda *a: cb.attention(*a, 0.25), ins, grad_out)
+    want = grads(lambda *a: naive(*a, 0.25), ins, grad_out, torch.float64)
+    for name, a, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+        torch.testing.assert_close(a.double(), w.nan_to_num(), atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_half_precision_inputs():
+    """float16 (the interpreter's bf16 tl.dot is broken; tests/test_gpu.py runs bf16 on a GPU): the products in
+    half, softmax and accumulators in float32, the gradients back in float16, within half precision of the
+    equation in float64."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, bias = (x.half() for x in inputs(1, 4, 2, 48, 32, gen=gen))
+    grad_out = torch.randn(1, 4, 48, 32, generator=gen).half()
+    ins = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    got = grads(lambda *a: cb.attention(*a, 32 ** -0.5), ins, grad_out)
+    want = grads(lambda *a: naive(*a, 32 ** -0.5), ins, grad_out, torch.float64)
+    for name, a, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+        assert a.dtype == torch.float16, name
+        w = w.nan_to_num()
+        assert float((a.double() - w).norm() / w.norm()) < 3e-3, name
+
+
+def test_keys_and_values_without_a_gradient_skip_their_kernel(monkeypatch):
+    """A layer whose K and V need no gradient (the first under freeze_base): their kernel is not launched, and
+    the gradients of q and the bias are unchanged."""
+    gen = torch.Generator().manual_seed(10)
+    q, k, v, bias = inputs(1, 2, 2, 30, 16, gen=gen)
+    grad_out = torch.randn(1, 2, 30, 16, generator=gen)
+    full = grads(lambda *a: cb.attention(*a, 0.25), [x.requires_grad_(True) for x in (q, k, v, bias)], grad_out)
+    launched = []
+    real = cb._causal_bias_kv_kernel
+    monkeypatch.setattr(cb, "_causal_bias_kv_kernel", type("Launch", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    part = grads(lambda *a: cb.attention(*a, 0.25), [q, k.detach(), v.detach(), bias], grad_out)
+    assert part[2] is None and part[3] is None and not launched
+    for i in (0, 1, 4):
+        torch.testing.assert_close(part[i], full[i], atol=1e-6, rtol=1e-5)
+    grads(lambda *a: cb.attention(*a, 0.25), [q, k.detach(), v.detach().requires_grad_(True), bias], grad_out)
+    assert len(launched) == 1  # (V alone asks for it)
 
 
 def test_inputs_are_read_in_place_through_their_strides():
