@@ -14,7 +14,7 @@ the app's pages; split it over several calls with --only and a kept --runs direc
 5. profile: where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda),
    at batch 8 and at the config's 32, with A/B rows of the pruned step's attention (on SDPA, in
    kernels.triton_causal_bias, in kernels.efficient), then both models replayed from CUDA graphs at each batch
-   (--cuda-graph: train.cuda_graph's step), and at batch 8 with the attention in kernels.triton_causal_bias;
+   (--cuda-graph: train.cuda_graph's step), and at both again with the attention in kernels.triton_causal_bias;
 6. bench: `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
 7. app: every app page on SmolLM2 and a pruned delta at 1k and 8k tokens, the Generate page clicked
    (bench.app_pages), when the app's packages are installed here.
@@ -344,13 +344,14 @@ def main(argv=None) -> int:
             # waited on the host in the second run) and at the config's own 32, the batch models.train runs and the
             # issue's first numbers were taken at.
             # Then both models with their forward and backward replayed from CUDA graphs (train.cuda_graph), in
-            # processes of their own after the eager ones: a capture that fails loses only its own rows; at batch 8
-            # once more with the pruned step's attention in our own kernels (MIXSCOPE_CAUSAL_BIAS=triton).
+            # processes of their own after the eager ones: a capture that fails loses only its own rows; at both
+            # batches once more with the pruned step's attention in our own kernels (MIXSCOPE_CAUSAL_BIAS=triton).
             eager, graphed = ("--alphas", "1.02,2,8,1.02", "--ab-alpha", "2"), ("--alphas", "1.02,2,8", "--cuda-graph")
             ours = {"MIXSCOPE_CAUSAL_BIAS": "triton"}
             for batch, tag, how, env in (("8", "", eager, None), ("32", "_b32", eager, None),
                                          ("8", "_graphed", graphed, None), ("32", "_graphed_b32", graphed, None),
-                                         ("8", "_graphed_triton", graphed, ours)):
+                                         ("8", "_graphed_triton", graphed, ours),
+                                         ("32", "_graphed_triton_b32", graphed, ours)):
                 prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
                 report[f"train_profile{tag}"] = run_module(
                     prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json", *how,
