@@ -18,7 +18,7 @@ from contextvars import ContextVar
 
 import torch
 
-from kernels import efficient, reference
+from kernels import efficient, reference, switches
 
 # Which implementation each op took, noted only inside record_paths() and only for that context: a context
 # variable, because app sessions run in threads of one process and must never see each other's paths.
@@ -97,9 +97,7 @@ def _triton_ops() -> dict[str, object]:
 
 
 def backend_for(op: str, tensor) -> str:
-    forced = os.environ.get("MIXSCOPE_KERNELS", "").strip().lower()
-    if forced not in ("", "reference", "triton"):
-        raise ValueError(f"MIXSCOPE_KERNELS must be 'reference' or 'triton', got {forced!r}")
+    forced = switches.kernels()
     if forced == "reference" or op not in TRITON:
         return "reference"
     if forced == "triton":
@@ -216,10 +214,7 @@ def keep_pass() -> bool:
     (kernels.triton_attention.decode's keep_pass), once a slot, not once per head group. Off by default: on an H200
     it took 35-39 % off a call at batch 64 and added a launch a layer, which a batch-1 step from a graph pays for;
     the switch is there for the end-to-end comparison (bench.decode_zoo times both)."""
-    v = os.environ.get("MIXSCOPE_KEEP_PASS", "").strip().lower()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"MIXSCOPE_KEEP_PASS must be 0 or 1, got {v!r}")
-    return v == "1"
+    return switches.switch("MIXSCOPE_KEEP_PASS", ("0", "1"), "0") == "1"
 
 
 def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, merge_counts=None, **maps):

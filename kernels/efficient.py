@@ -29,10 +29,11 @@ of this operator's backward: switch the path off to debug with it.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
+
+from kernels import switches
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ALIGN = 16  # elements: the kernel reads bias rows 16-aligned (SDPA pads a mask whose rows are not)
@@ -45,10 +46,7 @@ def choice() -> str:
     """MIXSCOPE_CAUSAL_BIAS: "1" (the default) this path, "triton" our own kernels first
     (kernels.triton_causal_bias; this path where they do not fit), "0" plain SDPA. Read by every whole-sequence
     training call on any device, so a value not among these raises there too."""
-    v = os.environ.get("MIXSCOPE_CAUSAL_BIAS", "").strip().lower()
-    if v not in ("", "0", "1", "triton"):
-        raise ValueError(f"MIXSCOPE_CAUSAL_BIAS must be 0, 1 or triton, got {v!r}")
-    return v or "1"
+    return switches.switch("MIXSCOPE_CAUSAL_BIAS", ("0", "1", "triton"), "1")
 
 
 def enabled() -> bool:
@@ -90,7 +88,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     MIXSCOPE_KERNELS=reference), the switch on, shapes_fit, and whatever PyTorch's own check of the
     memory-efficient kernel asks (head width, strides, the backend enabled, the GPU). Grouped K/V are checked as
     what the kernel will get, contiguous copies of q's shape and dtype (q stands in for them: no copy made here)."""
-    if not q.is_cuda or os.environ.get("MIXSCOPE_KERNELS", "").strip().lower() == "reference" or not enabled():
+    if not q.is_cuda or switches.kernels() == "reference" or not enabled():
         return False
     if not shapes_fit(q, k, v, bias):
         return False

@@ -12,7 +12,6 @@ the entry decoding eagerly, with the reason kept.
 """
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
@@ -121,7 +120,8 @@ def _weights(model) -> tuple:
     """Where every weight lives, its dtype and the kernel choice (the keep pass's too): a captured step reads them as
     they were (moving or recasting the model reallocates them) and launches what was chosen at capture."""
     import kernels
-    return (*packing.where(model), os.environ.get("MIXSCOPE_KERNELS", "").strip().lower(), kernels.keep_pass())
+    from kernels import switches
+    return (*packing.where(model), switches.kernels(), kernels.keep_pass())
 
 
 def _constants_current(model, entry: Captured) -> bool:

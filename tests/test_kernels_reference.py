@@ -86,3 +86,18 @@ def test_dispatch(monkeypatch):
     with kernels.record_paths() as paths:
         kernels.attention(q, q, q, scale=0.5)
     assert paths["attention"] == "reference"
+
+
+def test_a_switch_is_trimmed_defaulted_and_refuses_what_it_does_not_know(monkeypatch):
+    """kernels.switches, which every kernel switch reads through: case and spaces do not matter, unset or empty is
+    the default, and an unknown value names the variable and what it takes."""
+    from kernels import switches
+    monkeypatch.delenv("MIXSCOPE_TEST_SWITCH", raising=False)
+    assert switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1"), "1") == "1"
+    monkeypatch.setenv("MIXSCOPE_TEST_SWITCH", "  ")
+    assert switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1"), "1") == "1"
+    monkeypatch.setenv("MIXSCOPE_TEST_SWITCH", " Triton ")
+    assert switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1", "triton"), "1") == "triton"
+    monkeypatch.setenv("MIXSCOPE_TEST_SWITCH", "yes")
+    with pytest.raises(ValueError, match=r"MIXSCOPE_TEST_SWITCH must be 0, 1 or triton, got 'yes'"):
+        switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1", "triton"), "1")
