@@ -34,6 +34,7 @@ from kernels.triton_attention import LOG2E, _pow2, precision
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 128  # head widths beyond this would hold too many registers per tile
 MAX_ROWS = 65535  # batch x heads: the grids' second axis
+DELTA_ROWS, DELTA_WARPS = 64, 8  # query rows a program of the delta pass reads, and its warps
 
 # (block_m, block_n, num_warps, num_stages) of each kernel: "forward", "kv" (a program holds a key block's K, V and
 # their gradients while query blocks stream past), "q" (a query block's q, dO and dq while key blocks stream past).
@@ -108,6 +109,23 @@ def _causal_bias_forward_kernel(Q, K, V, BIAS, O, LSE,
     tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
     tl.store(LSE + (b * H + h) * T + offs_m, lse, mask=m_mask)
+
+
+@triton.jit
+def _causal_bias_delta_kernel(O, DO, DELTA, sob, soh, sot, sdb, sdh, sdt, H, T, D,
+                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """rowsum(dO * O) in float32 for one query block of one head: the softmax backward's correction, [B,H,T]."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    tile = m_mask[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], mask=tile, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=tile, other=0.0)
+    tl.store(DELTA + (b * H + h) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_mask)
 
 
 @triton.jit
@@ -239,8 +257,12 @@ def _backward(q, k, v, bias, out, lse, dout, scale, kv_grad: bool, bias_grad: bo
     b, h, t, d = q.shape
     g = k.shape[1]
     dout = _rows(dout)
-    # [B,H,T] rowsum(dO * O), the softmax backward's correction; contiguous, as the kernels index it
-    delta = (dout.float() * out.float()).sum(-1).contiguous()
+    # [B,H,T] rowsum(dO * O), the softmax backward's correction, in one pass (four of PyTorch's: two float32 copies,
+    # their product, its sum)
+    delta = torch.empty(b, h, t, dtype=torch.float32, device=q.device)
+    _causal_bias_delta_kernel[(triton.cdiv(t, DELTA_ROWS), b * h)](
+        out, dout, delta, *_strides(out), *_strides(dout), h, t, d, BLOCK_M=DELTA_ROWS, BLOCK_D=_pow2(d),
+        num_warps=DELTA_WARPS)
     dq = torch.empty_like(q)
     # float32 [B,T,T], zeroed: every head adds into it, and blocks above the diagonal stay zero
     db = torch.zeros((b, t, t) if bias_grad else (1,), dtype=torch.float32, device=q.device)

@@ -99,6 +99,8 @@ def cases():
             out.append((f"causal bias {name} {dtype} d={d}", fn, ptrs,
                         dict(PRECISION=ta.precision(torch_dtype[dtype]), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, **extra),
                         warps, stages))
+        out.append((f"causal bias delta {dtype} d={d}", cb._causal_bias_delta_kernel, ptrs,
+                    dict(BLOCK_M=cb.DELTA_ROWS, BLOCK_D=d), cb.DELTA_WARPS, 3))  # (Triton's default stages)
     for dtype in ("bf16", "fp16", "fp32"):  # a decode step's small ops (kernels.triton_step)
         for d, rotate, rule in ((64, True, True), (128, True, False), (64, False, True)):
             out.append((f"step_write {dtype} d={d} rotate={rotate} rule={rule}", ts._step_write_kernel,
@@ -127,7 +129,7 @@ def cases():
 REGISTERS_OF = ("decode", "merge", "keep pass", "keep forward", "keep backward", "causal bias")
 NO_SPILLS = ("merge", "keep pass", "keep forward", "keep backward", "causal bias forward bf16", "causal bias kv bf16",
              "causal bias q bf16", "causal bias forward fp16", "causal bias kv fp16", "causal bias q fp16",
-             "causal bias forward fp32", "causal bias kv fp32 d=64")
+             "causal bias forward fp32", "causal bias kv fp32 d=64", "causal bias delta")
 # float32 decode on its own launch shape: tens of bytes at most (on the bf16 shapes it spilled up to 47 KB); so too
 # float32 training attention's q kernel and its kv kernel at d = 128 (0-12 bytes at their smallest blocks on
 # 2026-11-28, 20-44 before the kernels took their outputs' strides)
