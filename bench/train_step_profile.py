@@ -236,16 +236,25 @@ def main(argv=None) -> int:
             rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
         save(False)
     if cfg.prune and args.ab_alpha is not None:  # off, ours, then the default again right after: no row's place
+        faulted = None
         for switch in ("0", "triton", "1"):          # decides the A/B
-            try:
-                with env("MIXSCOPE_CAUSAL_BIAS", switch):
-                    rows.append(profile_row(model, opt, args.ab_alpha, x, y, tc.gamma, pairs, args))
-                rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-            except Exception as e:  # noqa: BLE001 - a path that fails (our kernels' first GPU run) loses its row only
-                if isinstance(e, torch.OutOfMemoryError):
-                    raise
-                rows.append({"model": "pruned", "alpha": args.ab_alpha, "error": f"{type(e).__name__}: {e}"[:500]})
-                opt.zero_grad(set_to_none=True)
+            if faulted:  # a device fault leaves the process's CUDA context broken: no later row could run
+                rows.append({"model": "pruned", "alpha": args.ab_alpha, "skipped": f"after a device fault: {faulted}"})
+            else:
+                try:
+                    with env("MIXSCOPE_CAUSAL_BIAS", switch):
+                        rows.append(profile_row(model, opt, args.ab_alpha, x, y, tc.gamma, pairs, args))
+                    rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+                except Exception as e:  # noqa: BLE001 - a path that fails (our kernels' first GPU run) loses its row
+                    said = f"{type(e).__name__}: {e}"[:500]
+                    rows.append({"model": "pruned", "alpha": args.ab_alpha, "error": said})
+                    opt.zero_grad(set_to_none=True)  # (AdamW steps only after a whole backward: its state is intact)
+                    if isinstance(e, torch.OutOfMemoryError):  # the path's own memory: freed, and the next row runs
+                        gc.collect()
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                    elif not efficient.refusal(e):  # a device fault (AcceleratorError)
+                        faulted = said
             rows[-1] |= {"causal_bias": switch, "causal_bias_off": switch == "0"}
             save(False)
     save(True)

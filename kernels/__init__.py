@@ -178,6 +178,7 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
         # log I bias included) has a real one, and kernels.bench measures it against FlexAttention. Where the dispatch
         # takes the fast kernels (CUDA, not MIXSCOPE_KERNELS=reference), a bias that masks the future lets it skip
         # the blocks above the diagonal: in our own kernels if asked (MIXSCOPE_CAUSAL_BIAS=triton), else in PyTorch's.
+        switches.kernels()  # (an unknown value refused on every device, as inference's dispatch refuses it)
         whole = bias_is_causal and causal and lengths is None and not any(m is not None for m in maps.values())
         if whole and _causal_bias_triton(q, k, v, bias):
             _note("attention", "triton")

@@ -34,6 +34,7 @@ from kernels.triton_attention import LOG2E, _pow2, precision
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 128  # head widths beyond this would hold too many registers per tile
 MAX_ROWS = 65535  # batch x heads: the grids' second axis
+MAX_T = 46340  # a row's offsets into the bias and its gradient (t x t) stay within int32
 DELTA_ROWS, DELTA_WARPS = 64, 8  # query rows a program of the delta pass reads, and its warps
 
 # (block_m, block_n, num_warps, num_stages) of each kernel: "forward", "kv" (a program holds a key block's K, V and
@@ -218,12 +219,12 @@ def _causal_bias_q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether these kernels take the call: the contract's shapes, one dtype of the three for all four, D <= 128,
-    B x H <= 65,535."""
+    B x H <= 65,535, T <= 46,340."""
     if bias is None or q.dim() != 4 or k.dim() != 4 or bias.dim() != 4:
         return False
     b, h, t, d = q.shape
     g = k.shape[1]
-    return (g >= 1 and h % g == 0 and d <= MAX_D and b * h <= MAX_ROWS and k.shape == (b, g, t, d)
+    return (g >= 1 and h % g == 0 and d <= MAX_D and b * h <= MAX_ROWS and t <= MAX_T and k.shape == (b, g, t, d)
             and v.shape == (b, g, t, d)
             and tuple(bias.shape) == (b, 1, t, t) and q.dtype in DTYPES
             and q.dtype == k.dtype == v.dtype == bias.dtype)

@@ -106,6 +106,8 @@ def test_train_step_profile_runs(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 def test_the_profiles_ab_rows_take_each_attention_path(tmp_path, monkeypatch):
+    import torch
+
     """--ab-alpha adds three rows at that alpha, one per MIXSCOPE_CAUSAL_BIAS (0, triton, 1), each with the path its
     attention took: here, in the interpreter, SDPA, our kernels, and SDPA again (PyTorch's kernel is CUDA's)."""
     import kernels
@@ -134,6 +136,18 @@ def test_the_profiles_ab_rows_take_each_attention_path(tmp_path, monkeypatch):
     assert [r["causal_bias"] for r in rows[2:]] == ["0", "triton", "1"]
     assert "no kernel image" in rows[3]["error"] and "tokens_per_s" not in rows[3]
     assert rows[4]["kernel_paths"]["attention"] == "reference" and rows[4]["vs_dense"] > 0
+
+    def out_of_memory(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory")  # its own memory, freed: the next row runs
+
+    def device_fault(*a):
+        raise torch.AcceleratorError("an illegal memory access was encountered")  # the context is gone
+    for fails, then in ((out_of_memory, "vs_dense"), (device_fault, "skipped")):
+        monkeypatch.setitem(kernels.TRITON, "causal_bias", fails)
+        assert train_step_profile.main(["--config", str(cfg), "--alphas", "2", "--ab-alpha", "2", "--steps", "1",
+                                        "--top", "1", "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert "error" in rows[3] and then in rows[4] and rows[4]["causal_bias"] == "1", rows[3:]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
@@ -350,3 +364,23 @@ def test_a_benchmarks_environment_switch_is_given_back(monkeypatch):
     with env("MIXSCOPE_TEST_SWITCH"):  # (left as it is; a change inside is undone)
         os.environ["MIXSCOPE_TEST_SWITCH"] = "2"
     assert os.environ["MIXSCOPE_TEST_SWITCH"] == "1"
+
+
+def test_the_gpu_checks_profile_summary_keeps_each_rows_path_and_failure(tmp_path):
+    """bench.gpu_check.profile_summary: one line a row (alpha, vs_dense, the switch, the attention path), with a
+    failed row's error or a skipped row's reason; nothing from a file older than the run."""
+    import time
+
+    from bench.gpu_check import profile_summary
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"causal_bias_refused": None, "rows": [
+        {"alpha": None, "kernel_paths": {"attention": "reference"}},
+        {"alpha": 2.0, "vs_dense": 0.6, "causal_bias": "1", "kernel_paths": {"attention": "efficient"}},
+        {"alpha": 2.0, "causal_bias": "triton", "error": "AcceleratorError: illegal address"},
+        {"alpha": 2.0, "causal_bias": "1", "skipped": "after a device fault"}]}))
+    rows = profile_summary(path, since=0.0)["rows"]
+    assert [(r["alpha"], r["vs_dense"], r["causal_bias"], r["attention"]) for r in rows] == [
+        (None, None, None, "reference"), (2.0, 0.6, "1", "efficient"), (2.0, None, "triton", None),
+        (2.0, None, "1", None)]
+    assert rows[2]["error"].startswith("AcceleratorError") and rows[3]["skipped"] and "error" not in rows[1]
+    assert profile_summary(path, since=time.time() + 60) == {}

@@ -120,6 +120,57 @@ def test_keys_and_values_without_a_gradient_skip_their_kernel(monkeypatch):
     assert len(launched) == 1  # (V alone asks for it)
 
 
+@pytest.mark.parametrize("needs", [(True, False, False, False), (False, True, False, False),
+                                   (False, False, True, False), (False, False, False, True),
+                                   (True, True, True, False)], ids=["q", "k", "v", "bias", "qkv"])
+def test_each_input_gets_a_gradient_exactly_when_it_asks(needs):
+    """Any one of q, K, V and the bias needing a gradient (a frozen first layer under freeze_base has the bias
+    alone), and q, K, V without the bias: the gradients asked for equal the equation's, the others are None."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, bias = inputs(1, 4, 2, 40, 16, gen=gen)
+    grad_out = torch.randn(1, 4, 40, 16, generator=gen)
+    ins = [x.requires_grad_(n) for x, n in zip((q, k, v, bias), needs)]
+    got = grads(lambda *a: cb.attention(*a, 0.25), ins, grad_out)
+    want = grads(lambda *a: naive(*a, 0.25), ins, grad_out, torch.float64)
+    for name, a, w, asked in zip(("dq", "dk", "dv", "dbias"), got[1:], want[1:], needs):
+        assert (a is not None) == asked, name
+        if asked:
+            torch.testing.assert_close(a.double(), w.nan_to_num(), atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_views_of_one_packed_projection_and_rows_with_gaps():
+    """q, K and V as slices of one packed [B,T,H+2G,2D] projection (neither dense nor alike), q reading every other
+    element of its rows: each gradient is written through its own layout, and lands in the right slots of the
+    packed tensor's gradient."""
+    gen = torch.Generator().manual_seed(12)
+    b, h, g, t, d = 2, 4, 2, 33, 16
+    packed = torch.randn(b, t, h + 2 * g, 2 * d, generator=gen)
+    bias = inputs(b, h, g, t, d, gen=gen)[3]
+    grad_out = torch.randn(b, h, t, d, generator=gen)
+
+    def heads(p):
+        return (p[:, :, :h, ::2].transpose(1, 2), p[:, :, h:h + g, :d].transpose(1, 2),
+                p[:, :, h + g:, d:].transpose(1, 2))
+    got = packed.clone().requires_grad_(True)
+    assert heads(got)[0].stride(-1) == 2
+    cb.attention(*heads(got), bias, 0.25).backward(grad_out)
+    want = packed.double().requires_grad_(True)
+    naive(*heads(want), bias.double(), 0.25).backward(grad_out.double())
+    torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-5, rtol=1e-4)
+
+
+def test_the_grids_and_offsets_bound_what_fits():
+    """B x H on the grids' second axis (65,535 at most) and a row's offsets into the T x T bias (int32): refused
+    past either bound, taken at it. (Expanded tensors: nothing is allocated.)"""
+    one = torch.zeros(1, 1, 1, 1)
+
+    def shaped(b, t):
+        return one.expand(b, 1, t, 16), one.expand(b, 1, t, 16), one.expand(b, 1, t, 16), one.expand(b, 1, t, t)
+    assert cb.fits(*shaped(cb.MAX_ROWS, 8)) and not cb.fits(*shaped(cb.MAX_ROWS + 1, 8))
+    assert cb.fits(*shaped(1, cb.MAX_T)) and not cb.fits(*shaped(1, cb.MAX_T + 1))
+    assert cb.MAX_T ** 2 < 2 ** 31 <= (cb.MAX_T + 1) ** 2
+
+
 def test_inputs_are_read_in_place_through_their_strides():
     """q, k, v as the mixers hand them (transposed views of [B,T,H,D]), a bias with padded rows, a gradient of the
     output in another layout: the same values and gradients as contiguous copies, and the output laid out [B,T,H,D]
