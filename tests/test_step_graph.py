@@ -227,3 +227,27 @@ def test_what_a_graphed_loss_refuses_and_where_it_runs_eagerly(monkeypatch, capl
     dense.eval()
     with pytest.raises(ValueError, match="eval mode"):
         graphed(x, x)
+
+
+def test_a_graphed_loss_captures_our_attention_kernels_when_asked(triton_keep, monkeypatch):
+    """Under MIXSCOPE_CAUSAL_BIAS=triton (the profile's graphed runs with kernels.triton_causal_bias) each form's
+    capture takes our attention kernels, and the loss and gradients equal the eager step's on the same path."""
+    monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", "triton")
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config("gqa", n_kv_heads=2, positions="rope", prune=True, n_layers=2, context=16)).train()
+    randomize(model, std=0.1)
+    x, y = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    capture = _Capture()
+    graphed = GraphedLoss(model, [1.02, 2.0], autocast_dtype=None, capture=capture, min_steps=1)
+    for a in (1.02, 2.0):
+        model.set_alpha(a)
+        with kernels.record_paths() as eager_paths:
+            want_loss, want_grads = _eager_step(model, x, y)
+        model.zero_grad(set_to_none=True)
+        lm, mass = graphed(x, y)
+        (lm + sparsity_loss(mass, 0.3, pair_count(2, 16))).backward()
+        assert torch.equal(lm.detach(), want_loss), a
+        got = [p.grad for p in model.parameters() if p.grad is not None]
+        assert len(got) == len(want_grads) and all(torch.equal(g, w) for g, w in zip(got, want_grads)), a
+        assert eager_paths["attention"] == "triton"
+    assert capture.forms == ["table", "clamp"] and all(p["attention"] == "triton" for p in graphed.paths.values())
