@@ -46,8 +46,9 @@ part() {  # part NAME SECONDS COMMAND...
 # the profile first: it times the last of #27's "done when" targets (pruned training against its dense twin), eager
 # and from CUDA graphs, with the pruned step's attention in PyTorch's memory-efficient kernel and in ours
 part profile 220 make gpu-check ARGS="--only profile"
-# that attention alone, forward and backward (SDPA, FlexAttention, PyTorch's kernel, ours) at SmolLM2's head shape
-part train-attention 45 python3 -m kernels.bench --sections train_attention --models "" \
+# that attention alone, forward and backward (SDPA, PyTorch's kernel, ours) at SmolLM2's head shape; FlexAttention
+# left out: on the H100 its compile failed here after autotuning, and the JSON is written only at the end
+part train-attention 45 python3 -m kernels.bench --sections train_attention --no-flex --models "" \
   --json "bench/results/kernels_train_attention_$gpu.json" --table "bench/results/kernels_train_attention_$gpu.md"
 part tests 240 make gpu-check ARGS="--only tests"
 # SmolLM2's shape (random weights; 3 K/V groups for 9 heads), its pruned step's attention in kernels.efficient, in

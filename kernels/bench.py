@@ -325,14 +325,16 @@ def bench_models(dev, steps: int, model_dirs: list[str]) -> list[dict]:
     return out
 
 
-def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(1024, 2048)) -> list[dict]:
+def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(1024, 2048),
+                          with_flex: bool = True) -> list[dict]:
     """Training attention with the pruning bias log I (which needs a gradient), forward + backward:
     SDPA with an additive mask (what training ran first) against FlexAttention with a score_mod reading log I, and on
     a GPU PyTorch's memory-efficient kernel with its causal mask (kernels.efficient, training's default there) and
-    ours (kernels.triton_causal_bias), both given log I in the inputs' dtype, as a bf16 autocast step hands it."""
+    ours (kernels.triton_causal_bias), both given log I in the inputs' dtype, as a bf16 autocast step hands it.
+    with_flex False leaves FlexAttention out (its compile and autotuning take longer than a short call's part)."""
     out = []
     flex = None
-    if dev.type == "cuda":
+    if dev.type == "cuda" and with_flex:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
             raise_recompile_limit()
@@ -556,6 +558,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", help="write a short markdown table here")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
+    ap.add_argument("--no-flex", action="store_true",
+                    help="leave FlexAttention out (its compile and autotuning alone can outlast a short GPU call)")
     ap.add_argument("--tune", action="store_true", help="CUDA: also sweep the kernels' launch shapes")
     ap.add_argument("--models", default="assets/models/mha,assets/models/mhe-mul,assets/models/mha-1024-pruned",
                     help="comma-separated model directories for the end-to-end decode rows ('' for none)")
@@ -594,8 +598,8 @@ def main(argv=None) -> int:
     fl = floors(dev, dtype)
     print(f"device {dev}: copy {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {fl['matmul_flops_per_s'] / 1e12:.2f} "
           f"TFLOP/s", file=sys.stderr)
-    flex = flex_fn(dev) if not args.quick and "prefill" in sections \
-        else (None, "skipped in --quick or with its sections left out")
+    flex = flex_fn(dev) if not args.quick and not args.no_flex and "prefill" in sections \
+        else (None, "skipped in --quick, by --no-flex or with its sections left out")
     rows = []
     steps = [("prefill", lambda: bench_prefill(dev, dtype, sizes["prefill"], fl, sizes["reps"], flex)),
              ("decode", lambda: bench_decode(dev, dtype, sizes["contexts"], sizes["batches"], fl, sizes["reps"],
@@ -604,7 +608,8 @@ def main(argv=None) -> int:
                                                budget)),
              ("lag", lambda: bench_lag(dev, dtype, sizes["lag"], fl, sizes["reps"])),
              ("train attention", lambda: bench_train_attention(dev, dtype, fl, sizes["reps"],
-                                                               lengths=(128,) if args.quick else (1024, 2048))),
+                                                               lengths=(128,) if args.quick else (1024, 2048),
+                                                               with_flex=not args.no_flex)),
              ("log I chain", lambda: bench_keep(dev, fl, sizes["reps"], *((1, 64) if args.quick else
                                                                          (32, 1024) if cuda else (2, 1024))))]
     for name, fn in steps:
