@@ -384,3 +384,33 @@ def test_the_gpu_checks_profile_summary_keeps_each_rows_path_and_failure(tmp_pat
         (2.0, None, "1", None)]
     assert rows[2]["error"].startswith("AcceleratorError") and rows[3]["skipped"] and "error" not in rows[1]
     assert profile_summary(path, since=time.time() + 60) == {}
+
+
+def test_the_gpu_checks_profile_part_runs_each_path_at_both_batches(tmp_path, monkeypatch):
+    """bench.gpu_check --only profile (its processes stubbed, a GPU pretended): eager at batch 8 and 32 with the
+    A/B rows, then graphed at both, then graphed at both with our attention kernels, each in a process of its own
+    writing its own file, and the report saying what each wrote."""
+    import torch
+
+    from bench import gpu_check
+    calls = []
+
+    def run_module(out, module, *args, env=None):
+        calls.append((out.name, module, args, env))
+        return {"exit_code": 0, "json": str(out)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "slug", lambda: "gpu")
+    monkeypatch.setattr(gpu_check, "environment", lambda: {"date": "today", "torch": torch.__version__})
+    monkeypatch.setattr(gpu_check, "run_module", run_module)
+    assert gpu_check.main(["--only", "profile", "--results", str(tmp_path)]) == 0
+    got = [(name, args[args.index("--batch") + 1], "--cuda-graph" in args, "--ab-alpha" in args,
+            (env or {}).get("MIXSCOPE_CAUSAL_BIAS")) for name, _, args, env in calls]
+    stem = "train_step_profile_mha-pruned"
+    assert got == [(f"{stem}_gpu.json", "8", False, True, None), (f"{stem}_b32_gpu.json", "32", False, True, None),
+                   (f"{stem}_graphed_gpu.json", "8", True, False, None),
+                   (f"{stem}_graphed_b32_gpu.json", "32", True, False, None),
+                   (f"{stem}_graphed_triton_gpu.json", "8", True, False, "triton"),
+                   (f"{stem}_graphed_triton_b32_gpu.json", "32", True, False, "triton")]
+    assert all(module == "bench.train_step_profile" for _, module, _, _ in calls)
+    report = json.loads((tmp_path / "gpu_check_gpu.json").read_text())
+    assert report["train_profile_graphed_triton_b32"]["exit_code"] == 0 and report["ok"] is True
