@@ -44,16 +44,14 @@ DELTA_ROWS, DELTA_WARPS = 64, 8  # query rows a program of the delta pass reads,
 LAUNCH = {
     "half": {"forward": (64, 64, 8, 3), "kv": (32, 64, 8, 2), "q": (64, 32, 8, 2)},        # d <= 64
     "half-128": {"forward": (64, 32, 8, 3), "kv": (32, 32, 8, 2), "q": (32, 32, 4, 2)},    # 64 < d <= 128
-    "float32": {"forward": (32, 16, 8, 3), "kv": (16, 16, 8, 2), "q": (32, 16, 8, 2)},     # IEEE dots, twice the bytes
-    "float32-128": {"forward": (32, 16, 8, 3), "kv": (16, 16, 8, 2), "q": (32, 16, 8, 2)},
+    "float32": {"forward": (32, 16, 8, 3), "kv": (16, 16, 8, 2), "q": (32, 16, 8, 2)},     # IEEE dots, any d
 }
 
 
 def launch(kernel: str, d: int, dtype: torch.dtype, t: int | None = None) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of `kernel` at head width d in dtype, blocks no longer than t."""
-    kind = "float32" if dtype == torch.float32 else "half"
-    shape = LAUNCH[kind if d <= 64 else f"{kind}-128"][kernel]
-    bm, bn, warps, stages = shape
+    kind = "float32" if dtype == torch.float32 else "half" if d <= 64 else "half-128"
+    bm, bn, warps, stages = LAUNCH[kind][kernel]
     if t is not None:  # (16 at least: tl.dot's smallest operand)
         bm, bn = min(bm, _pow2(t)), min(bn, _pow2(t))
     return bm, bn, warps, stages
@@ -224,10 +222,9 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor |
         return False
     b, h, t, d = q.shape
     g = k.shape[1]
-    return (g >= 1 and h % g == 0 and d <= MAX_D and b * h <= MAX_ROWS and t <= MAX_T and k.shape == (b, g, t, d)
-            and v.shape == (b, g, t, d)
-            and tuple(bias.shape) == (b, 1, t, t) and q.dtype in DTYPES
-            and q.dtype == k.dtype == v.dtype == bias.dtype)
+    return (g >= 1 and h % g == 0 and k.shape == (b, g, t, d) and v.shape == (b, g, t, d)
+            and tuple(bias.shape) == (b, 1, t, t) and d <= MAX_D and b * h <= MAX_ROWS and t <= MAX_T
+            and q.dtype in DTYPES and q.dtype == k.dtype == v.dtype == bias.dtype)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -308,6 +305,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     backward for q, k, v and bias."""
     if not fits(q, k, v, bias):
         raise ValueError("triton_causal_bias.attention takes q [B,H,T,D], k/v [B,G,T,D] with G dividing H, "
-                         f"bias [B,1,T,T], one dtype, D <= {MAX_D}; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}, bias {tuple(bias.shape)}")
+                         f"bias [B,1,T,T], one dtype, D <= {MAX_D}, B x H <= {MAX_ROWS}, T <= {MAX_T}; got "
+                         f"q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"bias {tuple(bias.shape)} {bias.dtype}")
     return _CausalBiasAttention.apply(q, k, v, bias, scale)
