@@ -2,7 +2,7 @@
 # The one device call of a GPU session with 15 minutes of device time (docs/gpu.md, "With 15 minutes of device
 # time"): `bash bench/gpu_call.sh` with the `run` tool's timeout_s 600, after moving all models but mha and
 # mha-1024-pruned out of the tree. Each part has a time limit of its own, so one slow part leaves time for the others;
-# the limits sum to 915 s, so the call's own 600 s may cut the last parts short. After each part, everything written
+# the limits sum to 945 s, so the call's own 600 s may cut the last parts short. After each part, everything written
 # under bench/results since the call began is packed into $OUT/results.tgz (replaced whole, never half-written), so
 # a part cut short loses only itself. Each part's output: $OUT/part-<name>.txt. Exit status 1 when a part failed
 # or was cut short (all parts run all the same). ($OUT/gpu-results.tar.gz, which each `make gpu-check` part writes
@@ -46,9 +46,10 @@ part() {  # part NAME SECONDS COMMAND...
 # the profile first: it times the last of #27's "done when" targets (pruned training against its dense twin), eager
 # and from CUDA graphs, with the pruned step's attention in PyTorch's memory-efficient kernel and in ours
 part profile 220 make gpu-check ARGS="--only profile"
-# that attention alone, forward and backward (SDPA, PyTorch's kernel, ours) at SmolLM2's head shape; FlexAttention
-# left out: on the H100 its compile failed here after autotuning, and the JSON is written only at the end
-part train-attention 45 python3 -m kernels.bench --sections train_attention --no-flex --models "" \
+# that attention alone, forward and backward (SDPA, PyTorch's kernel, ours) at SmolLM2's head shape, then our
+# kernels' candidate launch shapes (--tune-train); FlexAttention left out: on the H100 its compile failed here
+# after autotuning, and the JSON is written only at the end
+part train-attention 75 python3 -m kernels.bench --sections train_attention --no-flex --tune-train --models "" \
   --json "bench/results/kernels_train_attention_$gpu.json" --table "bench/results/kernels_train_attention_$gpu.md"
 part tests 240 make gpu-check ARGS="--only tests"
 # SmolLM2's shape (random weights; 3 K/V groups for 9 heads), its pruned step's attention in kernels.efficient, in

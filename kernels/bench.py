@@ -385,6 +385,42 @@ def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(10
     return out
 
 
+# Launch shapes (block_m, block_n, num_warps, num_stages) to try for kernels.triton_causal_bias in half types at
+# d <= 64, the table's own first: each compiled for sm_90 on the CPU under Triton 3.6 and 3.9 without spilling
+# (2026-11-28; a shape the sweep picks goes into LAUNCH, where tests/test_kernels_compile.py holds it to that)
+TRAIN_LAUNCH_CANDIDATES = {"forward": [(64, 64, 8, 3), (64, 32, 4, 3)],
+                           "kv": [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
+                           "q": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)]}
+
+
+def tune_train_attention(dev, dtype, reps, b=4, h=9, g=3, d=64, t=1024) -> dict:
+    """Forward + backward ms of our pruned-step attention (kernels.triton_causal_bias) with each kernel's candidate
+    launch shapes, one kernel varied at a time, the others at the table's: {kernel: [{launch, ms}, ...]}. Half
+    types at d <= 64 (SmolLM2's and the GPU config's heads); the table is put back afterwards."""
+    from kernels import triton_causal_bias as cb
+    q = torch.randn(b, h, t, d, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, g, t, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    later = torch.ones(t, t, dtype=torch.bool, device=dev).triu(1)
+    log_i = (-torch.rand(b, 1, t, t, device=dev)).masked_fill(later, float("-inf")).to(dtype).requires_grad_()
+    grad = torch.randn(b, h, t, d, device=dev, dtype=dtype)
+    table = dict(cb.LAUNCH["half"])
+    out: dict[str, list] = {}
+    try:
+        for kernel, shapes in TRAIN_LAUNCH_CANDIDATES.items():
+            for shape in shapes:
+                cb.LAUNCH["half"] = table | {kernel: shape}
+                try:
+                    ms = 1e3 * timeit(lambda: torch.autograd.backward(cb.attention(q, k, v, log_i, d ** -0.5), grad),
+                                      dev, reps)
+                    out.setdefault(kernel, []).append({"launch": list(shape), "ms": ms})
+                except Exception as e:  # noqa: BLE001 - a shape that fails to compile or launch is reported
+                    said = f"{type(e).__name__}: {e}"[:300]
+                    out.setdefault(kernel, []).append({"launch": list(shape), "error": said})
+    finally:
+        cb.LAUNCH["half"] = table
+    return out
+
+
 def bench_keep(dev, fl, reps, b, t, alpha=2.5) -> list[dict]:
     """Context pruning's training chain (scores -> log I, I, and the gradient back), forward + backward of one
     layer: the Triton kernels (kernels.triton_keep) against the PyTorch reference."""
@@ -558,6 +594,9 @@ def main(argv=None) -> int:
     ap.add_argument("--table", help="write a short markdown table here")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
+    ap.add_argument("--tune-train", action="store_true",
+                    help="CUDA, half types: also time our pruned-step attention's candidate launch shapes "
+                         "(kernels.triton_causal_bias; TRAIN_LAUNCH_CANDIDATES)")
     ap.add_argument("--no-flex", action="store_true",
                     help="leave FlexAttention out (its compile and autotuning alone can outlast a short GPU call)")
     ap.add_argument("--tune", action="store_true", help="CUDA: also sweep the kernels' launch shapes")
@@ -624,10 +663,16 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         tuned = tune(dev, dtype, sizes["reps"])
         print(f"tune: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    tuned_train = None
+    if args.tune_train and cuda and dtype != torch.float32 and "causal_bias" in kernels.TRITON:
+        t0 = time.perf_counter()
+        tuned_train = tune_train_attention(dev, dtype, sizes["reps"])
+        print(f"tune train attention: {time.perf_counter() - t0:.1f} s; {json.dumps(tuned_train)}", file=sys.stderr)
     result = {"environment": environment(dev), "dtype": str(dtype), "floors": fl,
               "flex": "ok" if flex[0] is not None else flex[1],
               "triton": "timed" if cuda else "not timed: no CUDA device (the interpreter is a correctness tool)",
               "rows": rows, "ratios": ratios(rows), "targets": targets(rows), "tuned_launch": tuned,
+              "tuned_train_launch": tuned_train,
               "end_to_end": models}
     for r in rows:
         if "ms" in r:

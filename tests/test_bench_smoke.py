@@ -393,6 +393,7 @@ def test_the_gpu_checks_profile_part_runs_each_path_at_both_batches(tmp_path, mo
     import torch
 
     from bench import gpu_check
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))  # (main sets it to 0: put back)
     calls = []
 
     def run_module(out, module, *args, env=None):
@@ -414,3 +415,22 @@ def test_the_gpu_checks_profile_part_runs_each_path_at_both_batches(tmp_path, mo
     assert all(module == "bench.train_step_profile" for _, module, _, _ in calls)
     report = json.loads((tmp_path / "gpu_check_gpu.json").read_text())
     assert report["train_profile_graphed_triton_b32"]["exit_code"] == 0 and report["ok"] is True
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
+def test_the_training_attentions_launch_sweep_times_each_candidate_and_puts_the_table_back():
+    """kernels.bench.tune_train_attention, in the interpreter at a toy shape in float16: a time for every
+    candidate shape of every kernel, and triton_causal_bias.LAUNCH as it was afterwards."""
+    import torch
+
+    import kernels
+    from kernels import bench
+    if "causal_bias" not in kernels.TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton under TRITON_INTERPRET=1 (the tests' setting)")
+    from kernels import triton_causal_bias as cb
+    before = {k: dict(v) for k, v in cb.LAUNCH.items()}
+    got = bench.tune_train_attention(torch.device("cpu"), torch.float16, reps=1, b=1, h=2, g=1, d=16, t=20)
+    assert {k: [tuple(r["launch"]) for r in rows] for k, rows in got.items()} == bench.TRAIN_LAUNCH_CANDIDATES
+    assert all(r["ms"] > 0 for rows in got.values() for r in rows)
+    assert cb.LAUNCH == before
+    assert all(bench.TRAIN_LAUNCH_CANDIDATES[k][0] == cb.LAUNCH["half"][k] for k in bench.TRAIN_LAUNCH_CANDIDATES)
