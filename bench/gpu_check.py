@@ -127,7 +127,7 @@ def profile_summary(path: Path, since: float) -> dict:
     got = json.loads(path.read_text())
     return {"rows": [{"alpha": r["alpha"], "vs_dense": r.get("vs_dense"), "causal_bias": r.get("causal_bias"),
                       "attention": r.get("kernel_paths", {}).get("attention"), "cuda_graph": r.get("cuda_graph"),
-                      "capture_failed": r.get("capture_failed"),
+                      "capture_failed": r.get("capture_failed"), "weights_finite": r.get("weights_finite"),
                       **{k: r[k] for k in ("error", "skipped") if k in r}} for r in got["rows"]],
             "causal_bias_refused": got.get("causal_bias_refused")}
 

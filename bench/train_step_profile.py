@@ -155,8 +155,10 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args, graphed
     rule = sum(p.numel() for b in model.blocks if getattr(b.mixer, "pruning", None) is not None
                for p in b.mixer.pruning.parameters())
     failed = {"capture_failed": graphed.failed[form(alpha)]} if graphed and form(alpha) in graphed.failed else {}
+    # (a path whose kernels gave NaN without raising writes it into the weights: every later row would time those)
+    finite = bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all())
     return {"model": "dense" if alpha is None else "pruned", "alpha": alpha, "cuda_graph": replayed, **failed,
-            "step_s": step,
+            "weights_finite": finite, "step_s": step,
             "step_s_each": [round(t, 6) for t in times], "aten_calls": aten, "kernel_paths": dict(paths),
             **table, **busy,
             "tokens_per_s": x.numel() / step, "trainable_params": sum(p.numel() for p in model.parameters()

@@ -86,7 +86,7 @@ def test_train_step_profile_runs(tmp_path):
                                                                ("pruned", 4.0)]
             and all(r["step_s"] > 0 and r["top_ops"] for r in res["rows"]))
     # every timed step kept, and the operators each step dispatched: a count, the same at any two tabled alphas
-    assert all(len(r["step_s_each"]) == 1 and r["aten_calls"] > 0 for r in res["rows"])
+    assert all(len(r["step_s_each"]) == 1 and r["aten_calls"] > 0 and r["weights_finite"] for r in res["rows"])
     assert res["rows"][2]["aten_calls"] == res["rows"][3]["aten_calls"] != res["rows"][1]["aten_calls"]
     # each step's share of its alpha-sigmoid table: none at alpha 1 (a closed form), one table a step on a CPU
     assert res["rows"][1]["table_s_per_step"] == 0
@@ -148,6 +148,14 @@ def test_the_profiles_ab_rows_take_each_attention_path(tmp_path, monkeypatch):
                                         "--top", "1", "--json", str(out)]) == 0
         rows = json.loads(out.read_text())["rows"]
         assert "error" in rows[3] and then in rows[4] and rows[4]["causal_bias"] == "1", rows[3:]
+
+    def nan_out(q, k, v, bias, scale):  # a path that gives NaN without raising: the weights say so from then on
+        return q * float("nan")
+    monkeypatch.setitem(kernels.TRITON, "causal_bias", nan_out)
+    assert train_step_profile.main(["--config", str(cfg), "--alphas", "2", "--ab-alpha", "2", "--steps", "1",
+                                    "--top", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["weights_finite"] for r in rows] == [True, True, True, False, False]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
