@@ -68,6 +68,30 @@ def _logits(q, k, BIAS_B, offs_m, offs_n, m_mask, n_mask, sbt, sbs, qk_scale, PR
 
 
 @triton.jit
+def _query_block(Q, DO, LSE, DELTA, b, h, H, T, offs_m, offs_d, m_mask, d_mask, sqb, sqh, sqt, sdb, sdh, sdt):
+    """What both backward kernels read of a query block of one head: q, dO, and each row's log-sum-exp and delta
+    (padding rows: lse +inf, so their probabilities are 0)."""
+    qd_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=qd_mask, other=0.0)
+    row = (b * H + h) * T + offs_m
+    lse = tl.load(LSE + row, mask=m_mask, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=m_mask, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _tile_grads(q, k, v, do, lse, delta, BIAS_B, offs_m, offs_n, m_mask, n_mask, sbt, sbs, qk_scale,
+                PRECISION: tl.constexpr):
+    """A tile's probabilities p and the gradient of its scores ds = p (dO v^T - delta), natural units: what both
+    backward kernels turn into their gradients."""
+    s = _logits(q, k, BIAS_B, offs_m, offs_n, m_mask, n_mask, sbt, sbs, qk_scale, PRECISION)
+    p = tl.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def _causal_bias_forward_kernel(Q, K, V, BIAS, O, LSE,
                                 sqb, sqh, sqt, skb, skg, skt, svb, svg, svt, sbb, sbt, sbs, sob, soh, sot,
                                 H, R, T, D, qk_scale,
@@ -153,17 +177,11 @@ def _causal_bias_kv_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV,
         for start_m in range(first, T, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_mask = offs_m < T
-            qd_mask = m_mask[:, None] & d_mask[None, :]
-            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=qd_mask, other=0.0)
-            do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=qd_mask, other=0.0)
-            row = (b * (G * R) + h) * T + offs_m
-            lse = tl.load(LSE + row, mask=m_mask, other=float("inf"))
-            delta = tl.load(DELTA + row, mask=m_mask, other=0.0)
-            s = _logits(q, k, BIAS + b * sbb, offs_m, offs_n, m_mask, n_mask, sbt, sbs, qk_scale, PRECISION)
-            p = tl.exp2(s - lse[:, None])
+            q, do, lse, delta = _query_block(Q, DO, LSE, DELTA, b, h, G * R, T, offs_m, offs_d, m_mask, d_mask,
+                                             sqb, sqh, sqt, sdb, sdh, sdt)
+            p, ds = _tile_grads(q, k, v, do, lse, delta, BIAS + b * sbb, offs_m, offs_n, m_mask, n_mask, sbt, sbs,
+                                qk_scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     dk = dk * scale
     tl.store(DK + b * sgkb + g * sgkg + offs_n[:, None] * sgkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -189,12 +207,8 @@ def _causal_bias_q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask, d_mask = offs_m < T, offs_d < D
-    qd_mask = m_mask[:, None] & d_mask[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=qd_mask, other=0.0)
-    row = (b * H + h) * T + offs_m
-    lse = tl.load(LSE + row, mask=m_mask, other=float("inf"))
-    delta = tl.load(DELTA + row, mask=m_mask, other=0.0)
+    q, do, lse, delta = _query_block(Q, DO, LSE, DELTA, b, h, H, T, offs_m, offs_d, m_mask, d_mask,
+                                     sqb, sqh, sqt, sdb, sdh, sdt)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, tl.minimum(T, (pid_m + 1) * BLOCK_M), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -202,17 +216,15 @@ def _causal_bias_q_kernel(Q, K, V, BIAS, DO, LSE, DELTA, DQ, DB,
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + b * skb + g * skg + offs_n[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + b * svb + g * svg + offs_n[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _logits(q, k, BIAS + b * sbb, offs_m, offs_n, m_mask, n_mask, sbt, sbs, qk_scale, PRECISION)
-        p = tl.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])  # the gradient of the scores (natural units), and so of the bias
+        _, ds = _tile_grads(q, k, v, do, lse, delta, BIAS + b * sbb, offs_m, offs_n, m_mask, n_mask, sbt, sbs,
+                            qk_scale, PRECISION)  # (ds: the gradient of the scores, and so of the bias)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if HAS_DB:  # float32 [B,T,T]: every head of the batch row adds into the same tile
             tl.atomic_add(DB + b * T * T + offs_m[:, None] * T + offs_n[None, :], ds,
                           mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
     dq = dq * scale
     tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=qd_mask)
+             mask=m_mask[:, None] & d_mask[None, :])
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> bool:
