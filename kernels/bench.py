@@ -325,6 +325,17 @@ def bench_models(dev, steps: int, model_dirs: list[str]) -> list[dict]:
     return out
 
 
+def train_attention_inputs(dev, dtype, b, h, g, d, t):
+    """q [B,H,T,D], k and v [B,G,T,D] and log I [B,1,T,T] (float32), each needing a gradient, and the output's
+    gradient: log I at most 0 and -inf above the diagonal, as a pruned layer's is, so it is the causal mask too
+    (models.backends.full)."""
+    q = torch.randn(b, h, t, d, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, g, t, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    later = torch.ones(t, t, dtype=torch.bool, device=dev).triu(1)
+    log_i = (-torch.rand(b, 1, t, t, device=dev)).masked_fill(later, float("-inf")).requires_grad_()
+    return q, k, v, log_i, torch.randn(b, h, t, d, device=dev, dtype=dtype)
+
+
 def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(1024, 2048),
                           with_flex: bool = True) -> list[dict]:
     """Training attention with the pruning bias log I (which needs a gradient), forward + backward:
@@ -342,12 +353,7 @@ def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(10
         except Exception as e:  # noqa: BLE001
             out.append({"case": "train attention", "impl": "flex", "error": f"{type(e).__name__}: {e}"[:300]})
     for t in lengths:
-        q = torch.randn(b, h, t, d, device=dev, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(b, g, t, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
-        # -inf above the diagonal, as log I is: it is the causal mask too (models.backends.full)
-        later = torch.ones(t, t, dtype=torch.bool, device=dev).triu(1)
-        log_i = (-torch.rand(b, 1, t, t, device=dev)).masked_fill(later, float("-inf")).requires_grad_()
-        grad = torch.randn(b, h, t, d, device=dev, dtype=dtype)
+        q, k, v, log_i, grad = train_attention_inputs(dev, dtype, b, h, g, d, t)
         name = f"train attention+log I fwd+bwd t={t} b={b} h={h} g={g}"
         flops = 3 * 4 * b * h * d * t * (t + 1) / 2
         nbytes = 3 * (4 * b * h * t * d) * q.element_size() + 2 * log_i.numel() * 4
@@ -398,11 +404,8 @@ def tune_train_attention(dev, dtype, reps, b=4, h=9, g=3, d=64, t=1024) -> dict:
     launch shapes, one kernel varied at a time, the others at the table's: {kernel: [{launch, ms}, ...]}. Half
     types at d <= 64 (SmolLM2's and the GPU config's heads); the table is put back afterwards."""
     from kernels import triton_causal_bias as cb
-    q = torch.randn(b, h, t, d, device=dev, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(b, g, t, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
-    later = torch.ones(t, t, dtype=torch.bool, device=dev).triu(1)
-    log_i = (-torch.rand(b, 1, t, t, device=dev)).masked_fill(later, float("-inf")).to(dtype).requires_grad_()
-    grad = torch.randn(b, h, t, d, device=dev, dtype=dtype)
+    q, k, v, log_i, grad = train_attention_inputs(dev, dtype, b, h, g, d, t)
+    log_i = log_i.detach().to(dtype).requires_grad_()  # (in the inputs' dtype, as a bf16 autocast step hands it)
     table = dict(cb.LAUNCH["half"])
     out: dict[str, list] = {}
     try:
