@@ -4,9 +4,11 @@
 # mha-1024-pruned out of the tree. Each part has a time limit of its own, so one slow part leaves time for the others;
 # the limits sum to 945 s, so the call's own 600 s may cut the last parts short. After each part, everything written
 # under bench/results since the call began is packed into $OUT/results.tgz (replaced whole, never half-written), so
-# a part cut short loses only itself. Each part's output: $OUT/part-<name>.txt. Exit status 1 when a part failed
-# or was cut short (all parts run all the same). ($OUT/gpu-results.tar.gz, which each `make gpu-check` part writes
-# of its own results, is superseded by results.tgz.)
+# a part cut short loses only itself. Each part's output: bench/results/gpu_call_logs/part-<name>.txt, packed with
+# the rest. $OUT holds results.tgz alone: the device tool brings back at most 8 files, and on 2026-11-28 a ninth
+# (the part logs were then loose in $OUT) cost the whole archive. ($OUT/gpu-results.tar.gz, which each
+# `make gpu-check` part writes of its own results, is removed after the part: results.tgz holds them.)
+# Exit status 1 when a part failed or was cut short (all parts run all the same).
 #
 #   --dry-run   print the parts and their limits, run nothing (any machine)
 set -u
@@ -22,6 +24,8 @@ if [ "$dry" = 1 ]; then gpu="GPU"; else
   gpu=$(python3 -c "from bench.gpu_check import slug; print(slug())") || { echo "gpu-call: no GPU visible"; exit 1; }
 fi
 export PYTHONUNBUFFERED=1
+logs=bench/results/gpu_call_logs
+[ "$dry" = 1 ] || mkdir -p "$logs"
 
 pack() {  # everything this call wrote under bench/results, as one archive
   find bench/results -newer "$stamp" -type f -print0 | tar -czf "$out/results.part" --null -T - \
@@ -35,11 +39,12 @@ part() {  # part NAME SECONDS COMMAND...
   echo "gpu-call: $name (limit ${limit} s): $(printf '%q ' "$@")"
   [ "$dry" = 1 ] && return 0
   local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$out/part-$name.txt" 2>&1  # (-k: killed 10 s after a TERM it ignores)
+  timeout -k 10 "$limit" "$@" > "$logs/part-$name.txt" 2>&1  # (-k: killed 10 s after a TERM it ignores)
   rc=$?
   echo "gpu-call: $name exit $rc in $((SECONDS - t0)) s"
   [ "$rc" = 0 ] || failed="$failed $name"
-  tail -n 5 "$out/part-$name.txt"
+  tail -n 5 "$logs/part-$name.txt"
+  rm -f "$out/gpu-results.tar.gz"
   pack
 }
 

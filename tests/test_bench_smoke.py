@@ -319,8 +319,9 @@ def test_timeit_graph_waits_for_its_copies_before_the_warm_up(monkeypatch):
 
 def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     """bench/gpu_call.sh in a copy of its folder, `make` and `python3` stubbed: each part runs with its output
-    kept, and $OUT/results.tgz holds what the parts wrote under bench/results, packed after each (a later part that
-    fails leaves the earlier results in it). --dry-run and a missing $OUT run nothing."""
+    kept, and $OUT/results.tgz holds what the parts wrote under bench/results and their logs, packed after each (a
+    later part that fails leaves the earlier results in it). $OUT holds that archive alone (the device tool brings
+    back 8 files at most): gpu-check's own archive is removed. --dry-run and a missing $OUT run nothing."""
     import shutil
     import subprocess
     import tarfile
@@ -331,7 +332,7 @@ def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     (stubs / "make").write_text('#!/bin/sh\nname=$(echo "$2" | cut -d" " -f2)\necho "ran $name"\n'
-                                'echo "{}" > "bench/results/$name.json"\n')
+                                'echo "{}" > "bench/results/$name.json"\necho x > "$OUT/gpu-results.tar.gz"\n')
     (stubs / "python3").write_text('#!/bin/sh\ncase "$1" in -c) echo h200 ;; *) echo "bench $*"; exit 3 ;; esac\n')
     for s in stubs.iterdir():
         s.chmod(0o755)
@@ -345,10 +346,12 @@ def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     assert said == ["profile", "train-attention", "tests", "profile-smollm2", "decode", "kernels16k",
                     "kernels16k-fp32"]
     assert "kernels16k exit 3" in got.stdout and "kernels_16k_h200.json" in got.stdout
-    assert (out / "part-tests.txt").read_text() == "ran tests\n"
+    assert sorted(p.name for p in out.iterdir()) == ["results.tgz"]
+    parts = ("profile", "train-attention", "tests", "profile-smollm2", "decode", "kernels16k", "kernels16k-fp32")
     with tarfile.open(out / "results.tgz") as tar:
-        assert sorted(tar.getnames()) == [f"bench/results/{p}.json" for p in ("decode", "profile", "tests")]
-    assert not (out / "results.part").exists()
+        assert sorted(tar.getnames()) == sorted([f"bench/results/{p}.json" for p in ("decode", "profile", "tests")]
+                                                + [f"bench/results/gpu_call_logs/part-{p}.txt" for p in parts])
+        assert tar.extractfile("bench/results/gpu_call_logs/part-tests.txt").read() == b"ran tests\n"
     dry = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh"), "--dry-run"], env=env, capture_output=True,
                          text=True)
     assert dry.returncode == 0 and "ran" not in dry.stdout
