@@ -21,6 +21,10 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
   weights it uses, as the cache's first use would.
 - The rest of the step must not change while graphs live: which parameters train, the kernel paths
   (MIXSCOPE_KERNELS, MIXSCOPE_CAUSAL_BIAS), training mode (an eval-mode call is refused).
+- No autograd graph of an earlier eager step of the model may be alive when a form is captured: its parameters'
+  AccumulateGrad nodes are shared with the capture and tied to the stream they were made on, the default one,
+  which cannot join a capture (cudaErrorStreamCaptureImplicit on an H200, 2026-11-28; pytorch/pytorch#64339).
+  models.train drops each step's loss and mass before the next.
 - The gradients a replay hands back are the graph's own buffers (p.grad shares their memory), so a replayed step
   needs every trained p.grad None before it (zero_grad(set_to_none=True), as models.train does): a gradient left
   there would be overwritten by the replay, then added to itself. Refused.

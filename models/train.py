@@ -506,13 +506,19 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
                             teacher = fwd(x).logits
                         loss = distill_loss(res.logits, teacher)
                         kl_value = float(loss.detach())
+                    del res  # (its logits hold the step's graph too)
                     if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
                         loss = loss + sparsity_loss(mass, tc.gamma, n_pairs)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss = lm_loss.detach()  # the logged loss is the LM loss alone (the sparsity term is logged apart)
+            # the logged loss is the LM loss alone (the sparsity term is logged apart). Nothing holds the step's
+            # autograd graph past here: under train.cuda_graph a form's capture can follow an eager step, and the
+            # parameters' AccumulateGrad nodes that graph kept alive are tied to the default stream, which cannot
+            # join a capture (the H200's backward capture failed so, 2026-11-28; pytorch/pytorch#64339)
+            loss, mass = lm_loss.detach(), None if mass is None else mass.detach()
+            del lm_loss
             if world > 1:  # log the global batch's loss, not this process's share
                 torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
             loss_value = float(loss)

@@ -54,9 +54,11 @@ def poisoned(monkeypatch):
 
 
 def rel_err(got, want) -> float:
+    """|got - want| / |want|; 0 where both are exactly zero (a gradient a saturated gate stops, as at alpha 8)."""
     assert not got.isnan().any(), "unwritten (NaN) elements"
     got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm())
+    diff, norm = float((got - want).norm()), float(want.norm())
+    return 0.0 if diff == 0 else diff / norm if norm else float("inf")
 
 
 def up(*ts, dtype=torch.float32):
@@ -118,7 +120,9 @@ def test_causal_bias_attention_equals_sdpa_with_the_bias(b, h, g, t, d, dtype, i
 def test_pruned_training_step_with_the_causal_bias_kernel_equals_plain_sdpa(monkeypatch, mixer, autocast):
     """A pruned training step at the GPU config's length (T = 1024, heads of 64), with a K/V per head and grouped,
     takes kernels.efficient (or, asked, kernels.triton_causal_bias), and its loss and gradients equal those of the
-    step on SDPA with the bias alone (MIXSCOPE_CAUSAL_BIAS=0)."""
+    step on SDPA with the bias alone (MIXSCOPE_CAUSAL_BIAS=0). Under bf16 autocast each gradient lies within twice
+    that SDPA step's own error of the float32 step (2e-2 at least): on an H200 (2026-11-28) PyTorch's kernel and
+    bf16 SDPA differed by 2.5 % on a grouped W_K gradient of norm 7e-4, which says nothing of which is nearer."""
     cfg = tiny_config(**mixer, d_model=128, n_heads=2, context=1024, prune=True, prune_sinks=2, prune_distance=True)
     model = DecoderLM(cfg).to(DEV).train()
     randomize(model, std=0.2)
@@ -129,112 +133,26 @@ def test_pruned_training_step_with_the_causal_bias_kernel_equals_plain_sdpa(monk
     model.set_alpha(2.5)
     idx = torch.randint(0, 61, (2, 1025), device=DEV)
     out = {}
-    for switch, path in (("1", "efficient"), ("triton", "triton"), ("0", "reference")):
+    runs = [("1", "efficient", autocast), ("triton", "triton", autocast), ("0", "reference", autocast)]
+    for switch, path, cast in runs + ([("0", "float32", False)] if autocast else []):
         monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", switch)
         model.zero_grad(set_to_none=True)
-        with kernels.record_paths() as paths, torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with kernels.record_paths() as paths, torch.autocast("cuda", dtype=torch.bfloat16, enabled=cast):
             res = model(idx[:, :-1], targets=idx[:, 1:])
             (res.loss + sparsity_loss(res.prune_mass, 0.3, pair_count(cfg.n_layers, 1024))).backward()
-        assert paths["attention"] == path
+        assert paths["attention"] == ("reference" if path == "float32" else path)
         out[path] = (res.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     want_loss, want = out["reference"]
     for path in ("efficient", "triton"):
         loss, got = out[path]
         assert abs(float(loss - want_loss)) < 1e-3 * abs(float(want_loss)) and got.keys() == want.keys(), path
         for n in want:
-            assert float(want[n].norm()) > 0 and rel_err(got[n], want[n]) < (2e-2 if autocast else 1e-4), (path, n)
-
-
-@pytest.mark.parametrize("prune", [True, False], ids=["pruned", "dense"])
-def test_training_replayed_from_cuda_graphs_follows_the_eager_run(prune):
-    """train.cuda_graph (models.step_graph) under bf16 autocast at T = 1024, two copies of one model stepped side by
-    side (clipped, fused AdamW), one eager and one graphed, on fresh batches that are overlapping views of one
-    tensor as models.train's get_batch makes them: across the sigmoid (alpha 1), tables of different values and
-    lengths between replays of one capture (1.02, 8, 1.3) and the clamp (2), each step's loss and gradients equal
-    the eager copy's (and the sparsity mass), and after the steps so do the weights' changes. A replay that kept an
-    earlier alpha's table would give another mass: at the alpha-8 step, 1.02's lies far outside the tolerance."""
-    import copy
-
-    from models.step_graph import GraphedLoss
-    cfg = tiny_config("mha", d_model=128, n_heads=2, context=1024, prune=prune, prune_sinks=2 if prune else 0)
-    torch.manual_seed(0)
-    eager = DecoderLM(cfg).to(DEV).train()
-    randomize(eager, std=0.2)
-    if prune:
-        with torch.no_grad():  # gates on their slopes (as above)
-            for blk in eager.blocks:
-                blk.mixer.pruning.W_Qint.mul_(0.2), blk.mixer.pruning.W_Kint.mul_(0.2)
-                blk.mixer.pruning.beta.fill_(1.0)
-    graphed_model = copy.deepcopy(eager)
-    start = {n: p.detach().clone() for n, p in eager.named_parameters()}
-    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (eager, graphed_model)}
-    alphas = [1.0, 1.02, 8.0, 2.0, 1.3, 1.02] if prune else [None] * 3
-    graphed = GraphedLoss(graphed_model, [a for a in alphas if a is not None], min_steps=1)
-    pairs = pair_count(cfg.n_layers, 1024)
-    apart = None
-    for a in alphas:
-        t = torch.randint(0, 61, (2, 1025), device=DEV)
-        x, y = t[:, :-1], t[:, 1:]
-        if a == 8.0:  # how far this step's mass lies from the one a stale table (the capture's, 1.02) would give
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                eager.set_alpha(1.02)
-                stale = float(eager(x, targets=y).prune_mass)
-        out = {}
-        for model in (eager, graphed_model):
-            if a is not None:
-                model.set_alpha(a)
-            if model is eager:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    res = model(x, targets=y)
-                lm, mass = res.loss, res.prune_mass
+            assert float(want[n].norm()) > 0, n
+            if autocast:
+                exact = out["float32"][1][n]
+                assert rel_err(got[n], exact) <= max(2 * rel_err(want[n], exact), 2e-2), (path, n)
             else:
-                lm, mass = graphed(x, y)
-            (lm if mass is None else lm + sparsity_loss(mass, 0.3, pairs)).backward()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opts[model].step()
-            opts[model].zero_grad(set_to_none=True)
-            out[model is eager] = (float(lm), None if mass is None else float(mass), grads)
-        (loss, got_mass, got), (want_loss, want_mass, want) = out[False], out[True]
-        assert abs(loss - want_loss) < 1e-3 * abs(want_loss) and got.keys() == want.keys(), (a, loss, want_loss)
-        if prune:
-            assert abs(got_mass - want_mass) < 1e-3 * abs(want_mass), (a, got_mass, want_mass)
-        for n in want:
-            assert rel_err(got[n], want[n]) < 2e-2, (a, n)
-        if a == 8.0:
-            apart = abs(stale - want_mass) / abs(want_mass)
-    moved = dict(graphed_model.named_parameters())
-    for n, p in eager.named_parameters():
-        assert rel_err(moved[n].detach() - start[n], p.detach() - start[n]) < 5e-2, n
-    assert sorted(graphed.graphs) == (["clamp", "sigmoid", "table"] if prune else ["dense"]) and not graphed.failed
-    if prune:
-        assert graphed.paths["table"]["log_keep"] == "triton"
-        assert apart > 1e-2, apart  # (ten times the tolerance: a stale table would have failed the step)
-
-
-def test_a_training_run_with_cuda_graph_follows_the_eager_run(tmp_path):
-    """models.train with train.cuda_graph on a GPU: a short pruned run from alpha 1 (one step: eager) into the
-    tables (captured), with its curve and test perplexity beside the same run's without graphs (bf16 both), and
-    the card saying which forms replayed."""
-    import json
-
-    from models.train import train
-    from tests.test_train_eval import curve, tiny_corpus, write_config
-    data = tiny_corpus(tmp_path)
-    cards, curves = {}, {}
-    for graph in (False, True):
-        cfg = write_config(tmp_path / f"c{graph}.json", data, mixer="mha", steps=12, cuda_graph=graph,
-                           eval_interval=100, checkpoint_interval=100)
-        raw = json.loads(cfg.read_text())
-        raw["model"] |= {"prune": True, "prune_r": 8}
-        cfg.write_text(json.dumps(raw))
-        cards[graph] = train(cfg, tmp_path / f"m{graph}", device="cuda", progress=False)
-        curves[graph] = [e["loss"] for e in curve(tmp_path / f"m{graph}") if e["kind"] == "train"]
-    assert cards[True]["cuda_graph"] == {"captured": ["table"], "failed": {}} and "cuda_graph" not in cards[False]
-    assert len(curves[True]) == len(curves[False]) == 12
-    assert all(abs(a - b) < 5e-2 * abs(b) for a, b in zip(curves[True], curves[False])), curves
-    ppl = cards[False]["test_perplexity"]
-    assert abs(cards[True]["test_perplexity"] - ppl) < 5e-2 * ppl
+                assert rel_err(got[n], want[n]) < 1e-4, (path, n)
 
 
 # (batch, query heads, K/V groups, new positions, cache + new positions, head width)
@@ -674,3 +592,97 @@ def test_cuda_graph_compacted_decode_equals_eager_decode(overrides):
         if not model.config.prune:  # 300 positions, nothing dropped: the 256 slots doubled once
             assert runs["graphs"][3] == 1 and runs["graphs"][2] == runs["dynamic"][2]
     graphs.release(model)
+
+
+# The CUDA-graph training tests last: a capture that fails can leave the process's CUDA generator unusable (every
+# later torch.randn raised on an H200, 2026-11-28), which would fail every test after it
+@pytest.mark.parametrize("prune", [True, False], ids=["pruned", "dense"])
+def test_training_replayed_from_cuda_graphs_follows_the_eager_run(prune):
+    """train.cuda_graph (models.step_graph) under bf16 autocast at T = 1024, two copies of one model stepped side by
+    side (clipped, fused AdamW), one eager and one graphed, on fresh batches that are overlapping views of one
+    tensor as models.train's get_batch makes them: across the sigmoid (alpha 1), tables of different values and
+    lengths between replays of one capture (1.02, 8, 1.3) and the clamp (2), each step's loss and gradients equal
+    the eager copy's (and the sparsity mass), and after the steps so do the weights' changes. A replay that kept an
+    earlier alpha's table would give another mass: at the alpha-8 step, 1.02's lies far outside the tolerance."""
+    import copy
+
+    from models.step_graph import GraphedLoss
+    cfg = tiny_config("mha", d_model=128, n_heads=2, context=1024, prune=prune, prune_sinks=2 if prune else 0)
+    torch.manual_seed(0)
+    eager = DecoderLM(cfg).to(DEV).train()
+    randomize(eager, std=0.2)
+    if prune:
+        with torch.no_grad():  # gates on their slopes (as above)
+            for blk in eager.blocks:
+                blk.mixer.pruning.W_Qint.mul_(0.2), blk.mixer.pruning.W_Kint.mul_(0.2)
+                blk.mixer.pruning.beta.fill_(1.0)
+    graphed_model = copy.deepcopy(eager)
+    start = {n: p.detach().clone() for n, p in eager.named_parameters()}
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (eager, graphed_model)}
+    alphas = [1.0, 1.02, 8.0, 2.0, 1.3, 1.02] if prune else [None] * 3
+    graphed = GraphedLoss(graphed_model, [a for a in alphas if a is not None], min_steps=1)
+    pairs = pair_count(cfg.n_layers, 1024)
+    apart = None
+    for a in alphas:
+        t = torch.randint(0, 61, (2, 1025), device=DEV)
+        x, y = t[:, :-1], t[:, 1:]
+        if a == 8.0:  # how far this step's mass lies from the one a stale table (the capture's, 1.02) would give
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                eager.set_alpha(1.02)
+                stale = float(eager(x, targets=y).prune_mass)
+        out = {}
+        for model in (eager, graphed_model):
+            if a is not None:
+                model.set_alpha(a)
+            if model is eager:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    res = model(x, targets=y)
+                lm, mass = res.loss, res.prune_mass
+            else:
+                lm, mass = graphed(x, y)
+            (lm if mass is None else lm + sparsity_loss(mass, 0.3, pairs)).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opts[model].step()
+            opts[model].zero_grad(set_to_none=True)
+            out[model is eager] = (float(lm), None if mass is None else float(mass), grads)
+        (loss, got_mass, got), (want_loss, want_mass, want) = out[False], out[True]
+        assert abs(loss - want_loss) < 1e-3 * abs(want_loss) and got.keys() == want.keys(), (a, loss, want_loss)
+        if prune:
+            assert abs(got_mass - want_mass) < 1e-3 * abs(want_mass), (a, got_mass, want_mass)
+        for n in want:
+            assert rel_err(got[n], want[n]) < 2e-2, (a, n)
+        if a == 8.0:
+            apart = abs(stale - want_mass) / abs(want_mass)
+    moved = dict(graphed_model.named_parameters())
+    for n, p in eager.named_parameters():
+        assert rel_err(moved[n].detach() - start[n], p.detach() - start[n]) < 5e-2, n
+    assert sorted(graphed.graphs) == (["clamp", "sigmoid", "table"] if prune else ["dense"]) and not graphed.failed
+    if prune:
+        assert graphed.paths["table"]["log_keep"] == "triton"
+        assert apart > 1e-2, apart  # (ten times the tolerance: a stale table would have failed the step)
+
+
+def test_a_training_run_with_cuda_graph_follows_the_eager_run(tmp_path):
+    """models.train with train.cuda_graph on a GPU: a short pruned run from alpha 1 (one step: eager) into the
+    tables (captured), with its curve and test perplexity beside the same run's without graphs (bf16 both), and
+    the card saying which forms replayed."""
+    import json
+
+    from models.train import train
+    from tests.test_train_eval import curve, tiny_corpus, write_config
+    data = tiny_corpus(tmp_path)
+    cards, curves = {}, {}
+    for graph in (False, True):
+        cfg = write_config(tmp_path / f"c{graph}.json", data, mixer="mha", steps=12, cuda_graph=graph,
+                           eval_interval=100, checkpoint_interval=100)
+        raw = json.loads(cfg.read_text())
+        raw["model"] |= {"prune": True, "prune_r": 8}
+        cfg.write_text(json.dumps(raw))
+        cards[graph] = train(cfg, tmp_path / f"m{graph}", device="cuda", progress=False)
+        curves[graph] = [e["loss"] for e in curve(tmp_path / f"m{graph}") if e["kind"] == "train"]
+    assert cards[True]["cuda_graph"] == {"captured": ["table"], "failed": {}} and "cuda_graph" not in cards[False]
+    assert len(curves[True]) == len(curves[False]) == 12
+    assert all(abs(a - b) < 5e-2 * abs(b) for a, b in zip(curves[True], curves[False])), curves
+    ppl = cards[False]["test_perplexity"]
+    assert abs(cards[True]["test_perplexity"] - ppl) < 5e-2 * ppl

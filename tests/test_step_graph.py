@@ -251,3 +251,42 @@ def test_a_graphed_loss_captures_our_attention_kernels_when_asked(triton_keep, m
         assert len(got) == len(want_grads) and all(torch.equal(g, w) for g, w in zip(got, want_grads)), a
         assert eager_paths["attention"] == "triton"
     assert capture.forms == ["table", "clamp"] and all(p["attention"] == "triton" for p in graphed.paths.values())
+
+
+def test_models_train_holds_no_earlier_steps_graph_when_it_calls_its_graphed_loss(tmp_path, monkeypatch):
+    """A form's capture can follow an eager step of the same run (a form with too few steps runs eagerly first).
+    Any autograd graph of that step still alive then keeps the parameters' AccumulateGrad nodes it made on the
+    default stream, which the capture's backward would have to wait on: on an H200 (2026-11-28) the first capture
+    of a tiny pruned run failed with cudaErrorStreamCaptureImplicit, and took the process's CUDA generator with it.
+    models.train, with its GraphedLoss replaced by one that checks this and runs eagerly: no loss or mass of an
+    earlier step is alive when the next step's is asked for."""
+    import json
+    import weakref
+
+    from models import train as train_mod
+    from models.step_graph import eager_loss
+    from tests.test_train_eval import tiny_corpus, write_config
+
+    alive = []  # weak references to every loss and mass handed out
+
+    class Checked:
+        graphs, failed = {}, {}
+
+        def __init__(self, model):
+            self.loss = eager_loss(model, None)
+
+        def __call__(self, x, y):
+            assert not [r for r in alive if r() is not None], "an earlier step's loss or mass is still alive"
+            lm, mass = self.loss(x, y)
+            alive.extend(weakref.ref(t) for t in (lm, mass))
+            return lm, mass
+
+    monkeypatch.setattr(train_mod, "graphed_loss", lambda model, *a, **k: Checked(model))
+    data = tiny_corpus(tmp_path)
+    cfg = write_config(tmp_path / "c.json", data, mixer="mha", steps=3, cuda_graph=True, eval_interval=100,
+                       checkpoint_interval=100)
+    raw = json.loads(cfg.read_text())
+    raw["model"] |= {"prune": True, "prune_r": 8}
+    cfg.write_text(json.dumps(raw))
+    card = train_mod.train(cfg, tmp_path / "m", progress=False)
+    assert card["steps"] == 3 and len(alive) == 6 and not [r for r in alive if r() is not None]
