@@ -399,28 +399,47 @@ TRAIN_LAUNCH_CANDIDATES = {"forward": [(64, 64, 8, 3), (64, 32, 4, 3)],
                            "q": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)]}
 
 
-def tune_train_attention(dev, dtype, reps, b=4, h=9, g=3, d=64, t=1024) -> dict:
+def tune_train_attention(dev, dtype, reps, b=4, h=9, g=3, d=64, t=1024, rounds: int = 5) -> dict:
     """Forward + backward ms of our pruned-step attention (kernels.triton_causal_bias) with each kernel's candidate
-    launch shapes, one kernel varied at a time, the others at the table's: {kernel: [{launch, ms}, ...]}. Half
-    types at d <= 64 (SmolLM2's and the GPU config's heads); the table is put back afterwards."""
+    launch shapes, one kernel varied at a time, the others at the table's: {kernel: [{launch, ms, ms_rounds,
+    vs_table}, ...]}. Each shape is timed once a round, the rounds interleaved, and ms is the median: two H200 calls
+    of one timing each disagreed by up to 40 % on one shape (2026-11-28). vs_table: the median over rounds of the
+    shape's time over the table's own shape's (each kernel's first candidate) in the same round. Half types at
+    d <= 64 (SmolLM2's and the GPU config's heads); the table is put back afterwards."""
     from kernels import triton_causal_bias as cb
     q, k, v, log_i, grad = train_attention_inputs(dev, dtype, b, h, g, d, t)
     log_i = log_i.detach().to(dtype).requires_grad_()  # (in the inputs' dtype, as a bf16 autocast step hands it)
     table = dict(cb.LAUNCH["half"])
-    out: dict[str, list] = {}
+    samples: dict[tuple, list[float]] = {}
+    errors: dict[tuple, str] = {}
     try:
-        for kernel, shapes in TRAIN_LAUNCH_CANDIDATES.items():
-            for shape in shapes:
-                cb.LAUNCH["half"] = table | {kernel: shape}
-                try:
-                    ms = 1e3 * timeit(lambda: torch.autograd.backward(cb.attention(q, k, v, log_i, d ** -0.5), grad),
-                                      dev, reps)
-                    out.setdefault(kernel, []).append({"launch": list(shape), "ms": ms})
-                except Exception as e:  # noqa: BLE001 - a shape that fails to compile or launch is reported
-                    said = f"{type(e).__name__}: {e}"[:300]
-                    out.setdefault(kernel, []).append({"launch": list(shape), "error": said})
+        for _ in range(rounds):
+            for kernel, shapes in TRAIN_LAUNCH_CANDIDATES.items():
+                for shape in shapes:
+                    if (kernel, shape) in errors:
+                        continue
+                    cb.LAUNCH["half"] = table | {kernel: shape}
+                    try:
+                        ms = 1e3 * timeit(lambda: torch.autograd.backward(cb.attention(q, k, v, log_i, d ** -0.5),
+                                                                          grad), dev, reps)
+                    except Exception as e:  # noqa: BLE001 - a shape that fails to compile or launch is reported
+                        errors[kernel, shape] = f"{type(e).__name__}: {e}"[:300]
+                        continue
+                    samples.setdefault((kernel, shape), []).append(ms)
     finally:
         cb.LAUNCH["half"] = table
+    out: dict[str, list] = {}
+    for kernel, shapes in TRAIN_LAUNCH_CANDIDATES.items():
+        base = samples.get((kernel, shapes[0]), [])
+        for shape in shapes:
+            if (kernel, shape) in errors:
+                out.setdefault(kernel, []).append({"launch": list(shape), "error": errors[kernel, shape]})
+                continue
+            ms = samples[kernel, shape]
+            row = {"launch": list(shape), "ms": statistics.median(ms), "ms_rounds": ms}
+            if len(base) == len(ms):  # (paired by round; not where the table's own shape failed)
+                row["vs_table"] = statistics.median(m / b_ for m, b_ in zip(ms, base))
+            out.setdefault(kernel, []).append(row)
     return out
 
 

@@ -1,6 +1,7 @@
 """The benchmarks run end to end at toy sizes (their numbers are not checked: timing is not a unit test)."""
 import json
 import os
+import statistics
 
 import pytest
 
@@ -431,7 +432,8 @@ def test_the_gpu_checks_profile_part_runs_each_path_at_both_batches(tmp_path, mo
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 def test_the_training_attentions_launch_sweep_times_each_candidate_and_puts_the_table_back():
     """kernels.bench.tune_train_attention, in the interpreter at a toy shape in float16: a time for every
-    candidate shape of every kernel, and triton_causal_bias.LAUNCH as it was afterwards."""
+    candidate shape of every kernel in every round, its median, its ratio to the table's own shape, and
+    triton_causal_bias.LAUNCH as it was afterwards."""
     import torch
 
     import kernels
@@ -440,8 +442,12 @@ def test_the_training_attentions_launch_sweep_times_each_candidate_and_puts_the_
         pytest.skip("needs triton under TRITON_INTERPRET=1 (the tests' setting)")
     from kernels import triton_causal_bias as cb
     before = {k: dict(v) for k, v in cb.LAUNCH.items()}
-    got = bench.tune_train_attention(torch.device("cpu"), torch.float16, reps=1, b=1, h=2, g=1, d=16, t=20)
+    got = bench.tune_train_attention(torch.device("cpu"), torch.float16, reps=1, b=1, h=2, g=1, d=16, t=20,
+                                     rounds=2)
     assert {k: [tuple(r["launch"]) for r in rows] for k, rows in got.items()} == bench.TRAIN_LAUNCH_CANDIDATES
-    assert all(r["ms"] > 0 for rows in got.values() for r in rows)
+    for rows in got.values():
+        for r in rows:
+            assert len(r["ms_rounds"]) == 2 and r["ms"] == statistics.median(r["ms_rounds"]) > 0 and r["vs_table"] > 0
+        assert rows[0]["vs_table"] == 1.0  # (the table's own shape against itself)
     assert cb.LAUNCH == before
     assert all(bench.TRAIN_LAUNCH_CANDIDATES[k][0] == cb.LAUNCH["half"][k] for k in bench.TRAIN_LAUNCH_CANDIDATES)
