@@ -199,11 +199,11 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
                     out.append(row(name, impl, timeit(fn, dev, reps), nbytes, flops, fl) | {"cache_bytes": cache_bytes})
                 if "triton" in impls and 3 * cache_bytes <= budget_bytes:
                     launches = {"triton_graph": {}}
-                    shared = triton_attention.decode_launch(d, torch.bfloat16, dev)
-                    if triton_attention.decode_launch(d, dtype, dev) != shared:
-                        # a dtype with a launch shape of its own (float32): the bf16 shape beside it, same run
-                        bn, warps, stages = shared
-                        launches["triton_graph_bf16_launch"] = dict(block_n=bn, num_warps=warps, num_stages=stages)
+                    if dtype == torch.float32:  # the other shapes float32 might take, beside its table's, same run
+                        for bn, warps, stages in triton_attention.DECODE_ALTERNATIVES_FP32:
+                            if (bn, warps, stages) != triton_attention.decode_launch(d, dtype, dev):
+                                launches[f"triton_graph_launch_{bn}x{warps}x{stages}"] = dict(
+                                    block_n=bn, num_warps=warps, num_stages=stages)
                     for impl, launch in launches.items():
                         def make(i, variant=variant, b=b, s=s, launch=launch):  # a fixed-shape step: merged in-kernel
                             q, k, v, maps, g = make_qkv(variant, b, h, 1, s, d, dev, dtype)

@@ -32,19 +32,20 @@ def precision(dtype: torch.dtype) -> str:
 # ignores the warps and stages; it runs block_n.
 PREFILL_LAUNCH = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
 DECODE_LAUNCH = {64: (128, 4, 2), 128: (128, 2, 2)}  # (block_n, num_warps, num_stages)
-# float32 on a GPU (the app's default there): twice the bytes a tile and IEEE dots without tensor cores, so the
-# bf16 shapes ran ptxas out of registers (47 KB spilled a thread pruned at d = 128, Triton 3.6). 32 slots a block
-# on 8 warps spill at most 36 bytes in the compile test's float32 decode cases (3.6; none under 3.9, sm_90a);
-# chosen by that report, not yet timed (kernels.bench --dtype float32 times it beside the bf16 shape). The
-# interpreter keeps the bf16 shape, so the CPU tests cover the block size GPUs run most.
-DECODE_LAUNCH_FP32 = (32, 8, 2)
+# float32 on a GPU (the app's default there), per head width: twice the bytes a tile and IEEE dots without tensor
+# cores. At d = 64 bf16's shape, though ptxas spills 1,180 bytes a thread of it (Triton 3.6, the static step), was
+# 1.4-2.2x faster than 32 slots a block on 8 warps (24 bytes) on an H200 (2026-11-28: MHA, MQA and MHE-MUL at 16k,
+# batch 1, 8 and 64, bench/results/gpu_call_h200_run3.txt): the block size counts, not the spill. At d = 128 bf16's
+# shape spilled 47 KB a thread pruned, so 32 slots a block on 8 warps (36 bytes), untimed. kernels.bench
+# --dtype float32 times the other shapes beside it. The interpreter keeps the bf16 shape.
+DECODE_LAUNCH_FP32 = {64: DECODE_LAUNCH[64], 128: (32, 8, 2)}
+DECODE_ALTERNATIVES_FP32 = ((32, 8, 2), (64, 4, 2), (128, 4, 2))  # what kernels.bench times beside the table's
 
 
 def decode_launch(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of a decode at head width d in dtype on device."""
-    if dtype == torch.float32 and device.type == "cuda":
-        return DECODE_LAUNCH_FP32
-    return DECODE_LAUNCH.get(_pow2(d), (64, 4, 2))
+    table = DECODE_LAUNCH_FP32 if dtype == torch.float32 and device.type == "cuda" else DECODE_LAUNCH
+    return table.get(_pow2(d), (64, 4, 2))
 
 
 def prefill_launch(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:

@@ -130,10 +130,11 @@ REGISTERS_OF = ("decode", "merge", "keep pass", "keep forward", "keep backward",
 NO_SPILLS = ("merge", "keep pass", "keep forward", "keep backward", "causal bias forward bf16", "causal bias kv bf16",
              "causal bias q bf16", "causal bias forward fp16", "causal bias kv fp16", "causal bias q fp16",
              "causal bias forward fp32", "causal bias kv fp32 d=64", "causal bias delta")
-# float32 decode on its own launch shape: tens of bytes at most (on the bf16 shapes it spilled up to 47 KB); so too
-# float32 training attention's q kernel and its kv kernel at d = 128 (0-12 bytes at their smallest blocks on
-# 2026-11-28, 20-44 before the kernels took their outputs' strides)
-FEW_SPILLS, FEW_SPILL_BYTES = ("decode fp32", "causal bias q fp32", "causal bias kv fp32 d=128"), 64
+# float32 decode at d = 128 on its own launch shape: tens of bytes at most (on bf16's it spilled up to 47 KB; at d = 64
+# float32 takes bf16's shape, which spills about 1 KB and was timed the faster on an H200); so too float32 training
+# attention's q kernel and its kv kernel at d = 128 (0-12 bytes at their smallest blocks on 2026-11-28, 20-44
+# before the kernels took their outputs' strides)
+FEW_SPILLS, FEW_SPILL_BYTES = ("decode fp32 d=128", "causal bias q fp32", "causal bias kv fp32 d=128"), 64
 
 
 def registers(ptx: str) -> dict:
@@ -191,4 +192,4 @@ def test_every_kernel_compiles_for_an_h100():
     spilling = [r for r in reported if r["case"].startswith(NO_SPILLS) and r["spill_bytes"]]
     assert not spilling, spilling
     fp32 = [r for r in reported if r["case"].startswith(FEW_SPILLS)]
-    assert len(fp32) == 5 and all(r["spill_bytes"] <= FEW_SPILL_BYTES for r in fp32), fp32
+    assert len(fp32) == 4 and all(r["spill_bytes"] <= FEW_SPILL_BYTES for r in fp32), fp32

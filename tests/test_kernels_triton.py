@@ -482,12 +482,12 @@ def test_merge_over_several_loads_equals_the_reference(splits_a_load, lse_a_load
 
 
 def test_decode_takes_its_launch_shape_from_the_caches_dtype_and_device(monkeypatch):
-    """float32 on a GPU has a launch shape of its own (bf16's ran ptxas out of registers: tests/
+    """float32 on a GPU has a table of its own (at d = 128 bf16's shape ran ptxas out of registers: tests/
     test_kernels_compile.py holds its spills); the interpreter and half types keep the tuned bf16 shape, and
     decode() asks with the cache's dtype and device."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert triton_attention.decode_launch(64, torch.float32, cuda) == triton_attention.DECODE_LAUNCH_FP32
-    assert triton_attention.decode_launch(128, torch.float32, cuda) == triton_attention.DECODE_LAUNCH_FP32
+    assert triton_attention.decode_launch(64, torch.float32, cuda) == triton_attention.DECODE_LAUNCH_FP32[64]
+    assert triton_attention.decode_launch(128, torch.float32, cuda) == (32, 8, 2) != triton_attention.DECODE_LAUNCH[128]
     for dtype, device in ((torch.float32, cpu), (torch.bfloat16, cuda), (torch.float16, cuda)):
         assert triton_attention.decode_launch(64, dtype, device) == triton_attention.DECODE_LAUNCH[64]
     asked = []
