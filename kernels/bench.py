@@ -204,6 +204,7 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
                             if (bn, warps, stages) != triton_attention.decode_launch(d, dtype, dev):
                                 launches[f"triton_graph_launch_{bn}x{warps}x{stages}"] = dict(
                                     block_n=bn, num_warps=warps, num_stages=stages)
+                    launches |= fewer_splits(s, b, g, d, dtype, dev)
                     for impl, launch in launches.items():
                         def make(i, variant=variant, b=b, s=s, launch=launch):  # a fixed-shape step: merged in-kernel
                             q, k, v, maps, g = make_qkv(variant, b, h, 1, s, d, dev, dtype)
@@ -214,6 +215,21 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
                                    | {"cache_bytes": cache_bytes})
     return out
 
+
+# split counts timed beside the decode's own where batch x groups is small: fewer splits mean longer loops over
+# the cache but fewer partials for the last split to merge, which it loads one group of splits after another (MQA
+# at batch 1 and 16k on an H200, 2026-11-28: 128 splits, 0.076 ms a call from a graph against SDPA's 0.013)
+DECODE_FEWER_SPLITS = (8, 16, 32, 64)
+
+
+def fewer_splits(s: int, b: int, g: int, d: int, dtype, dev) -> dict[str, dict]:
+    """{row name: decode's keyword arguments} for each of DECODE_FEWER_SPLITS below the split count the decode
+    would take itself, where batch x groups is at most 8 (else none)."""
+    from kernels import triton_attention as ta
+    if b * g > 8:
+        return {}
+    splits = ta._splits(s, b, g, ta.decode_launch(d, dtype, dev)[0], ta._target_programs(dev))
+    return {f"triton_graph_split{n}": {"n_split": n} for n in DECODE_FEWER_SPLITS if n < splits}
 
 FIXED_SLOTS = 64  # the compacted benchmark's smallest live count: its time is the call's fixed cost
 

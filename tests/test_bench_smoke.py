@@ -451,3 +451,18 @@ def test_the_training_attentions_launch_sweep_times_each_candidate_and_puts_the_
         assert rows[0]["vs_table"] == 1.0  # (the table's own shape against itself)
     assert cb.LAUNCH == before
     assert all(bench.TRAIN_LAUNCH_CANDIDATES[k][0] == cb.LAUNCH["half"][k] for k in bench.TRAIN_LAUNCH_CANDIDATES)
+
+
+def test_the_decode_rows_with_fewer_splits_go_below_the_decodes_own_count_at_small_batches():
+    """kernels.bench.fewer_splits: at batch x groups up to 8, a row for each of DECODE_FEWER_SPLITS under the split
+    count the decode takes itself (128 at most: MQA at batch 1 over 16k slots), and none above 8 or where the cache
+    holds fewer blocks than the smallest count."""
+    import torch
+
+    from kernels import bench
+    cpu = torch.device("cpu")
+    assert bench.fewer_splits(16384, 1, 1, 64, torch.bfloat16, cpu) == {
+        f"triton_graph_split{n}": {"n_split": n} for n in (8, 16, 32, 64)}
+    assert bench.fewer_splits(16384, 8, 1, 64, torch.bfloat16, cpu) == {"triton_graph_split8": {"n_split": 8}}
+    assert bench.fewer_splits(16384, 8, 2, 64, torch.bfloat16, cpu) == {}
+    assert bench.fewer_splits(512, 1, 1, 64, torch.bfloat16, cpu) == {}  # (4 blocks of 128 slots: 4 splits)
