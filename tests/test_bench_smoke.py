@@ -341,14 +341,14 @@ def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     out.mkdir()
     env = os.environ | {"PATH": f"{stubs}:{os.environ['PATH']}", "OUT": str(out)}
     got = subprocess.run(["bash", str(root / "bench" / "gpu_call.sh")], env=env, capture_output=True, text=True)
-    assert got.returncode == 1 and ("failed or cut short: train-attention profile-smollm2 kernels16k kernels16k-fp32"
+    assert got.returncode == 1 and ("failed or cut short: kernels16k kernels16k-fp32 train-attention profile-smollm2"
                                     in got.stdout)
     said = [line.split(":")[1].split()[0] for line in got.stdout.splitlines() if "(limit" in line]
-    assert said == ["profile", "train-attention", "tests", "profile-smollm2", "decode", "kernels16k",
-                    "kernels16k-fp32"]
+    assert said == ["tests", "kernels16k", "kernels16k-fp32", "train-attention", "decode", "profile",
+                    "profile-smollm2"]
     assert "kernels16k exit 3" in got.stdout and "kernels_16k_h200.json" in got.stdout
     assert sorted(p.name for p in out.iterdir()) == ["results.tgz"]
-    parts = ("profile", "train-attention", "tests", "profile-smollm2", "decode", "kernels16k", "kernels16k-fp32")
+    parts = ("tests", "kernels16k", "kernels16k-fp32", "train-attention", "decode", "profile", "profile-smollm2")
     with tarfile.open(out / "results.tgz") as tar:
         assert sorted(tar.getnames()) == sorted([f"bench/results/{p}.json" for p in ("decode", "profile", "tests")]
                                                 + [f"bench/results/gpu_call_logs/part-{p}.txt" for p in parts])
