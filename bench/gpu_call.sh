@@ -48,7 +48,7 @@ part() {  # part NAME SECONDS COMMAND...
   pack
 }
 
-# the tests first: the third H200 run's lost 126 tests to one failed capture (models.train's, fixed since on the CPU),
+# the tests first: the third H200 run lost 126 tests to one failed capture (models.train's, changed since on the CPU),
 # so none of those ran; they now run with the CUDA-graph training tests last
 part tests 240 make gpu-check ARGS="--only tests"
 # the decode tables at 16k: the rows with fewer splits (MQA at batch 1 took 0.076 ms against SDPA's 0.013), then

@@ -24,7 +24,7 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
 - No autograd graph of an earlier eager step of the model may be alive when a form is captured: its parameters'
   AccumulateGrad nodes are shared with the capture and tied to the stream they were made on, the default one,
   which cannot join a capture (cudaErrorStreamCaptureImplicit on an H200, 2026-11-28; pytorch/pytorch#64339).
-  models.train drops each step's loss and mass before the next.
+  models.train drops each step's loss and mass before the next, and DecoderLM.forward keeps no layer's mass.
 - The gradients a replay hands back are the graph's own buffers (p.grad shares their memory), so a replayed step
   needs every trained p.grad None before it (zero_grad(set_to_none=True), as models.train does): a gradient left
   there would be overwritten by the replay, then added to itself. Refused.

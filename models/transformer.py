@@ -258,6 +258,15 @@ class DecoderLM(nn.Module):
                 x, pending = x
         if pending is not None:
             x = x + pending
+        mass = None
+        if self.config.prune:  # each layer's sparsity mass handed over and cleared: a module attribute would hold the
+            # step's autograd graph until the next forward (an H200's CUDA-graph capture after an eager step failed
+            # so, 2026-11-28: the graph kept the parameters' AccumulateGrad nodes, tied to the default stream)
+            masses = [b.mixer.prune_mass for b in self.blocks]
+            for b in self.blocks:
+                b.mixer.prune_mass = None
+            if self.training and cache is None and all(m is not None for m in masses):  # (not with the rule off)
+                mass = sum(masses)
         if compact_fixed:
             cache.step_done()
         elif isinstance(cache, CompactDecodeCache) and cache.next_pos is not None:
@@ -279,9 +288,6 @@ class DecoderLM(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
-        mass = None
-        if self.training and cache is None and self.config.prune:
-            mass = sum(b.mixer.prune_mass for b in self.blocks)
         return ModelOutput(logits=logits, loss=loss, cache=cache, diagnostics=records, prune_mass=mass)
 
     def output_weight(self) -> torch.Tensor:

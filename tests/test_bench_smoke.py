@@ -427,6 +427,11 @@ def test_the_gpu_checks_profile_part_runs_each_path_at_both_batches(tmp_path, mo
     assert all(module == "bench.train_step_profile" for _, module, _, _ in calls)
     report = json.loads((tmp_path / "gpu_check_gpu.json").read_text())
     assert report["train_profile_graphed_triton_b32"]["exit_code"] == 0 and report["ok"] is True
+    # a split check: a part that failed in an earlier call stays in the report, but fails only that call
+    (tmp_path / "gpu_check_gpu.json").write_text(json.dumps(report | {"failed_parts": ["tests"]}))
+    assert gpu_check.main(["--only", "profile", "--results", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check_gpu.json").read_text())
+    assert report["failed_parts"] == ["tests"] and report["ok"] is False
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)

@@ -488,6 +488,8 @@ def test_decode_takes_its_launch_shape_from_the_caches_dtype_and_device(monkeypa
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert triton_attention.decode_launch(64, torch.float32, cuda) == triton_attention.DECODE_LAUNCH_FP32[64]
     assert triton_attention.decode_launch(128, torch.float32, cuda) == (32, 8, 2) != triton_attention.DECODE_LAUNCH[128]
+    for d in (16, 32, 256):  # widths the table does not name: float32's smallest-spilling shape, as before
+        assert triton_attention.decode_launch(d, torch.float32, cuda) == (32, 8, 2)
     for dtype, device in ((torch.float32, cpu), (torch.bfloat16, cuda), (torch.float16, cuda)):
         assert triton_attention.decode_launch(64, dtype, device) == triton_attention.DECODE_LAUNCH[64]
     asked = []
