@@ -344,11 +344,11 @@ def test_the_gpu_call_runs_its_parts_in_order_and_packs_after_each(tmp_path):
     assert got.returncode == 1 and ("failed or cut short: kernels16k kernels16k-fp32 train-attention profile-smollm2"
                                     in got.stdout)
     said = [line.split(":")[1].split()[0] for line in got.stdout.splitlines() if "(limit" in line]
-    assert said == ["tests", "kernels16k", "kernels16k-fp32", "train-attention", "decode", "profile",
-                    "profile-smollm2"]
+    assert said == ["tests", "kernels16k", "kernels16k-fp32", "train-attention", "profile", "profile-smollm2",
+                    "decode"]
     assert "kernels16k exit 3" in got.stdout and "kernels_16k_h200.json" in got.stdout
     assert sorted(p.name for p in out.iterdir()) == ["results.tgz"]
-    parts = ("tests", "kernels16k", "kernels16k-fp32", "train-attention", "decode", "profile", "profile-smollm2")
+    parts = ("tests", "kernels16k", "kernels16k-fp32", "train-attention", "profile", "profile-smollm2", "decode")
     with tarfile.open(out / "results.tgz") as tar:
         assert sorted(tar.getnames()) == sorted([f"bench/results/{p}.json" for p in ("decode", "profile", "tests")]
                                                 + [f"bench/results/gpu_call_logs/part-{p}.txt" for p in parts])
