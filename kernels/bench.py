@@ -231,6 +231,7 @@ def fewer_splits(s: int, b: int, g: int, d: int, dtype, dev) -> dict[str, dict]:
     splits = ta._splits(s, b, g, ta.decode_launch(d, dtype, dev)[0], ta._target_programs(dev))
     return {f"triton_graph_split{n}": {"n_split": n} for n in DECODE_FEWER_SPLITS if n < splits}
 
+
 FIXED_SLOTS = 64  # the compacted benchmark's smallest live count: its time is the call's fixed cost
 
 

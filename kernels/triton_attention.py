@@ -44,8 +44,8 @@ DECODE_ALTERNATIVES_FP32 = ((32, 8, 2), (64, 4, 2), (128, 4, 2))  # what kernels
 
 def decode_launch(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of a decode at head width d in dtype on device."""
-    if dtype == torch.float32 and device.type == "cuda":  # (other widths: the shape that spills least)
-        return DECODE_LAUNCH_FP32.get(_pow2(d), (32, 8, 2))
+    if dtype == torch.float32 and device.type == "cuda":  # (other widths: d = 128's, the shape that spills least)
+        return DECODE_LAUNCH_FP32.get(_pow2(d), DECODE_LAUNCH_FP32[128])
     return DECODE_LAUNCH.get(_pow2(d), (64, 4, 2))
 
 
