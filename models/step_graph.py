@@ -25,6 +25,14 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
   AccumulateGrad nodes are shared with the capture and tied to the stream they were made on, the default one,
   which cannot join a capture (cudaErrorStreamCaptureImplicit on an H200, 2026-11-28; pytorch/pytorch#64339).
   models.train drops each step's loss and mass before the next, and DecoderLM.forward keeps no layer's mass.
+  A first capture holds those nodes from then on (its graphed module keeps its static outputs' graph), made on
+  its side streams, which later captures can join (the replay test's later forms were captured with replays'
+  graphs alive, 2026-11-28). So before its first capture GraphedLoss collects garbage (a cycle can hold a graph
+  too) and looks for live tensors whose graph reaches a parameter. Torch 2.12 and later can point such a node at
+  the capturing stream (torch.autograd.graph.set_override_stale_capture_stream, pytorch/pytorch#180090), which
+  every capture runs with: it goes ahead. Older torch (the H200's image has 2.11) cannot: the form is not captured
+  and the run steps eagerly, naming the tensors, rather than start a capture that fails and breaks the process's
+  CUDA state.
 - The gradients a replay hands back are the graph's own buffers (p.grad shares their memory), so a replayed step
   needs every trained p.grad None before it (zero_grad(set_to_none=True), as models.train does): a gradient left
   there would be overwritten by the replay, then added to itself. Refused.
@@ -36,10 +44,11 @@ devices models.train runs eagerly and says so.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -75,6 +84,47 @@ def eager_loss(model: torch.nn.Module, autocast_dtype: torch.dtype | None = torc
     train.cuda_graph (autocast in autocast_dtype; None: off): a GraphedLoss's forms that do not replay, and
     bench.train_step_profile's eager rows."""
     return lambda x, y: _forward(model, x, y, autocast_dtype, cache=True)
+
+
+def graphs_holding(params, limit: int = 3) -> list[str]:
+    """Up to `limit` live tensors whose autograd graph reaches one of these parameters (its AccumulateGrad node),
+    each as shape, dtype and grad_fn: what would share those nodes with a capture. Collects garbage first."""
+    want = {id(p) for p in params}
+    gc.collect()
+    found = []
+    for o in gc.get_objects():
+        if not issubclass(type(o), torch.Tensor) or o.grad_fn is None:  # (type(): no object's __class__ is run)
+            continue
+        seen, todo = set(), [o.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if id(getattr(fn, "variable", None)) in want:  # (an AccumulateGrad node's parameter)
+                found.append(f"{tuple(o.shape)} {o.dtype} from {type(o.grad_fn).__name__}")
+                break
+            todo.extend(f for f, _ in fn.next_functions)
+        if len(found) == limit:
+            break
+    return found
+
+
+@contextmanager
+def _stale_streams_redirected():
+    """Yields whether autograd points a node made on a stream outside the capture at the capturing stream (torch
+    2.12 and later), turned on for the block and restored after (a process-wide setting)."""
+    get = getattr(torch._C, "_override_stale_capture_stream", None)
+    put = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    if get is None or put is None:
+        yield False
+        return
+    before = get()
+    put(True)
+    try:
+        yield True
+    finally:
+        put(before)
 
 
 class _Loss(torch.nn.Module):
@@ -154,17 +204,25 @@ class GraphedLoss:
         """The form's graphed module (its warm-up steps and the capture read the slot just loaded), or None when the
         capture failed."""
         stream = torch.cuda.current_stream() if x.is_cuda else None
-        try:
-            with kernels.record_paths() as self.paths[kind]:
-                graphed = self.capture(_Loss(self.model, self.autocast_dtype), (x, y), allow_unused_input=True)
-        except RuntimeError as e:
-            if not efficient.refusal(e):  # out of memory, or the device failed: nothing eager would fare better
-                raise
-            if stream is not None:  # (a capture that raised leaves its side stream current: pytorch/graphs.py)
-                torch.cuda.set_stream(stream)
-            self.failed[kind] = f"{type(e).__name__}: {e}"
-            log.warning("capturing the %s form of the training step failed (%s): every form runs eagerly", kind, e)
-            return None
+        # after the first capture its graphed module keeps the parameters' AccumulateGrad nodes alive, made on the
+        # capture's side streams, which a later capture can join: every later step (eager or replayed) uses those
+        held = [] if self.graphs else graphs_holding(p for p in self.model.parameters() if p.requires_grad)
+        with _stale_streams_redirected() as redirected:
+            if held and not redirected:
+                return self._fail(kind, "live tensors hold an earlier step's autograd graph, whose nodes this torch "
+                                        f"cannot move into a capture: {'; '.join(held)}")
+            if held:
+                log.info("live tensors hold an earlier step's graph (%s): autograd points its nodes at the capture's "
+                         "stream", "; ".join(held))
+            try:
+                with kernels.record_paths() as self.paths[kind]:
+                    graphed = self.capture(_Loss(self.model, self.autocast_dtype), (x, y), allow_unused_input=True)
+            except RuntimeError as e:
+                if not efficient.refusal(e):  # out of memory, or the device failed: nothing eager would fare better
+                    raise
+                if stream is not None:  # (a capture that raised leaves its side stream current: pytorch/graphs.py)
+                    torch.cuda.set_stream(stream)
+                return self._fail(kind, f"{type(e).__name__}: {e}")
         if kind == "table" and self.paths[kind].get("log_keep") != "triton":
             # the reference indexes the table with the capture's alpha, taken from the host: later replays would
             # read each new table with it
@@ -172,3 +230,7 @@ class GraphedLoss:
                                f"{self.paths[kind].get('log_keep')!r} (MIXSCOPE_KERNELS, or no Triton here)")
         self.graphs[kind] = graphed
         return graphed
+
+    def _fail(self, kind: str, why: str) -> None:
+        self.failed[kind] = why
+        log.warning("the %s form of the training step was not captured (%s): every form runs eagerly", kind, why)

@@ -262,25 +262,11 @@ def test_models_train_holds_no_earlier_steps_graph_when_it_calls_its_graphed_los
     it. models.train, with its GraphedLoss replaced by one that checks this and runs eagerly: when a step asks for
     its loss, no live tensor's graph reaches a parameter of the model (the loss, the mass, or what a module kept,
     as each layer's sparsity mass once was)."""
-    import gc
     import json
-    import warnings
 
     from models import train as train_mod
-    from models.step_graph import eager_loss
+    from models.step_graph import eager_loss, graphs_holding
     from tests.test_train_eval import tiny_corpus, write_config
-
-    def reaches(t: torch.Tensor, params: list) -> bool:
-        seen, todo = set(), [t.grad_fn]
-        while todo:
-            fn = todo.pop()
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            if any(getattr(fn, "variable", None) is p for p in params):  # (an AccumulateGrad node)
-                return True
-            todo.extend(f for f, _ in fn.next_functions)
-        return False
 
     calls = []
 
@@ -291,12 +277,8 @@ def test_models_train_holds_no_earlier_steps_graph_when_it_calls_its_graphed_los
             self.loss, self.params = eager_loss(model, None), list(model.parameters())
 
         def __call__(self, x, y):
-            gc.collect()
-            with warnings.catch_warnings():  # (isinstance on every object touches deprecated aliases)
-                warnings.simplefilter("ignore")
-                held = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None
-                        and reaches(o, self.params)]
-            assert not held, f"step {len(calls)}: {len(held)} live tensors hold an earlier step's graph"
+            held = graphs_holding(self.params)
+            assert not held, f"step {len(calls)}: live tensors hold an earlier step's graph: {held}"
             calls.append(1)
             return self.loss(x, y)
 
@@ -309,3 +291,57 @@ def test_models_train_holds_no_earlier_steps_graph_when_it_calls_its_graphed_los
     cfg.write_text(json.dumps(raw))
     card = train_mod.train(cfg, tmp_path / "m", progress=False)
     assert card["steps"] == 3 and len(calls) == 3
+
+
+def test_a_capture_with_an_earlier_steps_graph_alive_redirects_its_streams_or_runs_eagerly(monkeypatch, caplog):
+    """An eager step's loss kept alive holds its parameters' AccumulateGrad nodes (graphs_holding names it, or the
+    activations its graph saved; once it is dropped, nothing). Where torch can point such nodes at the capturing
+    stream, the capture runs with that on and the setting is restored after; where it cannot, the form is not
+    captured and the step runs eagerly, the holder named, rather than start a capture that would fail on a GPU.
+    Only a first capture is checked."""
+    from models.step_graph import graphs_holding
+
+    model = DecoderLM(tiny_config("mha", n_layers=2, context=16)).train()
+    x = torch.randint(0, 61, (1, 16))
+    kept = model(x, targets=x).loss
+    params = list(model.parameters())
+    held = graphs_holding(params)  # (the loss, and the activations its graph saved: each reaches the parameters)
+    assert len(held) == 3 and all(" torch.float32 from " in h and "Backward" in h for h in held), held
+    assert graphs_holding([torch.nn.Parameter(torch.ones(1))]) == []  # (another model's parameter: not reached)
+
+    seen = []
+
+    class Noting(_Capture):
+        def __call__(self, module, sample_args, allow_unused_input=False):
+            seen.append(torch._C._override_stale_capture_stream())
+            return super().__call__(module, sample_args, allow_unused_input)
+
+    before = torch._C._override_stale_capture_stream()
+    graphed = GraphedLoss(model, autocast_dtype=None, capture=Noting())
+    with caplog.at_level("INFO", logger="models.step_graph"):
+        lm, _ = graphed(x, x)
+    assert seen == [True] and torch._C._override_stale_capture_stream() == before and graphed.graphs
+    assert "points its nodes at the capture's stream" in caplog.text and torch.equal(lm, kept)
+
+    monkeypatch.delattr(torch.autograd.graph, "set_override_stale_capture_stream")  # (torch before 2.12)
+    caplog.clear()
+    graphed = GraphedLoss(model, autocast_dtype=None, capture=Noting())
+    with caplog.at_level("WARNING"):
+        lm, _ = graphed(x, x)
+    assert seen == [True] and not graphed.graphs and "Backward" in graphed.failed["dense"]
+    assert "runs eagerly" in caplog.text and torch.equal(lm, kept) and not graphed.replays(None)
+    del kept, lm
+    graphed = GraphedLoss(model, autocast_dtype=None, capture=Noting())
+    graphed(x, x)
+    assert seen == [True, False] and graphed.graphs and not graphed.failed
+    # after a first capture its module holds the nodes (on a GPU, made on the capture's side streams): a later
+    # form's capture goes ahead with a replay's graph alive
+    pruned = DecoderLM(tiny_config("mha", prune=True, n_layers=2, context=16)).train()
+    capture = Noting()
+    graphed = GraphedLoss(pruned, [1.0, 2.0], autocast_dtype=None, capture=capture, min_steps=1)
+    pruned.set_alpha(1.0)
+    kept = graphed(x, x)[0]
+    pruned.set_alpha(2.0)
+    graphed(x, x)
+    assert kept.grad_fn is not None and graphs_holding(list(pruned.parameters()))
+    assert capture.forms == ["sigmoid", "clamp"] and not graphed.failed
