@@ -74,7 +74,9 @@ def environment() -> dict:
     import triton
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "packages": installed()}
+            "python": platform.python_version(), "platform": platform.platform(), "packages": installed(),
+            # (whether a graphed training step's capture can redirect an earlier step's held nodes: step_graph.py)
+            "stale_capture_stream_override": hasattr(torch.autograd.graph, "set_override_stale_capture_stream")}
 
 
 def run_tests(results: Path, name: str) -> dict:

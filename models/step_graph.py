@@ -25,14 +25,16 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
   AccumulateGrad nodes are shared with the capture and tied to the stream they were made on, the default one,
   which cannot join a capture (cudaErrorStreamCaptureImplicit on an H200, 2026-11-28; pytorch/pytorch#64339).
   models.train drops each step's loss and mass before the next, and DecoderLM.forward keeps no layer's mass.
-  A first capture holds those nodes from then on (its graphed module keeps its static outputs' graph), made on
-  its side streams, which later captures can join (the replay test's later forms were captured with replays'
-  graphs alive, 2026-11-28). So before its first capture GraphedLoss collects garbage (a cycle can hold a graph
-  too) and looks for live tensors whose graph reaches a parameter. Torch 2.12 and later can point such a node at
-  the capturing stream (torch.autograd.graph.set_override_stale_capture_stream, pytorch/pytorch#180090), which
-  every capture runs with: it goes ahead. Older torch (the H200's image has 2.11) cannot: the form is not captured
-  and the run steps eagerly, naming the tensors, rather than start a capture that fails and breaks the process's
-  CUDA state.
+  A first capture holds those nodes from then on (its graphed module keeps its static outputs' graph); with
+  nothing held before it they are made on its warm-up's side stream, which later captures can join (in the
+  H200's third run a later form, the table, was captured with a replay's graph alive). Every form runs the same
+  model forward, so the first capture reaches each parameter a later one does. So before its first capture
+  GraphedLoss looks for live tensors (and autograd nodes) whose graph reaches a parameter. Where torch can point
+  such a node at the capturing stream at each sync (torch.autograd.graph.set_override_stale_capture_stream,
+  pytorch/pytorch#180090; 2.13 has it), every capture runs with that on and goes ahead, a best effort (later
+  PyTorch fixes name sync points it missed). Where it cannot (whether the H200's torch 2.11 has it is unchecked),
+  the form is not captured and the run steps eagerly, naming the holders, rather than start a capture that fails
+  and breaks the process's CUDA state.
 - The gradients a replay hands back are the graph's own buffers (p.grad shares their memory), so a replayed step
   needs every trained p.grad None before it (zero_grad(set_to_none=True), as models.train does): a gradient left
   there would be overwritten by the replay, then added to itself. Refused.
@@ -87,39 +89,46 @@ def eager_loss(model: torch.nn.Module, autocast_dtype: torch.dtype | None = torc
 
 
 def graphs_holding(params, limit: int = 3) -> list[str]:
-    """Up to `limit` live tensors whose autograd graph reaches one of these parameters (its AccumulateGrad node),
-    each as shape, dtype and grad_fn: what would share those nodes with a capture. Collects garbage first."""
+    """Up to `limit` live tensors (or autograd nodes) whose graph reaches one of these parameters' AccumulateGrad
+    nodes, each as shape, dtype and grad_fn: what would share those nodes with a capture. Collects garbage first (a
+    cycle can hold a graph)."""
     want = {id(p) for p in params}
     gc.collect()
-    found = []
-    for o in gc.get_objects():
-        if not issubclass(type(o), torch.Tensor) or o.grad_fn is None:  # (type(): no object's __class__ is run)
-            continue
-        seen, todo = set(), [o.grad_fn]
-        while todo:
-            fn = todo.pop()
-            if fn is None or id(fn) in seen:
+    found, seen = [], set()  # (seen across roots: a node a walk left reaches no parameter, or was named already)
+    # (type(), and torch functions off: neither an object's __class__ nor a subclass's __torch_function__ runs)
+    with torch._C.DisableTorchFunctionSubclass():
+        for o in gc.get_objects():
+            kind = type(o)
+            if issubclass(kind, torch.Tensor):
+                root, what = o.grad_fn, f"{tuple(o.shape)} {o.dtype} from {type(o.grad_fn).__name__}"
+            elif issubclass(kind, torch.autograd.graph.Node):
+                root, what = o, f"an autograd node {kind.__name__}"
+            else:
                 continue
-            seen.add(id(fn))
-            if id(getattr(fn, "variable", None)) in want:  # (an AccumulateGrad node's parameter)
-                found.append(f"{tuple(o.shape)} {o.dtype} from {type(o.grad_fn).__name__}")
+            todo = [root]
+            while todo:
+                fn = todo.pop()
+                if fn is None or id(fn) in seen:
+                    continue
+                seen.add(id(fn))
+                if id(getattr(fn, "variable", None)) in want:  # (an AccumulateGrad node's parameter)
+                    found.append(what)
+                    break
+                todo.extend(f for f, _ in fn.next_functions)
+            if len(found) == limit:
                 break
-            todo.extend(f for f, _ in fn.next_functions)
-        if len(found) == limit:
-            break
     return found
 
 
 @contextmanager
 def _stale_streams_redirected():
-    """Yields whether autograd points a node made on a stream outside the capture at the capturing stream (torch
-    2.12 and later), turned on for the block and restored after (a process-wide setting)."""
-    get = getattr(torch._C, "_override_stale_capture_stream", None)
+    """Yields whether autograd points a node made on a stream outside the capture at the capturing stream (where
+    torch has the setting: 2.13 does), turned on for the block and restored after (a process-wide setting)."""
     put = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
-    if get is None or put is None:
+    if put is None:
         yield False
         return
-    before = get()
+    before = getattr(torch._C, "_override_stale_capture_stream", lambda: False)()  # (off: the documented start)
     put(True)
     try:
         yield True
@@ -204,8 +213,7 @@ class GraphedLoss:
         """The form's graphed module (its warm-up steps and the capture read the slot just loaded), or None when the
         capture failed."""
         stream = torch.cuda.current_stream() if x.is_cuda else None
-        # after the first capture its graphed module keeps the parameters' AccumulateGrad nodes alive, made on the
-        # capture's side streams, which a later capture can join: every later step (eager or replayed) uses those
+        # (only before the first capture: the module docstring)
         held = [] if self.graphs else graphs_holding(p for p in self.model.parameters() if p.requires_grad)
         with _stale_streams_redirected() as redirected:
             if held and not redirected:
@@ -233,4 +241,5 @@ class GraphedLoss:
 
     def _fail(self, kind: str, why: str) -> None:
         self.failed[kind] = why
+        self.paths.pop(kind, None)  # (paths: the forms captured)
         log.warning("the %s form of the training step was not captured (%s): every form runs eagerly", kind, why)

@@ -13,7 +13,7 @@ import torch
 
 import kernels
 from models.pruning import pair_count, sparsity_loss
-from models.step_graph import GraphedLoss, form, schedule_alphas
+from models.step_graph import GraphedLoss, form, graphs_holding, schedule_alphas
 from models.transformer import DecoderLM
 from tests.helpers import randomize, tiny_config
 
@@ -193,8 +193,9 @@ def test_what_a_graphed_loss_refuses_and_where_it_runs_eagerly(monkeypatch, capl
     x = torch.randint(0, 61, (1, 16))
     model.set_alpha(1.5)
     capture = _Capture()  # a form the run's alphas do not hold runs eagerly
-    lm, _ = GraphedLoss(model, [1.0, 2.0], autocast_dtype=None, capture=capture, min_steps=1)(x, x)
+    lm = GraphedLoss(model, [1.0, 2.0], autocast_dtype=None, capture=capture, min_steps=1)(x, x)[0]
     assert capture.forms == [] and torch.equal(lm, model(x, targets=x).loss)
+    del lm  # (an eager step's graph alive would stop a first capture where torch cannot redirect its streams)
     # the reference keep path reads the table's range from the host: a captured table step would keep the
     # capture's alpha in every replay
     monkeypatch.setenv("MIXSCOPE_KERNELS", "reference")
@@ -202,16 +203,18 @@ def test_what_a_graphed_loss_refuses_and_where_it_runs_eagerly(monkeypatch, capl
         GraphedLoss(model, [1.5], autocast_dtype=None, capture=_Capture(), min_steps=1)(x, x)
     # a form the run's alphas hold at fewer than min_steps steps runs eagerly, with no capture
     capture = _Capture()
-    lm, _ = GraphedLoss(model, [1.5] * 7, autocast_dtype=None, capture=capture)(x, x)
+    lm = GraphedLoss(model, [1.5] * 7, autocast_dtype=None, capture=capture)(x, x)[0]
     assert capture.forms == [] and torch.equal(lm, model(x, targets=x).loss)
+    del lm
 
     def broken(module, sample_args, allow_unused_input=False):
         raise RuntimeError("operation not permitted when stream is capturing")
     graphed = GraphedLoss(model, [1.5, 1.0], autocast_dtype=None, capture=broken, min_steps=1)
     with caplog.at_level("WARNING"):
-        lm, _ = graphed(x, x)   # a failed capture: said, noted, and every form eager from then on
+        lm = graphed(x, x)[0]   # a failed capture: said, noted, and every form eager from then on
     assert "runs eagerly" in caplog.text and "not permitted" in graphed.failed["table"]
     assert not graphed.replays(1.5) and not graphed.replays(1.0) and torch.equal(lm, model(x, targets=x).loss)
+    del lm
     def out_of_memory(module, sample_args, allow_unused_input=False):
         raise torch.OutOfMemoryError("CUDA out of memory")
     with pytest.raises(torch.OutOfMemoryError):  # (eager would fare no better: raised, not turned eager)
@@ -265,7 +268,7 @@ def test_models_train_holds_no_earlier_steps_graph_when_it_calls_its_graphed_los
     import json
 
     from models import train as train_mod
-    from models.step_graph import eager_loss, graphs_holding
+    from models.step_graph import eager_loss
     from tests.test_train_eval import tiny_corpus, write_config
 
     calls = []
@@ -293,22 +296,47 @@ def test_models_train_holds_no_earlier_steps_graph_when_it_calls_its_graphed_los
     assert card["steps"] == 3 and len(calls) == 3
 
 
-def test_a_capture_with_an_earlier_steps_graph_alive_redirects_its_streams_or_runs_eagerly(monkeypatch, caplog):
-    """An eager step's loss kept alive holds its parameters' AccumulateGrad nodes (graphs_holding names it, or the
-    activations its graph saved; once it is dropped, nothing). Where torch can point such nodes at the capturing
-    stream, the capture runs with that on and the setting is restored after; where it cannot, the form is not
-    captured and the step runs eagerly, the holder named, rather than start a capture that would fail on a GPU.
-    Only a first capture is checked."""
-    from models.step_graph import graphs_holding
+def test_what_graphs_holding_finds():
+    """A loss kept alive holds its parameters' graph (it and the activations the graph saved are named), and so
+    does a kept autograd node; a loss kept only by a garbage cycle does not; another model's parameter is not
+    reached; a tensor subclass whose torch functions raise is read without them."""
+    model = DecoderLM(tiny_config("mha", n_layers=2, context=16)).train()
+    params = list(model.parameters())
+    x = torch.randint(0, 61, (1, 16))
+    assert graphs_holding(params) == []
+    kept = model(x, targets=x).loss
+    held = graphs_holding(params)
+    assert len(held) == 3 and all(" torch.float32 from " in h and "Backward" in h for h in held), held
+    assert graphs_holding([torch.nn.Parameter(torch.ones(1))]) == []
+    kept.backward()  # (frees the saved activations: the loss alone holds the graph, then its node alone)
+    model.zero_grad(set_to_none=True)
+    node = kept.grad_fn
+    del kept
+    held = graphs_holding(params)  # (the node, or the wrappers of its graph's nodes the earlier walks made)
+    assert held and all(h.startswith("an autograd node ") for h in held) and node is not None, held
+    cycle = [model(x, targets=x).loss]
+    cycle.append(cycle)
+    del node, cycle
+    assert graphs_holding(params) == []
 
+    class Hostile(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            raise RuntimeError("no torch functions here")
+
+    hostile = torch.ones(2).as_subclass(Hostile)
+    assert graphs_holding(params) == [] and hostile is not None
+
+
+@pytest.mark.skipif(not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"), reason="no such setting")
+def test_a_capture_with_an_earlier_steps_graph_alive_redirects_its_streams_or_runs_eagerly(monkeypatch, caplog):
+    """Before a first capture, an eager step's loss kept alive holds its parameters' AccumulateGrad nodes. Where
+    torch can point such nodes at the capturing stream, the capture runs with that on and the setting is restored
+    after, also when the capture raises; where it cannot, the form is not captured and the step runs eagerly, the
+    holder named, rather than start a capture that would fail on a GPU. A later form's capture is not checked."""
     model = DecoderLM(tiny_config("mha", n_layers=2, context=16)).train()
     x = torch.randint(0, 61, (1, 16))
     kept = model(x, targets=x).loss
-    params = list(model.parameters())
-    held = graphs_holding(params)  # (the loss, and the activations its graph saved: each reaches the parameters)
-    assert len(held) == 3 and all(" torch.float32 from " in h and "Backward" in h for h in held), held
-    assert graphs_holding([torch.nn.Parameter(torch.ones(1))]) == []  # (another model's parameter: not reached)
-
     seen = []
 
     class Noting(_Capture):
@@ -323,7 +351,15 @@ def test_a_capture_with_an_earlier_steps_graph_alive_redirects_its_streams_or_ru
     assert seen == [True] and torch._C._override_stale_capture_stream() == before and graphed.graphs
     assert "points its nodes at the capture's stream" in caplog.text and torch.equal(lm, kept)
 
-    monkeypatch.delattr(torch.autograd.graph, "set_override_stale_capture_stream")  # (torch before 2.12)
+    def broken(module, sample_args, allow_unused_input=False):
+        assert torch._C._override_stale_capture_stream()
+        raise RuntimeError("operation not permitted when stream is capturing")
+    graphed = GraphedLoss(model, autocast_dtype=None, capture=broken)
+    graphed(x, x)
+    assert "not permitted" in graphed.failed["dense"] and "dense" not in graphed.paths
+    assert torch._C._override_stale_capture_stream() == before
+
+    monkeypatch.delattr(torch.autograd.graph, "set_override_stale_capture_stream")  # (a torch without it)
     caplog.clear()
     graphed = GraphedLoss(model, autocast_dtype=None, capture=Noting())
     with caplog.at_level("WARNING"):
@@ -334,7 +370,7 @@ def test_a_capture_with_an_earlier_steps_graph_alive_redirects_its_streams_or_ru
     graphed = GraphedLoss(model, autocast_dtype=None, capture=Noting())
     graphed(x, x)
     assert seen == [True, False] and graphed.graphs and not graphed.failed
-    # after a first capture its module holds the nodes (on a GPU, made on the capture's side streams): a later
+    # after a first capture its module holds the nodes (on a GPU, made on its warm-up's side stream): a later
     # form's capture goes ahead with a replay's graph alive
     pruned = DecoderLM(tiny_config("mha", prune=True, n_layers=2, context=16)).train()
     capture = Noting()
