@@ -98,26 +98,29 @@ def graphs_holding(params, limit: int = 3) -> list[str]:
     # (type(), and torch functions off: neither an object's __class__ nor a subclass's __torch_function__ runs)
     with torch._C.DisableTorchFunctionSubclass():
         for o in gc.get_objects():
-            kind = type(o)
-            if issubclass(kind, torch.Tensor):
-                root, what = o.grad_fn, f"{tuple(o.shape)} {o.dtype} from {type(o.grad_fn).__name__}"
-            elif issubclass(kind, torch.autograd.graph.Node):
-                root, what = o, f"an autograd node {kind.__name__}"
-            else:
-                continue
-            todo = [root]
-            while todo:
-                fn = todo.pop()
-                if fn is None or id(fn) in seen:
-                    continue
-                seen.add(id(fn))
-                if id(getattr(fn, "variable", None)) in want:  # (an AccumulateGrad node's parameter)
-                    found.append(what)
-                    break
-                todo.extend(f for f, _ in fn.next_functions)
+            if issubclass(type(o), torch.Tensor):
+                if o.grad_fn is not None and _reaches(o.grad_fn, want, seen):
+                    found.append(f"{tuple(o.shape)} {o.dtype} from {type(o.grad_fn).__name__}")
+            elif issubclass(type(o), torch.autograd.graph.Node) and _reaches(o, want, seen):
+                found.append(f"an autograd node {type(o).__name__}")
             if len(found) == limit:
                 break
     return found
+
+
+def _reaches(root, want: set[int], seen: set[int]) -> bool:
+    """Whether root's graph, less the nodes in seen (which it adds to), holds the AccumulateGrad node of a
+    parameter whose id is in want."""
+    todo = [root]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if id(getattr(fn, "variable", None)) in want:  # (an AccumulateGrad node's parameter)
+            return True
+        todo.extend(f for f, _ in fn.next_functions)
+    return False
 
 
 @contextmanager
