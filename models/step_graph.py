@@ -94,32 +94,36 @@ def graphs_holding(params, limit: int = 3) -> list[str]:
     cycle can hold a graph)."""
     want = {id(p) for p in params}
     gc.collect()
-    found, seen = [], set()  # (seen across roots: a node a walk left reaches no parameter, or was named already)
+    # (clear: the nodes known to reach no parameter, shared across roots; by id, each kept so that no id is reused
+    # while the scan runs: a node's Python wrapper lives only as long as something refers to it)
+    found, clear = [], {}
     # (type(), and torch functions off: neither an object's __class__ nor a subclass's __torch_function__ runs)
     with torch._C.DisableTorchFunctionSubclass():
         for o in gc.get_objects():
             if issubclass(type(o), torch.Tensor):
-                if o.grad_fn is not None and _reaches(o.grad_fn, want, seen):
+                if o.grad_fn is not None and _reaches(o.grad_fn, want, clear):
                     found.append(f"{tuple(o.shape)} {o.dtype} from {type(o.grad_fn).__name__}")
-            elif issubclass(type(o), torch.autograd.graph.Node) and _reaches(o, want, seen):
+            elif issubclass(type(o), torch.autograd.graph.Node) and _reaches(o, want, clear):
                 found.append(f"an autograd node {type(o).__name__}")
             if len(found) == limit:
                 break
     return found
 
 
-def _reaches(root, want: set[int], seen: set[int]) -> bool:
-    """Whether root's graph, less the nodes in seen (which it adds to), holds the AccumulateGrad node of a
-    parameter whose id is in want."""
-    todo = [root]
+def _reaches(root, want: set[int], clear: dict) -> bool:
+    """Whether root's graph holds the AccumulateGrad node of a parameter whose id is in want. Nodes in clear are
+    not walked; a walk that finds none adds the nodes it saw to clear (one that finds one does not: a later root
+    through the same nodes is named too, whatever order the collector lists them in)."""
+    todo, seen = [root], {}
     while todo:
         fn = todo.pop()
-        if fn is None or id(fn) in seen:
+        if fn is None or id(fn) in seen or id(fn) in clear:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         if id(getattr(fn, "variable", None)) in want:  # (an AccumulateGrad node's parameter)
             return True
         todo.extend(f for f, _ in fn.next_functions)
+    clear.update(seen)
     return False
 
 

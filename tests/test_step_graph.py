@@ -299,7 +299,8 @@ def test_models_train_holds_no_earlier_steps_graph_when_it_calls_its_graphed_los
 def test_what_graphs_holding_finds():
     """A loss kept alive holds its parameters' graph (it and the activations the graph saved are named), and so
     does a kept autograd node; a loss kept only by a garbage cycle does not; another model's parameter is not
-    reached; a tensor subclass whose torch functions raise is read without them."""
+    reached; a tensor subclass whose torch functions raise is read without them; two tensors whose graphs share
+    nodes are both named, whichever the collector lists first."""
     model = DecoderLM(tiny_config("mha", n_layers=2, context=16)).train()
     params = list(model.parameters())
     x = torch.randint(0, 61, (1, 16))
@@ -326,6 +327,11 @@ def test_what_graphs_holding_finds():
 
     hostile = torch.ones(2).as_subclass(Hostile)
     assert graphs_holding(params) == [] and hostile is not None
+    shared = torch.nn.Parameter(torch.ones(3))
+    grown = shared.exp()
+    twice, thrice = grown * 2, grown * 3  # (both graphs pass through grown's node)
+    del grown
+    assert sorted(graphs_holding([shared])) == ["(3,) torch.float32 from MulBackward0"] * 2, (twice, thrice)
 
 
 @pytest.mark.skipif(not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"), reason="no such setting")
