@@ -31,10 +31,10 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
   model forward, so the first capture reaches each parameter a later one does. So before its first capture
   GraphedLoss looks for live tensors (and autograd nodes) whose graph reaches a parameter. Where torch can point
   such a node at the capturing stream at each sync (torch.autograd.graph.set_override_stale_capture_stream,
-  pytorch/pytorch#180090; 2.12 and later), every capture runs with that on and goes ahead, a best effort (later
-  PyTorch fixes name sync points it missed). Where it cannot (2.11, the H200 image's torch), the form is not
-  captured and the run steps eagerly, naming the holders, rather than start a capture that fails and breaks the
-  process's CUDA state.
+  pytorch/pytorch#180090; 2.13 has it), every capture runs with that on and goes ahead, a best effort (later
+  PyTorch fixes name sync points it missed). Where it cannot (2.11, the H200 image's torch, and 2.12), the form
+  is not captured and the run steps eagerly, naming the holders, rather than start a capture that fails and
+  breaks the process's CUDA state.
 - The gradients a replay hands back are the graph's own buffers (p.grad shares their memory), so a replayed step
   needs every trained p.grad None before it (zero_grad(set_to_none=True), as models.train does): a gradient left
   there would be overwritten by the replay, then added to itself. Refused.
@@ -130,7 +130,8 @@ def _reaches(root, want: set[int], clear: dict) -> bool:
 @contextmanager
 def _stale_streams_redirected():
     """Yields whether autograd points a node made on a stream outside the capture at the capturing stream (where
-    torch has the setting: 2.12 and later), turned on for the block and restored after (a process-wide setting)."""
+    torch has the setting: 2.13 does, 2.11 and 2.12 do not), turned on for the block and restored after (a
+    process-wide setting)."""
     put = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
     if put is None:
         yield False
