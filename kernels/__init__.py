@@ -175,7 +175,7 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
                                    need_weights=True, causal=causal, **maps)
     if _needs_grad(q, k, v, bias, *maps.values()):
         # Training: the inference kernels have no backward; PyTorch's SDPA (flash / memory-efficient on CUDA, the
-        # log I bias included) has a real one, and kernels.bench measures it against FlexAttention. Where the dispatch
+        # log I bias included) has a real one, and bench.kernels measures it against FlexAttention. Where the dispatch
         # takes the fast kernels (CUDA, not MIXSCOPE_KERNELS=reference), a bias that masks the future lets it skip
         # the blocks above the diagonal: in our own kernels if asked (MIXSCOPE_CAUSAL_BIAS=triton), else in PyTorch's.
         switches.kernels()  # (an unknown value refused on every device, as inference's dispatch refuses it)

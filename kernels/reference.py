@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.pruning.alpha_sigmoid import alpha_sigmoid_slope
-from models.pruning.interaction import (LOG_FLOOR, ContextPruning, below_diagonal, distance_term, log_keep_from_gates,
-                                       survives)  # the one survival rule (papers.md section 3)
+from kernels.alpha_sigmoid import alpha_sigmoid_slope
+from kernels.keep_rule import (LOG_FLOOR, below_diagonal, distance_term, keep_mass, log_keep_from_gates,
+                               survives)  # the one survival rule (papers.md section 3)
 
 
 def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
@@ -101,7 +101,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     lengths [B]: sequence b sees slots [0, lengths[b]). prune (the compacted pruning cache): q_int [B,r],
     k_int [B,S,r], beta, live [B,S], pos [B,S] (slot positions, -1 unused), q_pos [B], valid [B] (None: every
     row real), and optionally lam (the distance term's lambda), sinks and trig. A live slot stays live by
-    models.pruning.survives on x = q_int . k_int / sqrt(r) + beta - lam log(q_pos - pos); a
+    kernels.keep_rule.survives on x = q_int . k_int / sqrt(r) + beta - lam log(q_pos - pos); a
     padding row (valid False) drops nothing and attends to every used slot. Returns out,
     or (out, keep [B,S]: the live mask after this query) with prune. trig [B,S] (int64, the cache's drop notes):
     the step's bookkeeping in place, as the kernel does it: live becomes keep, and trig takes q_pos at every slot
@@ -174,13 +174,13 @@ def _decode_all_real(q, k, v, scale, prune, maps, lengths=None):
 def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0, log_dtype: torch.dtype | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Context pruning's keep structure for training, from the scores x [B,T,T] (x_{n,j}, query n, key j):
-    (log I, I, ratio, mass), -inf / 0 / 0 on and above the diagonal as models.pruning.interaction.log_keep_from_gates
+    (log I, I, ratio, mass), -inf / 0 / 0 on and above the diagonal as kernels.keep_rule.log_keep_from_gates
     writes them, with sigma the alpha-sigmoid and the first `sinks` keys held at 1. ratio is what the backward
     (log_keep_grad) needs of sigma: sigma'(x) / sigma(x) below the diagonal where sigma is at or above log I's
     floor (whose clamp passes no gradient) and a normal number of its dtype, else 0. In float32 that gradient
     floor is 1.2e-38, not 1e-40: a GPU kernel may flush smaller (subnormal) values to 0, and dividing by one
     would be inf; the Triton kernel and this reference keep the same floor. mass is the sparsity loss's term of
-    the layer, sum_{j<k} I_{k,j} with the batch mean taken (ContextPruning.mass), a 0-dim tensor. log_dtype: log I
+    the layer, sum_{j<k} I_{k,j} with the batch mean taken (keep_rule.keep_mass), a 0-dim tensor. log_dtype: log I
     rounded to it (attention's dtype, where log I is the bias), else x's."""
     sig, slope = alpha_sigmoid_slope(x, alpha)
     if sinks:
@@ -190,7 +190,7 @@ def log_keep(x: torch.Tensor, *, alpha: float, sinks: int = 0, log_dtype: torch.
     later = masks[0]
     zero = torch.zeros((), dtype=sig.dtype, device=x.device)
     floor = max(LOG_FLOOR, torch.finfo(sig.dtype).tiny)
-    mass = ContextPruning.mass(keep)
+    mass = keep_mass(keep)
     log_i = log_i if log_dtype is None else log_i.to(log_dtype)
     return log_i, keep, torch.where(later & (sig >= floor), slope / sig, zero), mass
 

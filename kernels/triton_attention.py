@@ -26,7 +26,7 @@ def precision(dtype: torch.dtype) -> str:
 
 
 # Launch shape per head width on a GPU (block_m, block_n, num_warps, num_stages): the fastest of the sweep that
-# `python -m kernels.bench --tune` ran on an H100 (prefill at t = 8192, decode at 32k context, batch 8, bf16).
+# `python -m bench.kernels --tune` ran on an H100 (prefill at t = 8192, decode at 32k context, batch 8, bf16).
 # Decode's two runs there picked (128, 4, 2) then (128, 4, 3) for d = 64 and (128, 2, 2) then (128, 2, 1) for
 # d = 128 (bench/results/kernels_h100.json holds the second): block_n = 128 is what matters. The interpreter
 # ignores the warps and stages; it runs block_n.
@@ -36,10 +36,10 @@ DECODE_LAUNCH = {64: (128, 4, 2), 128: (128, 2, 2)}  # (block_n, num_warps, num_
 # cores. At d = 64 bf16's shape, though ptxas spills 1,180 bytes a thread of it (Triton 3.6, the static step), was
 # 1.4-2.2x faster than 32 slots a block on 8 warps (24 bytes) on an H200 (2026-11-28: MHA, MQA and MHE-MUL at 16k,
 # batch 1, 8 and 64, bench/results/gpu_call_h200_run3.txt): the block size counts, not the spill. At d = 128 bf16's
-# shape spilled 47 KB a thread pruned, so 32 slots a block on 8 warps (36 bytes), untimed. kernels.bench
+# shape spilled 47 KB a thread pruned, so 32 slots a block on 8 warps (36 bytes), untimed. bench.kernels
 # --dtype float32 times the other shapes beside it. The interpreter keeps the bf16 shape.
 DECODE_LAUNCH_FP32 = {64: DECODE_LAUNCH[64], 128: (32, 8, 2)}
-DECODE_ALTERNATIVES_FP32 = ((32, 8, 2), (64, 4, 2), (128, 4, 2))  # what kernels.bench times beside the table's
+DECODE_ALTERNATIVES_FP32 = ((32, 8, 2), (64, 4, 2), (128, 4, 2))  # what bench.kernels times beside the table's
 
 
 def decode_launch(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
@@ -128,7 +128,7 @@ def _share(n, parts, BLOCK_N: tl.constexpr):
 @triton.jit
 def _slot_keep(b, offs_n, n_mask, LIVE, POS, KINT, slb, spb, skib, skis, q_int, offs_i, i_mask, int_scale, beta, lam,
                sinks, q_pos, valid):
-    """models.pruning.survives for one block of slots, restated in Triton: the interaction score
+    """kernels.keep_rule.survives for one block of slots, restated in Triton: the interaction score
     x = q_int . k_int / sqrt(r) + beta (- lam log(q_pos - pos)) keeps a live slot when x > 0, when it is the query's
     own or later, one of the first `sinks`, or its row is padding (valid = 0). Returns (keep, pos, live)."""
     live = tl.load(LIVE + b * slb + offs_n, mask=n_mask, other=0) != 0
@@ -136,7 +136,7 @@ def _slot_keep(b, offs_n, n_mask, LIVE, POS, KINT, slb, spb, skib, skis, q_int, 
     kint = tl.load(KINT + b * skib + offs_n[:, None] * skis + offs_i[None, :],
                    mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
     x = tl.sum(kint * q_int[None, :], 1) * int_scale + beta
-    if lam != 0.0:  # the distance term -lam log(n - j) (models.pruning.interaction.distance_term)
+    if lam != 0.0:  # the distance term -lam log(n - j) (kernels.keep_rule.distance_term)
         x = x - lam * tl.log(tl.maximum(q_pos - pos, 1).to(tl.float32))
     keep = live & ((x > 0) | (pos >= q_pos) | (pos < sinks) | (valid == 0))
     return keep, pos, live
@@ -463,7 +463,7 @@ def decode(q, k, v, *, scale: float, bias=None, lengths=None, q_mul=None, q_add=
     keep_pass (with prune): decide keep in a launch of its own first (_keep_kernel), once per slot, so the decode
     reads a keep byte a slot and not the rule's K_int (r floats) once per head group: for MHA at r = 64 and d = 64 those
     re-reads are as many bytes as K and V. One more launch a layer: on an H200 35-39 % off a call at batch 64,
-    about 1 us more at batch 1 and 64 live slots (kernels.bench times both); models/ take it under
+    about 1 us more at batch 1 and 64 live slots (bench.kernels times both); models/ take it under
     MIXSCOPE_KEEP_PASS=1 (kernels.keep_pass).
     """
     b, hq, t, d = q.shape

@@ -20,7 +20,7 @@ gradient, where SDPA would give NaN.
 
 The products run in the inputs' dtype (bf16 tensor cores under autocast; IEEE float32 for float32 inputs, and in the
 CPU interpreter, whose bf16 tl.dot is broken); softmax statistics and accumulators are float32. Softmax runs in base
-2 as in kernels.triton_attention. Launch shapes are untuned (`kernels.bench` and the profile's A/B time them;
+2 as in kernels.triton_attention. Launch shapes are untuned (`bench.kernels` and the profile's A/B time them;
 tests/test_kernels_compile.py checks they compile for sm_90 without spilling).
 """
 from __future__ import annotations

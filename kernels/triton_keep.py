@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from models.pruning.alpha_sigmoid import _table
-from models.pruning.interaction import LOG_FLOOR
+from kernels.alpha_sigmoid import _table
+from kernels.keep_rule import LOG_FLOOR
 
 BLOCK_N, BLOCK_J, WARPS = 32, 64, 4
 SIGMOID, CLAMP, TABLE = 0, 1, 2  # alpha = 1, alpha = 2, the interpolated table (every other finite alpha)

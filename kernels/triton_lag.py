@@ -2,7 +2,7 @@
 
 y[b, i, c] = sum_{j <= i} x[b, j, c] * w[i - j, (c)] for the output positions i = start..S-1: the whole
 sequence at prefill, the last position alone at a decode step. SHE's lag weights are matrices; it stays on
-the reference's FFT/batched-matmul path (kernels.bench measures it against the matmul rate).
+the reference's FFT/batched-matmul path (bench.kernels measures it against the matmul rate).
 """
 from __future__ import annotations
 

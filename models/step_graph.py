@@ -56,7 +56,7 @@ import torch
 
 import kernels
 from kernels import efficient
-from models.pruning.alpha_sigmoid import TableSlot, alpha_schedule, needs_table, slot_points, use_slot
+from kernels.alpha_sigmoid import TableSlot, alpha_schedule, needs_table, slot_points, use_slot
 
 log = logging.getLogger(__name__)
 

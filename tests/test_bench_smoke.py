@@ -20,7 +20,7 @@ def test_pruning_decode_bench_runs(tmp_path, capsys):
 
 
 def test_kernel_bench_runs_quick(tmp_path):
-    from kernels import bench
+    from bench import kernels as bench
     out = tmp_path / "k.json"
     table = tmp_path / "k.md"
     assert bench.main(["--quick", "--json", str(out), "--table", str(table), "--models", "assets/models/mhe-mul"]) == 0
@@ -34,7 +34,7 @@ def test_kernel_bench_runs_quick(tmp_path):
 
 
 def test_kernel_bench_times_only_the_sections_asked_for(tmp_path, capsys):
-    from kernels import bench
+    from bench import kernels as bench
     out = tmp_path / "k.json"
     assert bench.main(["--quick", "--sections", "compact", "--models", "", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -52,7 +52,7 @@ def test_kernel_bench_times_only_the_sections_asked_for(tmp_path, capsys):
 def test_compacted_target_compares_like_with_like():
     """The 5x compacted-decode target reads dense MHA decode timed the same way: launched against launched,
     replayed from a graph against replayed (the keep pass's rows too)."""
-    from kernels import bench
+    from bench import kernels as bench
     rows = [{"case": "decode mha ctx=16384 batch=1", "impl": "triton", "ms": 0.2},
             {"case": "decode mha ctx=16384 batch=1", "impl": "triton_graph", "ms": 0.1},
             {"case": "compact decode mha ctx=16384 live=0.1 batch=1", "impl": "triton", "ms": 0.1, "live_share": 0.1},
@@ -299,7 +299,7 @@ def test_timeit_graph_waits_for_its_copies_before_the_warm_up(monkeypatch):
     import torch
     import triton.testing
 
-    from kernels import bench
+    from bench import kernels as bench
     calls = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(L2_cache_size=1 << 20))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: calls.append("synchronize"))
@@ -436,13 +436,13 @@ def test_the_gpu_checks_profile_part_runs_each_path_at_both_batches(tmp_path, mo
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 def test_the_training_attentions_launch_sweep_times_each_candidate_and_puts_the_table_back():
-    """kernels.bench.tune_train_attention, in the interpreter at a toy shape in float16: a time for every
+    """bench.kernels.tune_train_attention, in the interpreter at a toy shape in float16: a time for every
     candidate shape of every kernel in every round, its median, its ratio to the table's own shape, and
     triton_causal_bias.LAUNCH as it was afterwards."""
     import torch
 
     import kernels
-    from kernels import bench
+    from bench import kernels as bench
     if "causal_bias" not in kernels.TRITON or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton under TRITON_INTERPRET=1 (the tests' setting)")
     from kernels import triton_causal_bias as cb
@@ -459,12 +459,12 @@ def test_the_training_attentions_launch_sweep_times_each_candidate_and_puts_the_
 
 
 def test_the_decode_rows_with_fewer_splits_go_below_the_decodes_own_count_at_small_batches():
-    """kernels.bench.fewer_splits: at batch x groups up to 8, a row for each of DECODE_FEWER_SPLITS under the split
+    """bench.kernels.fewer_splits: at batch x groups up to 8, a row for each of DECODE_FEWER_SPLITS under the split
     count the decode takes itself (128 at most: MQA at batch 1 over 16k slots), and none above 8 or where the cache
     holds fewer blocks than the smallest count."""
     import torch
 
-    from kernels import bench
+    from bench import kernels as bench
     cpu = torch.device("cpu")
     assert bench.fewer_splits(16384, 1, 1, 64, torch.bfloat16, cpu) == {
         f"triton_graph_split{n}": {"n_split": n} for n in (8, 16, 32, 64)}

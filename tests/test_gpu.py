@@ -491,7 +491,7 @@ def test_alpha_sigmoid_tables_built_together_on_the_gpu_equal_those_built_alone(
     18,433 points, 1.3's 8,193, padded to it): each equals its alpha's table built alone, and a trainer's 'cuda'
     finds the table a tensor's 'cuda:0' asks for."""
     import importlib
-    tab = importlib.import_module("models.pruning.alpha_sigmoid")
+    tab = importlib.import_module("kernels.alpha_sigmoid")
     alphas = [1.02, 1.3, 2.5, 4.0, 8.0]
     tab.clear_tables()
     alone = {a: tab._table(a, DEV) for a in alphas}

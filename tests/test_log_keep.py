@@ -164,7 +164,7 @@ def test_triton_keep_equals_the_reference(interpreter, alpha, t, sinks):
         torch.testing.assert_close(g[fin], w[fin], atol=1e-6, rtol=1e-5)  # (log I: float32 sums of up to -92 a row)
     # a pair whose column saw a sigma of exactly 0 is exactly 0 in both (elsewhere a product of many small sigmas
     # may underflow to 0 a step earlier or later, the kernel multiplying in another order)
-    from models.pruning.alpha_sigmoid import alpha_sigmoid_slope
+    from kernels.alpha_sigmoid import alpha_sigmoid_slope
     sig = alpha_sigmoid_slope(x, alpha)[0]
     sig[..., :sinks] = 1
     later, _ = below_diagonal(t, "cpu")
@@ -220,7 +220,7 @@ ULP_ALPHAS = [1.14, 2.7, 3.15, 3.91]
 def test_the_interpolated_sigma_stays_in_0_1_at_and_past_the_grids_ends(alpha):
     """At these alphas the interpolation weight left [0, 1] at the grid's ends: sigma was -7e-8 there (a negative
     I after a product) and 1 + 1e-7 at the other end."""
-    from models.pruning.alpha_sigmoid import _table, alpha_sigmoid, alpha_sigmoid_slope, table_range
+    from kernels.alpha_sigmoid import _table, alpha_sigmoid, alpha_sigmoid_slope, table_range
     lim = table_range(alpha)
     x = torch.tensor([-1e3, -lim, -lim * (1 - 1e-7), 0.0, lim * (1 - 1e-7), lim, 1e3])
     p_tab = _table(alpha, "cpu").p
@@ -235,7 +235,7 @@ def test_triton_keep_at_the_grids_ends(interpreter, alpha):
     """The kernel takes the table's scale from the host and clamps the index as the reference does: scores past
     both ends give the reference's log I, I and ratio, never NaN or a negative I (an H200's approximate float32
     division gave NaN log I at alpha 4 before)."""
-    from models.pruning.alpha_sigmoid import table_range
+    from kernels.alpha_sigmoid import table_range
     torch.manual_seed(1)
     t = 40
     lim = table_range(alpha)

@@ -270,7 +270,7 @@ def test_alpha_sigmoid_table_near_one_keeps_log_i(alpha):
     """Near alpha = 1 the table ends where sigma falls under log I's floor (1e-40), far before sigma saturates at
     1/(alpha-1): inside, log sigma is within 1e-4 of the float64 value wherever sigma > 1e-12; past the ends both
     floor alike (the table holds sigma(-R) there, within 1 % of the floor, and exactly 1 at the top)."""
-    from models.pruning.alpha_sigmoid import table_range
+    from kernels.alpha_sigmoid import table_range
     from models.pruning.interaction import LOG_FLOOR
     r = table_range(alpha)
     assert r < 1 / (alpha - 1)
@@ -291,7 +291,7 @@ def test_tables_built_together_equal_tables_built_alone(monkeypatch):
     tables are bounded, and the schedule's prefetch builds only when this step's table is missing, in one
     bisection a side of 2 whatever the point counts."""
     import importlib
-    tab = importlib.import_module("models.pruning.alpha_sigmoid")  # (the package exports the function by this name)
+    tab = importlib.import_module("kernels.alpha_sigmoid")
     alphas = [1.02, 1.0201, 1.3, 1.7, 2.5, 4.0, 8.0]
     tab.clear_tables()
     alone = {a: tab._table(a, "cpu") for a in alphas}

@@ -17,7 +17,7 @@ from models.step_graph import GraphedLoss, form, graphs_holding, schedule_alphas
 from models.transformer import DecoderLM
 from tests.helpers import randomize, tiny_config
 
-tab = importlib.import_module("models.pruning.alpha_sigmoid")  # (the package exports the function by this name)
+tab = importlib.import_module("kernels.alpha_sigmoid")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under Triton's interpreter)
 
 

@@ -24,47 +24,19 @@ import math
 import torch
 from torch import nn
 
-from models.pruning.alpha_sigmoid import P_FLOOR, alpha_sigmoid
+import kernels
+# the rule's pure maths (its precision included) lives with the kernels, which restate it; this module keeps the
+# parameters and exports those functions too, for the callers that know the rule by this module
+from kernels.keep_rule import (HALF, LOG_FLOOR, below_diagonal, distance_term, gates, keep_from_gates, keep_mass,
+                               log_keep_from_gates, rule_dtype, state_dtype, survives, widen)
 
-# The rule's precision, whatever the model's: its parameters, Q_int / K_int (and the K_int a cache keeps) and the
-# scores x_{n,j} are float32 at least (float64 in a float64 model), never bf16 / fp16, so a bf16 model's full
-# forward and its decode paths compare the same numbers (a drop is permanent: one near-zero score rounded two ways
-# cascades). 2dr+2 parameters and r-wide products a layer: cheap next to attention.
-HALF = (torch.bfloat16, torch.float16)
-LOG_FLOOR = P_FLOOR  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
+__all__ = ["HALF", "LOG_FLOOR", "WINDOW_LAMBDA", "ContextPruning", "below_diagonal", "distance_term", "drop_records",
+           "gates", "keep_from_gates", "keep_mass", "log_keep_from_gates", "mean_sparsity", "pair_count",
+           "rule_dtype", "sparsity", "sparsity_loss", "state_dtype", "survives", "widen"]
+
 # lambda of a window init: large enough that a content spread of 1 changes a key's life by a factor of e^(1/4)
 # (0.78-1.28x), not by e, so the start is close to the window; small enough that training can move it
 WINDOW_LAMBDA = 4.0
-
-
-def survives(x: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, valid: torch.Tensor | None = None,
-             sinks: int = 0) -> torch.Tensor:
-    """The survival rule at inference, for one query against each key (shapes broadcast): key j outlives
-    query n when x_{n,j} > 0; a query never drops its own or a later position, nor one of the first `sinks`;
-    a padding row (valid False) drops nothing. Every cache path uses this rule (the Triton decode kernel
-    restates it, tested equal)."""
-    keep = (x > 0) | (key_pos >= q_pos) | (key_pos < sinks)
-    return keep if valid is None else keep | ~valid
-
-
-def rule_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The rule's precision in a model of `dtype`: float32 for a half-precision model, else the model's."""
-    return torch.float32 if dtype in HALF else dtype
-
-
-def state_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a decode cache keeps a named state in: the rule's K_int in rule_dtype, the rest in the model's."""
-    return rule_dtype(dtype) if name == "k_int" else dtype
-
-
-def widen(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.dtype in HALF else x
-
-
-def distance_term(lam: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """-lambda log(n - j) for query position n and key position j (shapes broadcast); 0 where j >= n, whose
-    decision the rule fixes anyway (a query never drops itself or a later position)."""
-    return -lam * (q_pos - key_pos).clamp_min(1).to(lam.dtype).log()
 
 
 def pair_count(n_layers: int, n: int) -> int:
@@ -213,10 +185,7 @@ class ContextPruning(nn.Module):
         log_i, keep = log_keep_from_gates(sig if edit is None else edit(sig))
         return (log_i, keep, self.mass(keep)) if mass else (log_i, keep)
 
-    @staticmethod
-    def mass(keep: torch.Tensor) -> torch.Tensor:
-        """sum_{j<k} I_{k,j} of one layer, batch mean: this layer's term of the sparsity loss."""
-        return keep.tril(-1).sum((1, 2)).mean()
+    mass = staticmethod(keep_mass)  # sum_{j<k} I_{k,j} of one layer, batch mean: its term of the sparsity loss
 
     def survival(self, x_new: torch.Tensor, k_int: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,29 +204,6 @@ class ContextPruning(nn.Module):
         j = torch.arange(s, device=x_new.device)
         q = torch.arange(s - t, s, device=x_new.device)
         return alive[:, None, :] & self.survival(x_new, k_int, j, q) & (j[None, :] <= q[:, None])
-
-
-def gates(x: torch.Tensor, alpha: float, sinks: int = 0) -> torch.Tensor:
-    """sigma_alpha(x_{n,j}) for scores x [..., T, T] (the step at alpha = inf), the first `sinks` keys held at 1."""
-    sig = alpha_sigmoid(x, alpha)
-    if sinks:
-        sig = torch.cat([torch.ones_like(sig[..., :sinks]), sig[..., sinks:]], dim=-1)
-    return sig
-
-
-def below_diagonal(t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(later: n > j, causal: n >= j), [T, T] bool each."""
-    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    return causal.tril(-1), causal
-
-
-def log_keep_from_gates(sig: torch.Tensor, masks=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gates sigma(x_{n,j}) [B,T,T] -> (log I, I), -inf / 0 above the diagonal (ContextPruning.log_keep).
-    masks: below_diagonal's, when the caller has them ([T,T] each: 64 MB at 8k tokens)."""
-    later, causal = masks or below_diagonal(sig.shape[-1], sig.device)
-    zero = torch.zeros((), dtype=sig.dtype, device=sig.device)
-    log_i = torch.where(later, sig.clamp_min(LOG_FLOOR).log(), zero).cumsum(dim=1)  # sum over j < n <= k
-    return log_i.masked_fill(~causal, float("-inf")), keep_from_gates(sig, (later, causal))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
@@ -283,7 +229,6 @@ class _LogKeep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float, alpha: float, sinks: int,
                 log_dtype=None):
-        import kernels  # (kernels.reference imports this module)
         log_i, keep, ratio, mass = kernels.log_keep(_scores(q, k, bias, scale), alpha=alpha, sinks=sinks,
                                                     log_dtype=log_dtype)
         ctx.save_for_backward(keep, ratio, q, k)
@@ -295,7 +240,6 @@ class _LogKeep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_log, g_keep, g_mass):
-        import kernels
         none = (None,) * 4  # (scale, alpha, sinks, log_dtype)
         if g_log is None and g_keep is None and g_mass is None:
             return (None, None, None, *none)
@@ -309,14 +253,6 @@ class _LogKeep(torch.autograd.Function):
         dk = torch.baddbmm(q, dx.transpose(1, 2), q, beta=0, alpha=ctx.scale) if need_k else None
         dbias = (dx.sum() if ctx.bias_dim == 0 else dx.sum(0)) if need_bias else None
         return (dq, dk, dbias, *none)
-
-
-def keep_from_gates(sig: torch.Tensor, masks=None) -> torch.Tensor:
-    """I_{k,j} = prod_{n=j+1..k} sig_{n,j} below the diagonal, 1 on it, 0 above ([..., T, T] -> [..., T, T]);
-    masks as in log_keep_from_gates."""
-    later, causal = masks or below_diagonal(sig.shape[-1], sig.device)
-    one, zero = torch.ones((), dtype=sig.dtype, device=sig.device), torch.zeros((), dtype=sig.dtype, device=sig.device)
-    return torch.where(causal, torch.where(later, sig, one).cumprod(dim=-2), zero)
 
 
 def sparsity(keep: torch.Tensor) -> torch.Tensor:

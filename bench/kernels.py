@@ -1,6 +1,6 @@
 """Kernel benchmark: each op against the strongest baselines present, in one run, on whatever device is here.
 
-    python -m kernels.bench [--json FILE] [--quick] [--device cpu|cuda]
+    python -m bench.kernels [--json FILE] [--quick] [--device cpu|cuda]
 
 Per case: median time, achieved GB/s and TFLOP/s, and the ratio to the physical floor, max(bytes / copy
 bandwidth, flops / matmul rate), with both rates measured at the start of the same run. Baselines:
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import efficient, reference
-from models.pruning.interaction import rule_dtype
+from kernels.keep_rule import rule_dtype
 
 
 def sync(dev):
@@ -629,7 +629,49 @@ SECTIONS = ["prefill", "decode", "compact", "lag", "train_attention", "log_I_cha
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    args, sections, contexts = _parse(argv)
+    from models.device import resolve
+    dev = resolve(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cuda = dev.type == "cuda"
+    sizes = _sizes(args.quick, cuda, contexts)
+    budget = (40 if cuda else 2) * 2 ** 30
+    fl = floors(dev, dtype)
+    print(f"device {dev}: copy {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {fl['matmul_flops_per_s'] / 1e12:.2f} "
+          f"TFLOP/s", file=sys.stderr)
+    flex = flex_fn(dev) if not args.quick and not args.no_flex and "prefill" in sections \
+        else (None, "skipped in --quick, by --no-flex or with its sections left out")
+    rows = _time_sections(args, sections, dev, dtype, sizes, fl, flex, budget)
+    models = bench_models(dev, sizes["tokens"], [m for m in args.models.split(",") if m])
+    tuned = None
+    if args.tune and cuda:
+        t0 = time.perf_counter()
+        tuned = tune(dev, dtype, sizes["reps"])
+        print(f"tune: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    tuned_train = None
+    if args.tune_train and cuda and dtype != torch.float32 and "causal_bias" in kernels.TRITON:
+        t0 = time.perf_counter()
+        tuned_train = tune_train_attention(dev, dtype, sizes["reps"])
+        print(f"tune train attention: {time.perf_counter() - t0:.1f} s; {json.dumps(tuned_train)}", file=sys.stderr)
+    result = {"environment": environment(dev), "dtype": str(dtype), "floors": fl,
+              "flex": "ok" if flex[0] is not None else flex[1],
+              "triton": "timed" if cuda else "not timed: no CUDA device (the interpreter is a correctness tool)",
+              "rows": rows, "ratios": ratios(rows), "targets": targets(rows), "tuned_launch": tuned,
+              "tuned_train_launch": tuned_train,
+              "end_to_end": models}
+    _print_result(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.table:
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table).write_text(markdown(result))
+    return 0
+
+
+def _parse(argv) -> tuple[argparse.Namespace, list[str], list[int] | None]:
+    """The arguments, the sections to time and the decode contexts asked for (None: the device's)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--table", help="write a short markdown table here")
     ap.add_argument("--device", default="auto")
@@ -657,11 +699,12 @@ def main(argv=None) -> int:
         contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else None
     except ValueError:
         ap.error(f"--contexts takes comma-separated token counts, got {args.contexts!r}")
-    from models.device import resolve
-    dev = resolve(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cuda = dev.type == "cuda"
-    if args.quick:
+    return args, sections, contexts
+
+
+def _sizes(quick: bool, cuda: bool, contexts: list[int] | None) -> dict:
+    """The cases' sizes and repetitions: toy ones under --quick, else the device's (decode contexts as asked)."""
+    if quick:
         sizes = dict(prefill=[64], contexts=[128], batches=[1, 2], lag=[64], reps=2, tokens=4, compact_s=256,
                      compact_b=[1])
     elif cuda:  # the compacted target's shapes: 16k, batch 1 and 64 (the issue's)
@@ -673,12 +716,12 @@ def main(argv=None) -> int:
                      lag=[256, 1024], reps=5, tokens=32, compact_s=16384, compact_b=[1])
     if contexts:
         sizes["contexts"] = contexts
-    budget = (40 if cuda else 2) * 2 ** 30
-    fl = floors(dev, dtype)
-    print(f"device {dev}: copy {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {fl['matmul_flops_per_s'] / 1e12:.2f} "
-          f"TFLOP/s", file=sys.stderr)
-    flex = flex_fn(dev) if not args.quick and not args.no_flex and "prefill" in sections \
-        else (None, "skipped in --quick, by --no-flex or with its sections left out")
+    return sizes
+
+
+def _time_sections(args, sections: list[str], dev, dtype, sizes: dict, fl: dict, flex, budget: int) -> list[dict]:
+    """The rows of each section asked for, in SECTIONS' order, each section's time on stderr."""
+    cuda = dev.type == "cuda"
     rows = []
     steps = [("prefill", lambda: bench_prefill(dev, dtype, sizes["prefill"], fl, sizes["reps"], flex)),
              ("decode", lambda: bench_decode(dev, dtype, sizes["contexts"], sizes["batches"], fl, sizes["reps"],
@@ -697,24 +740,12 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows += fn()
         print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    models = bench_models(dev, sizes["tokens"], [m for m in args.models.split(",") if m])
-    tuned = None
-    if args.tune and cuda:
-        t0 = time.perf_counter()
-        tuned = tune(dev, dtype, sizes["reps"])
-        print(f"tune: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    tuned_train = None
-    if args.tune_train and cuda and dtype != torch.float32 and "causal_bias" in kernels.TRITON:
-        t0 = time.perf_counter()
-        tuned_train = tune_train_attention(dev, dtype, sizes["reps"])
-        print(f"tune train attention: {time.perf_counter() - t0:.1f} s; {json.dumps(tuned_train)}", file=sys.stderr)
-    result = {"environment": environment(dev), "dtype": str(dtype), "floors": fl,
-              "flex": "ok" if flex[0] is not None else flex[1],
-              "triton": "timed" if cuda else "not timed: no CUDA device (the interpreter is a correctness tool)",
-              "rows": rows, "ratios": ratios(rows), "targets": targets(rows), "tuned_launch": tuned,
-              "tuned_train_launch": tuned_train,
-              "end_to_end": models}
-    for r in rows:
+    return rows
+
+
+def _print_result(result: dict) -> None:
+    """Every row, the targets, the tuned launch and the end-to-end rates, on stdout."""
+    for r in result["rows"]:
         if "ms" in r:
             print(f"{r['case']:<44} {r['impl']:<16} {r['ms']:9.3f} ms {r['GB_s']:8.1f} GB/s "
                   f"{r['TFLOP_s']:7.3f} TFLOP/s  x{r['x_floor']:.1f} floor")
@@ -722,18 +753,11 @@ def main(argv=None) -> int:
             print(f"{r['case']:<44} {r['impl']:<16} error: {r['error']}")
     for t in result["targets"]:
         print(f"target {'MET ' if t['met'] else 'MISS'} {t['target']}: {t['value']:.2f} (goal {t['goal']})")
-    if tuned:
-        print(f"tuned launch: {json.dumps(tuned)}")
-    for m in models:
+    if result["tuned_launch"]:
+        print(f"tuned launch: {json.dumps(result['tuned_launch'])}")
+    for m in result["end_to_end"]:
         print(f"end to end {m['mixer']}{' pruned' if m['pruned'] else ''} [{m['path']}]: "
               f"{m['tokens_per_s']:.1f} tokens/s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    if args.table:
-        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.table).write_text(markdown(result))
-    return 0
 
 
 if __name__ == "__main__":

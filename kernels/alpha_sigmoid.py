@@ -85,7 +85,7 @@ def derivative(q: torch.Tensor, x: torch.Tensor, alpha) -> torch.Tensor:
 
 TABLE_POINTS = 8193
 TABLE_STEP = 0.005  # widest grid spacing; linear interpolation errs by at most ~2e-6, next to saturation
-P_FLOOR = 1e-40     # log I's floor (papers.md; interaction.LOG_FLOOR): below it a value changes nothing
+P_FLOOR = 1e-40     # log I's floor (papers.md; keep_rule.LOG_FLOOR): below it a value changes nothing
 
 
 def table_range(alpha: float) -> float:
