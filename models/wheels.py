@@ -22,6 +22,8 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from models.files import file_sha256
+
 log = logging.getLogger("models.wheels")
 
 # a PEP 508 name and a PEP 440 public version (release, then optional aN/bN/rcN, .postN, .devN): nothing pip
@@ -108,7 +110,6 @@ def download(spec: str, cache: Path | None = None, sha256: str | None = None, ru
 
 
 def _check_pin(wheel: Path, sha256: str | None) -> None:
-    from models.checkpoint import file_sha256
     if sha256 is not None and (got := file_sha256(wheel)) != sha256:
         raise WheelError(f"{wheel.name} has sha256 {got[:16]}..., not the pinned {sha256[:16]}...: not the wheel this "
                          "model was made from; remove it from the wheel cache and fetch again")

