@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.pruning.interaction import ContextPruning
+
 KINDS = ("adapter", "phm", "compacter", "compacter++")
 
 
@@ -149,7 +151,6 @@ def trainable_params(model: nn.Module, freeze_base: bool = False) -> dict[str, n
     if model.config.adapter:
         return get_adapter_params(model)
     if freeze_base:
-        from models.pruning import ContextPruning
         return _collect(model, lambda m: m.adapter_params() if isinstance(m, ContextPruning) else {})
     return dict(model.named_parameters())
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from models.backends import static
+from models.backends import LayerState, State, Step, check_fits, static
 from models.pruning.interaction import state_dtype
 
 
-class LayerCache:
+class LayerCache(LayerState):
     """One layer's state: named buffers [batch, *lead, capacity, width], filled up to `length`.
 
     Attention keeps K and V here (a single group for MQA/MHE, K only when K is V);
@@ -75,7 +75,7 @@ def merge_counts(buffers: dict) -> torch.Tensor | None:
         return torch.zeros(k.shape[0] * k.shape[1], dtype=torch.int32, device=k.device)
 
 
-class DecodeCache:
+class DecodeCache(State):
     """The whole model's decode state: one LayerCache per block."""
 
     def __init__(self, layers: list[LayerCache]):
@@ -83,6 +83,25 @@ class DecodeCache:
         # static shapes (fix_shapes): the slot a step writes and the slots it reads, on the device, views of one
         # tensor so that a step moves both with one launch (step_done), not one per layer
         self.marks = self.cursor = self.filled = None
+
+    def begin(self, idx, context, positions=None, valid=None, plain=True) -> Step:
+        """The new tokens follow what the cache holds. A one-token call after fix_shapes (no diagnostics) is a
+        static-shape step: its position is the device-side cursor, with no host count."""
+        t, start = idx.shape[1], self.length
+        check_fits(start + t, context, "positions")
+        fixed = self.cursor is not None and t == 1 and plain
+        if fixed and start + 1 > self.capacity:  # index_copy_ past the buffers would be a device-side assert
+            raise ValueError(f"cache full: {start} + 1 positions exceed capacity {self.capacity}")
+        # (a copy: the rotary tables are memoised on the positions tensor, and the cursor outlives this forward)
+        return Step(self.cursor.clone() if fixed else torch.arange(start, start + t, device=idx.device), fixed)
+
+    def end(self, step: Step) -> None:
+        if self.cursor is None:
+            return
+        if step.fixed:
+            self.step_done()  # the host's count is the caller's (a replayed graph runs no Python)
+        else:
+            self.fix_shapes()  # a call of several tokens counted on the host: the cursor follows
 
     def fix_shapes(self) -> None:
         """From here on, one-token steps keep every shape: each layer writes at a device-side cursor and

@@ -6,9 +6,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.adapters import KINDS
+from models.errors import ConfigError
+from models.mixers import MIXERS
 
-class ConfigError(ValueError):
-    """A config that cannot describe a valid model; the message says which field and why."""
+__all__ = ["ConfigError", "ModelConfig"]
 
 
 @dataclass
@@ -64,8 +66,6 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        from models.mixers import MIXERS  # late import: mixers import this module
-
         if self.mixer not in MIXERS:
             raise ConfigError(f"unknown mixer {self.mixer!r}; choose one of: {', '.join(MIXERS)}")
         for name in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_head", "d_ff", "prune_r",
@@ -86,7 +86,6 @@ class ModelConfig:
         if self.pattern != "dense" and self.prune:
             raise ConfigError("a fixed sparse pattern and context pruning are alternatives; choose one")
         if self.adapter is not None:
-            from models.adapters import KINDS
             if self.adapter not in KINDS:
                 raise ConfigError(f"adapter must be one of {', '.join(KINDS)} or null, got {self.adapter!r}")
             d = self.d_model // self.adapter_reduction if self.adapter_reduction > 0 else 0

@@ -30,10 +30,8 @@ def sources(block) -> dict[str, tuple]:
     """What one block packs: "qkv", the mixer's (weight [d_m,n,d_h], bias) pairs (Attention.projections), when
     there are two or more and `project` is the generic one that applies just them (a variant with a `project` of
     its own is left alone); "gate_up", SwiGLU's (weight [d_ff,d_m], bias) pairs."""
-    from models.mixers.attention import Attention  # (it imports this module)
     out = {}
-    mixer = block.mixer
-    proj = mixer.projections() if isinstance(mixer, Attention) and type(mixer).project is Attention.project else None
+    proj = block.mixer.packable_projections()
     if proj is not None and len(proj) > 1:
         out["qkv"] = proj
     if block.ffn.gate is not None:

@@ -9,13 +9,13 @@ from torch import nn
 from models.adapters import NORMS, Adapter, trainable_params
 from models.mixers.base import Mixer
 from models.pruning import ContextPruning
+from models.transformer import FeedForward
 
 COMPONENTS = ("embeddings", "mixer", "mixer_out", "pruning", "feed_forward", "norms", "adapters")
 MODEL_LEVEL = {"lm_head": "embeddings", "adapter_A": "adapters"}  # parameters held by DecoderLM itself
 
 
 def _own_component(module: nn.Module) -> str | None:
-    from models.transformer import FeedForward  # late: transformer imports adapters, which this module imports
     for kind, component in ((Adapter, "adapters"), (ContextPruning, "pruning"), (NORMS, "norms"),
                             (FeedForward, "feed_forward"), (Mixer, "mixer"), (nn.Embedding, "embeddings")):
         if isinstance(module, kind):

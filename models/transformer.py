@@ -12,12 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from models import packing
+from models import fixed_blocks
 from models.adapters import Adapter, new_A
+from models.backends import State, Step, check_fits
+from models.backends.full import FULL, WholeSequence
 from models.cache import DecodeCache
 from models.config import ModelConfig
 from models.mixers import LayerRecord, build_mixer
-from models.pruning import CompactCache, CompactDecodeCache, policies
+from models.pruning import policies
+from models.pruning.compact_cache import CompactCache, CompactDecodeCache
 
 
 class FeedForward(nn.Module):
@@ -37,14 +40,15 @@ class FeedForward(nn.Module):
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
 
-    def forward(self, x, packed: tuple | None = None):
-        """packed: gate and up side by side (models.packing, a fixed-shape decode step): one product for both."""
+    def forward(self, x):
         if self.kind == "swiglu":
-            g, u = packing.gate_up(x, *packed) if packed else (self.gate(x), self.up(x))
-            h = kernels.silu_mul(g, u)  # one kernel on a GPU at inference
-        else:
-            h = F.gelu(self.up(x), approximate="tanh" if self.kind == "gelu_tanh" else "none")
+            return self.from_gate_up(self.gate(x), self.up(x))
+        h = F.gelu(self.up(x), approximate="tanh" if self.kind == "gelu_tanh" else "none")
         return self.drop(self.down(h))
+
+    def from_gate_up(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's rest from its gate and up products (a fixed-shape step makes both in one: models.packing)."""
+        return self.drop(self.down(kernels.silu_mul(g, u)))  # one kernel on a GPU at inference
 
 
 class _AddNorm:
@@ -86,26 +90,27 @@ class Block(nn.Module):
             if cfg.adapter != "compacter++":
                 self.adapter_mixer = make()
 
-    def forward(self, x, cache=None, record=None, positions=None, mixer_out=None, pending=None, defer=False):
+    def forward(self, x, cache=None, record=None, positions=None, mixer_out=None):
         """mixer_out: a function h -> h given the token mixer's output [B,T,d_m] (before any adapter and the residual
-        sum), whose return goes on instead (DecoderLM.forward's mixer_out, for one block).
-        pending: the previous block's last output, not yet added to x (its sum is then ln_1's kernel); defer: return
-        (x, h) with the feed-forward output h not added either (a decode step's blocks chain this way: one kernel
-        a layer fewer)."""
-        if pending is None:
-            a = self.ln_1(x)
-        else:
-            x, a = self.ln_1(x, pending)
-        h = self.mixer(a, cache, record, positions)
+        sum), whose return goes on instead (DecoderLM.forward's mixer_out, for one block)."""
+        x, h = self.sublayers(x, self.ln_1(x), cache, record, positions, mixer_out)
+        return x + h
+
+    def sublayers(self, x, a, cache=None, record=None, positions=None, mixer_out=None):
+        """The block after ln_1: x the residual stream entering it, a = ln_1(x). Returns (x plus the mixer's output,
+        the feed-forward's output), the last residual sum left to the caller (models.fixed_blocks hands it to the
+        next block's norm)."""
+        state = FULL if cache is None else cache
+        h = self.mixer(a, state, record, positions)
         if mixer_out is not None:
             h = mixer_out(h)
         if self.adapter_mixer is not None:
             h = self.adapter_mixer(h)
         x, h = self.ln_2(x, self.drop(h))  # x + h, and ln_2 of it
-        h = self.ffn(h, packing.step_weights(cache, h, record).get("gate_up"))
+        h = state.feed_forward(self.ffn, h, record)
         if self.adapter_ffn is not None:
             h = self.adapter_ffn(h)
-        return (x, h) if defer else x + h
+        return x, h
 
 
 @contextmanager
@@ -157,10 +162,8 @@ class DecoderLM(nn.Module):
         return {} if self.adapter_A is None else {"adapter_A": self.adapter_A}
 
     def check_fits(self, n: int, what: str = "tokens") -> None:
-        """The one context-length check: n positions must fit the context window (learned position tables and
-        the decode caches end there), else a ValueError that says what to do."""
-        if n > self.config.context:
-            raise ValueError(f"{n} {what} exceed the context window of {self.config.context}; take a window")
+        """n positions must fit the context window (models.backends.check_fits)."""
+        check_fits(n, self.config.context, what)
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:
         capacity = self.config.context if capacity is None else min(capacity, self.config.context)
@@ -197,16 +200,16 @@ class DecoderLM(nn.Module):
                                        fixed=fixed))
         return CompactDecodeCache(layers)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: State | None = None,
                 diagnostics: bool = False, positions: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
                 last_only: bool = False, attention_maps: bool = True, hidden_only: bool = False,
                 residual=None, mixer_out=None) -> ModelOutput:
         """idx [B,T] token ids; embeds [B,T,d_m], when given, stands in for wte(idx) (attributions take gradients
-        there without hooking the model, which app sessions share). With a cache, idx holds the next T positions
-        and the cache is extended. With a CompactDecodeCache, positions [B,T] give each row's own positions and
-        valid [B,T] marks real tokens (False: padding of a shorter row, neither stored nor allowed to drop
-        anything; None: all real).
+        there without hooking the model, which app sessions share). cache: the attention state the blocks run over
+        (models.backends.State: a decode cache, which idx's T new positions extend, a replay, an intervention;
+        None: the whole sequence). positions [B,T] and valid [B,T]: a compacted cache's per-row positions and
+        real-token marks (models.pruning.compact_cache.CompactDecodeCache.begin).
         last_only: logits [B,1,V] for the last position alone (generation, attributions). diagnostics: each layer's
         LayerRecord comes back in ModelOutput.diagnostics (attention_maps=False: without the attention
         probabilities). hidden_only: the final-norm states in ModelOutput.hidden and no logits (the caller applies
@@ -215,71 +218,18 @@ class DecoderLM(nn.Module):
         function (i, h) -> h given block i's token mixer output, whose return the block goes on with (activation
         patching reads and replaces them there: models.pruning.intervene; no hook is put on the model, which app
         sessions share)."""
-        b, t = idx.shape
-        compact_fixed = fixed = False
-        if isinstance(cache, CompactDecodeCache):
-            # a fixed-shape step (CompactDecodeCache.fix_shapes): positions from the device, no host check (the
-            # caller, models.decode.Decoder, keeps the count and checks the context)
-            compact_fixed = cache.next_pos is not None and t == 1 and valid is None and not diagnostics
-            if compact_fixed:
-                positions = cache.next_pos.clone()
-            elif positions is None:
-                raise ValueError("the compacted cache needs positions [B,T] for the new tokens")
-            else:
-                self.check_fits(int(positions.max() if valid is None else positions[valid].max()) + 1, "positions")
-            for layer in cache.layers:
-                layer.q_pos, layer.valid = positions, valid
-            positions = positions.clamp(0, self.config.context - 1)
-        else:
-            start = 0 if cache is None else cache.length
-            self.check_fits(start + t, "positions")
-            # a static-shape step (DecodeCache.fix_shapes): the position is the device-side cursor, no host count
-            fixed = isinstance(cache, DecodeCache) and cache.cursor is not None and t == 1 and not diagnostics
-            if fixed and start + 1 > cache.capacity:  # index_copy_ past the buffers would be a device-side assert
-                raise ValueError(f"cache full: {start} + 1 positions exceed capacity {cache.capacity}")
-            # (a copy: the rotary tables are memoised on the positions tensor, and the cursor outlives this forward)
-            positions = cache.cursor.clone() if fixed else torch.arange(start, start + t, device=idx.device)
+        if (last_only or hidden_only) and targets is not None:
+            raise ValueError("last_only and hidden_only give no logits for every position; a loss needs them all")
+        state = WholeSequence(len(self.blocks), self.training and self.config.prune) if cache is None else cache
+        step = state.begin(idx, self.config.context, positions, valid, plain=not diagnostics)
         x = self.wte(idx) if embeds is None else embeds
         if self.wpe is not None:
-            x = x + self.wpe(positions)
-        x = self.drop(x)
+            x = x + self.wpe(step.positions)
         # attention_maps=False: the pruning keep masks alone, no [H,T,T] attention probabilities (the Pruning page
         # of a 30-layer model over 1,000 tokens would otherwise hold 1 GB of them)
         records = [LayerRecord(attention_maps) for _ in self.blocks] if diagnostics else None
-        # a fixed-shape step leaves each block's residual sum to the next block's norm (nothing reads x between)
-        defer = (fixed or compact_fixed) and residual is None and mixer_out is None
-        pending = None
-        for i, block in enumerate(self.blocks):
-            if residual is not None:
-                x = residual(i, x)
-            x = block(x, None if cache is None else cache.layers[i], None if records is None else records[i], positions,
-                      None if mixer_out is None else functools.partial(mixer_out, i), pending, defer)
-            if defer:
-                x, pending = x
-        if pending is not None:
-            x = x + pending
-        mass = None
-        if self.config.prune:  # each layer's sparsity mass handed over and cleared: a module attribute would hold the
-            # step's autograd graph until the next forward (an H200's CUDA-graph capture after an eager step failed
-            # so, 2026-11-28: the graph kept the parameters' AccumulateGrad nodes, tied to the default stream)
-            masses = [b.mixer.prune_mass for b in self.blocks]
-            for b in self.blocks:
-                b.mixer.prune_mass = None
-            if self.training and cache is None and all(m is not None for m in masses):  # (not with the rule off)
-                mass = sum(masses)
-        if compact_fixed:
-            cache.step_done()
-        elif isinstance(cache, CompactDecodeCache) and cache.next_pos is not None:
-            if valid is not None:
-                raise ValueError("a fixed-shape compacted cache takes rows of one length (no padding)")
-            cache.fix_shapes(cache.layers[0].q_pos[:, -1:] + 1)  # several tokens counted on the host: follow
-        if isinstance(cache, DecodeCache) and cache.cursor is not None:
-            if fixed:
-                cache.step_done()  # the host's count is the caller's (a replayed graph runs no Python)
-            else:
-                cache.fix_shapes()    # a call of several tokens counted on the host: the cursor follows
-        if (last_only or hidden_only) and targets is not None:
-            raise ValueError("last_only and hidden_only give no logits for every position; a loss needs them all")
+        x = self._run_blocks(self.drop(x), state, step, records, residual, mixer_out)
+        state.end(step)
         if last_only:  # one position's logits: T x vocab floats (50 k vocabulary, 8 k tokens: 1.6 GB) never exist
             x = x[:, -1:]
         if hidden_only:  # [B,T,vocab] logits never exist whole (16 windows of 8 k tokens: 26 GB in float32)
@@ -288,7 +238,17 @@ class DecoderLM(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
-        return ModelOutput(logits=logits, loss=loss, cache=cache, diagnostics=records, prune_mass=mass)
+        return ModelOutput(logits=logits, loss=loss, cache=cache, diagnostics=records, prune_mass=state.prune_mass())
+
+    def _run_blocks(self, x, state: State, step: Step, records, residual, mixer_out) -> torch.Tensor:
+        if step.fixed and residual is None and mixer_out is None:
+            return fixed_blocks.run(self.blocks, x, state, step.positions)
+        for i, block in enumerate(self.blocks):
+            if residual is not None:
+                x = residual(i, x)
+            x = block(x, state.layers[i], None if records is None else records[i], step.positions,
+                      None if mixer_out is None else functools.partial(mixer_out, i))
+        return x
 
     def output_weight(self) -> torch.Tensor:
         """The LM head [vocab, d_model]: the token embedding when they are tied."""

@@ -1,16 +1,15 @@
-"""Inference over the compacted cache (models.pruning.CompactCache, papers.md section 3's data structure): the new
-tokens take free slots, then either the learned rule (context pruning's step, through the fused decode kernel on
-a decode step) or a heuristic eviction policy (models.pruning.policies) decides what each row lets go, and the
-cache compacts when worth it. Under a policy a learned rule is off (the cache keeps no K_int)."""
+"""Inference over the compacted cache (models.pruning.compact_cache.CompactCache, context pruning's inference
+data structure): the new tokens take free slots, then either the learned rule (context pruning's step, through the
+fused decode kernel on a decode step) or a heuristic eviction policy (models.pruning.policies) decides what each
+row lets go, and the cache compacts when worth it. Under a policy a learned rule is off (the cache keeps no K_int).
+"""
 from __future__ import annotations
 
 import torch
 
 import kernels
-from models.backends import additive, group_rows
-from models.pruning import pattern_allows
-from models.pruning.compact_cache import ALIGN
-from models.pruning.replay import CHUNK  # the replay sums the prompt's attention in the same blocks
+from models.backends import CHUNK, additive, group_rows
+from models.pruning.patterns import pattern_allows
 
 
 def rule_constants(mixer, cache) -> dict:
@@ -127,7 +126,7 @@ def decode(mixer, cache, x, q, k, v, rope=None):
     rule = mixer.pruning if cache.policy is None else None
     if rule is not None:
         c = rule_constants(mixer, cache)
-        qk = kernels.rule_product(x, c["qk"])  # the rule scores in float32 at least (models.pruning.interaction.HALF)
+        qk = kernels.rule_product(x, c["qk"])  # the rule scores in float32 at least (kernels.keep_rule.HALF)
         q_int, k_int = qk[..., :rule.r], qk[..., rule.r:]
     else:
         q_int, k_int = None, False
@@ -160,7 +159,7 @@ def decode(mixer, cache, x, q, k, v, rope=None):
     o, keep = kernels.compact_decode(q, kk, vv, scale=mixer.scale, prune=prune, lengths=lengths, merge_counts=counts,
                                      **mixer.head_maps())
     cache.count_seen(keep)
-    cache.kept_in_place(every=ALIGN)
+    cache.kept_in_place(every=cache.check_every)
     return mixer.output(o)
 
 
@@ -179,7 +178,7 @@ def policy_decode(mixer, cache, q, kk, vv, q_pos):
                                      need_weights=True, causal=False, **mixer.head_maps())
         keep = pol.step(live, pos, q_pos[:, 0], probs[:, :, 0].float(), cache.slot_state)
         out = mixer.output(o)
-    cache.update_kept(keep, q_pos, every=ALIGN)
+    cache.update_kept(keep, q_pos, every=cache.check_every)
     return out
 
 

@@ -2,8 +2,10 @@
 pruning's log I (the alpha-sigmoid while training, the step at inference) or a fixed local / strided pattern."""
 from __future__ import annotations
 
-from models.backends import additive
-from models.pruning import pattern_mask
+import torch
+
+from models.backends import LayerState, State, additive
+from models.pruning.patterns import pattern_mask
 
 
 def pattern_bias(mixer, b: int, t: int, s: int, dtype, device):
@@ -14,14 +16,27 @@ def pattern_bias(mixer, b: int, t: int, s: int, dtype, device):
     return additive(fixed, dtype)[None, None], fixed.to(dtype)[None].expand(b, -1, -1)
 
 
-class FullSequence:
-    """The backend of a forward without a cache."""
+class WholeSequence(State, LayerState):
+    """No cache: every layer attends over the whole sequence at once. A model in training with context pruning
+    hands each layer's term of the sparsity loss here, for this forward only (`prune_mass`); FULL, the state of a
+    mixer called on its own, keeps none."""
+
+    def __init__(self, n_layers: int = 0, collect: bool = False):
+        self.layers = [self] * n_layers
+        self.masses: list[torch.Tensor] | None = [] if collect else None
+
+    length = 0  # an Extractor's window: nothing before this call
+
+    def append(self, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """An Extractor's window over the whole sequence is the sequence itself (models.cache.LayerCache.append)."""
+        return new
 
     def attend(self, mixer, x, q, k, v, record):
         if mixer.pruning is not None:
-            if mixer.training:  # with the sparsity loss's term, read by DecoderLM.forward after the blocks
-                # [B,T,T] each (log I in attention's dtype), and 0-dim
-                log_i, keep, mixer.prune_mass = mixer.pruning.log_keep(x, mass=True, log_dtype=q.dtype)
+            if mixer.training:  # [B,T,T] each (log I in attention's dtype), and 0-dim
+                log_i, keep, mass = mixer.pruning.log_keep(x, mass=True, log_dtype=q.dtype)
+                if self.masses is not None:
+                    self.masses.append(mass)
             else:
                 log_i, keep = mixer.pruning.log_keep(x)
             if record is not None:  # r-wide each, in the rule's precision: what the Pruning page's score view reads
@@ -34,5 +49,11 @@ class FullSequence:
         bias, keep = pattern_bias(mixer, q.shape[0], q.shape[2], k.shape[2], q.dtype, q.device)
         return mixer.attend(q, k, v, bias, record, keep)
 
+    def prune_mass(self) -> torch.Tensor | None:
+        """The layers' terms summed, when every layer made one (a model whose rule is on in every layer)."""
+        if not self.masses or len(self.masses) != len(self.layers):
+            return None
+        return sum(self.masses)
 
-FULL = FullSequence()
+
+FULL = WholeSequence()

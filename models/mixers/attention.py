@@ -16,8 +16,7 @@ from torch import nn
 import kernels
 from kernels.reference import rotate_half
 from models.backends.full import FULL
-from models import packing
-from models.config import ConfigError
+from models.errors import ConfigError
 from models.mixers.base import Mixer, register
 from models.pruning import ContextPruning
 
@@ -99,7 +98,6 @@ class Attention(Mixer):
                                 / math.sqrt(2 * cfg.n_layers))
         self.pruning = (ContextPruning(cfg.d_model, cfg.prune_r, cfg.prune_beta, cfg.prune_distance, cfg.prune_sinks)
                         if cfg.prune else None)
-        self.prune_mass = None  # training: sum over j < k of I_{k,j}, batch mean (for the sparsity loss)
         self.pattern, self.pattern_k = cfg.pattern, cfg.pattern_k
         self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else None
         self.context = cfg.context  # (the rotary table of a fixed-shape step covers it)
@@ -112,6 +110,9 @@ class Attention(Mixer):
         `from_parts`'s order), when that is all `project` does; None otherwise. A fixed-shape decode step runs them
         as one product (models.packing)."""
         return None
+
+    def packable_projections(self) -> tuple | None:
+        return self.projections() if type(self).project is Attention.project else None
 
     def from_parts(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v from the products of `projections`, each [B,n,T,d_h]."""
@@ -166,14 +167,13 @@ class Attention(Mixer):
     def forward(self, x, cache=None, record=None, positions=None):
         """Project and rotate here; the state handed in (None: the whole sequence) attends and owns the masking
         and eviction (models/backends)."""
-        packed = packing.step_weights(cache, x, record).get("qkv")
-        q, k, v = self.from_parts(packing.project(x, *packed)) if packed else self.project(x)  # [B,H|G,T,D]
         state = FULL if cache is None else cache
+        q, k, v = state.project(self, x, record)                                         # [B,H|G,T,D]
         if self.rope_theta is None:
             return state.attend(self, x, q, k, v, record)
         # rotary embedding, Llama's half-split convention (kernels.reference.rotate_half)
         # a fixed-shape step rotates as it writes (kernels.step_write; a gradient takes its reference there)
-        if getattr(state, "rotates", None) and state.rotates(q, record):
+        if state.rotates(q, record):
             table = rotary_table(self.context, self.d_head, self.rope_theta, q.dtype, q.device)
             return state.attend(self, x, q, k, v, record, rope=(*table, positions.reshape(-1)))
         cos, sin = rotary_tables(positions, self.d_head, self.rope_theta, q.dtype)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from models.cache import LayerCache
+from models.pruning.interaction import state_dtype
 
 MIXERS: dict[str, type["Mixer"]] = {}
 
@@ -51,6 +52,11 @@ class Mixer(nn.Module):
     def check_config(cls, cfg) -> None:
         """Raise ConfigError when cfg cannot describe this mixer."""
 
+    def packable_projections(self) -> tuple | None:
+        """The (weight [d_m,n,d_h], bias) pairs a fixed-shape decode step may run as one product (models.packing),
+        when the mixer's projection is just their products; None otherwise."""
+        return None
+
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         """Per-position state: name -> (*lead, width)."""
         raise NotImplementedError
@@ -63,7 +69,6 @@ class Mixer(nn.Module):
         """Decode-state bytes one position costs this layer in a model of `dtype`: every state it caches, the
         learned rule's K_int in the rule's precision (float32 in a bf16 model); and the same without K_int (what
         its dense twin caches). The one count the Generate and Pruning pages and the zoo table use."""
-        from models.pruning.interaction import state_dtype   # (models.pruning imports the caches, which import this)
         own = dense = 0
         for name, shape in self.cache_spec().items():
             n = 1

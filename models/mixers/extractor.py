@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import kernels
-from models.config import ConfigError
+from models.errors import ConfigError
 from models.mixers.base import Mixer, register
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 import kernels
+from models.backends import LayerState, State, Step, check_fits, compacted
 from models.pruning.interaction import state_dtype
 
 COMPACT_BELOW = 0.9
@@ -38,7 +39,8 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
     return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
 
 
-class CompactCache:
+class CompactCache(LayerState):
+    check_every = ALIGN  # a decode step asks whether to compact every this many steps
     def __init__(self, spec: dict[str, tuple[int, ...]], batch: int, capacity: int, dtype, device, policy=None,
                  rule_constants: dict | None = None, groups: int = 1, fixed: bool = False):
         # groups > 1 (a per-KV-group policy): `batch` rows are (batch row, group) pairs, row b * groups + g, each
@@ -71,7 +73,6 @@ class CompactCache:
 
     def attend(self, mixer, x, q, k, v, record, rope=None):
         """The attention backend over this cache (models.backends.compacted); rope: see `rotates`."""
-        from models.backends import compacted  # (the backends import models.pruning, which imports this module)
         return compacted.attend(mixer, self, x, q, k, v, record, rope)
 
     def decode_step(self, q: torch.Tensor, record) -> bool:
@@ -303,7 +304,7 @@ class CompactCache:
         return torch.cat(self.drops) if self.drops else torch.zeros(0, 3, dtype=torch.long)
 
 
-class CompactDecodeCache:
+class CompactDecodeCache(State):
     def __init__(self, layers: list[CompactCache]):
         self.layers = layers
         # fixed shapes: every layer's cursor and filled count and each row's next position [B,1], on the device,
@@ -316,6 +317,31 @@ class CompactDecodeCache:
     def allocations(self) -> int:
         """How often a layer's buffers were reallocated: a captured step is stale once this moves."""
         return sum(layer.allocations for layer in self.layers)
+
+    def begin(self, idx, context, positions=None, valid=None, plain=True) -> Step:
+        """Rows advance on their own: positions [B,T] give each row's positions for its new tokens, and valid
+        [B,T] marks the real ones (False: padding of a shorter row, neither stored nor allowed to drop anything;
+        None: all real). A one-token call of every row after fix_shapes (no diagnostics) is a fixed-shape step:
+        the positions come from the device, with no host check (the caller, models.decode.Decoder, keeps the
+        count and checks the context)."""
+        fixed = self.next_pos is not None and idx.shape[1] == 1 and valid is None and plain
+        if fixed:
+            positions = self.next_pos.clone()
+        elif positions is None:
+            raise ValueError("the compacted cache needs positions [B,T] for the new tokens")
+        else:
+            check_fits(int(positions.max() if valid is None else positions[valid].max()) + 1, context, "positions")
+        for layer in self.layers:  # each layer's own record of where this call's tokens sit
+            layer.q_pos, layer.valid = positions, valid
+        return Step(positions.clamp(0, context - 1), fixed, valid)
+
+    def end(self, step: Step) -> None:
+        if step.fixed:
+            self.step_done()
+        elif self.next_pos is not None:
+            if step.valid is not None:
+                raise ValueError("a fixed-shape compacted cache takes rows of one length (no padding)")
+            self.fix_shapes(self.layers[0].q_pos[:, -1:] + 1)  # several tokens counted on the host: follow
 
     def fix_shapes(self, next_pos: torch.Tensor) -> None:
         """After a call of several tokens (the prompt): one-token steps of every row keep their shapes from here

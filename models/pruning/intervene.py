@@ -18,7 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from models.backends import LayerState, State
 from models.pruning.interaction import drop_records
+from models.pruning.replay import Replay
+from models.scoring import head_logprobs
+from models.transformer import evaluating
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def edit_gates(sig: torch.Tensor, forces: list[Force]) -> torch.Tensor:
     return sig
 
 
-class LayerIntervention:
+class LayerIntervention(LayerState):
     """Stands in for one layer's cache in DecoderLM.forward: the whole-sequence backend with this layer's forced
     gates; keeps the query that dropped each token [T] (-1: never), not the [T,T] keep matrix."""
 
@@ -83,12 +87,11 @@ class LayerIntervention:
         return mixer.attend(q, k, v, log_i[:, None], record, keep)
 
 
-class Intervention:
+class Intervention(State):
     """The `cache` argument of DecoderLM.forward that runs the learned rule with forced decisions in every layer."""
 
     def __init__(self, forces: list[Force], n_layers: int):
         self.layers = [LayerIntervention([f for f in forces if f.applies(i)]) for i in range(n_layers)]
-        self.length = 0  # the forward starts at position 0
 
 
 @dataclass
@@ -101,8 +104,6 @@ class Run:
 
 
 def _run(model, ids: list[int], cache, **patch) -> Run:
-    from models.scoring import head_logprobs
-    from models.transformer import evaluating   # (models.transformer imports the mixers, which import this package)
 
     model.check_fits(len(ids))
     x = torch.tensor([ids], device=model.wte.weight.device)
@@ -142,7 +143,6 @@ def residuals(model, ids: list[int], layer: int, rule: bool = True, site: str = 
     """One layer's states [T, d_m] at `site`: the residual stream entering block `layer`, or that block's token mixer
     output; of the model as it runs (rule True) or, for a pruned model, of the same weights with the rule off (its
     dense twin)."""
-    from models.transformer import evaluating
 
     _check_site(model, layer, site)
     kept = {}
@@ -186,7 +186,6 @@ def patched(model, ids: list[int], layer: int, positions: list[int], donor: torc
 
 
 def _twin(model):
-    from models.pruning.replay import Replay
     return Replay(None, model.config.n_layers)   # (nothing evicted: the same weights with the rule off)
 
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from models.backends import attend_by_group
+from models.backends import CHUNK, LayerState, State, attend_by_group
 from models.scoring import target_logprobs
+from models.transformer import evaluating
 
 MAX_TOKENS = 4096         # the model's context or this, whichever is smaller
 SCORES_BYTES = 2 ** 30    # one layer's scores [heads, T, T] in float32 at most (9 heads x 4,096^2 = 600 MB)
 VISIBLE_BYTES = 2 ** 30   # the visible masks kept [layers, rows, T, T] (30 layers x 3 groups x 3,000^2 = 810 MB)
-CHUNK = 256               # prompt queries per block when a policy reads the whole prompt's attention
 
 
 def rows_of(policy, mixer) -> int:
@@ -32,7 +32,7 @@ def rows_of(policy, mixer) -> int:
     return mixer.n_groups if policy is not None and policy.per_group else 1
 
 
-class LayerReplay:
+class LayerReplay(LayerState):
     """Stands in for one layer's decode cache in DecoderLM.forward; the attention mixer calls attend()."""
 
     def __init__(self, policy, prompt: int | None):
@@ -55,14 +55,13 @@ class LayerReplay:
         return attend_by_group(mixer, q, k, v, self.visible[None], record)
 
 
-class Replay:
+class Replay(State):
     """The `cache` argument of DecoderLM.forward that runs `policy` in every layer over the whole text."""
 
     def __init__(self, policy, n_layers: int, prompt: int | None = None):
         if policy is not None and policy.at_prompt_end and prompt is None:
             raise ValueError(f"{policy.method} compresses a prompt once: give its length")
         self.layers = [LayerReplay(policy, prompt) for _ in range(n_layers)]
-        self.length = 0  # the forward starts at position 0
 
 
 def _probs(row: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -174,7 +173,6 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Met
         raise ValueError(f"{len(ids)} tokens: an eviction replay reads at most {most} (the model's context, the scores "
                          f"[{cfg.n_heads} heads, T, T] it holds per layer and the masks [{cfg.n_layers} layers, {rows} "
                          "rows, T, T] it keeps); take a window")
-    from models.transformer import evaluating  # (models.transformer imports the mixers, which import this module)
 
     x = torch.tensor([ids], device=model.wte.weight.device)
     cache = Replay(policy, model.config.n_layers, prompt)
