@@ -15,7 +15,7 @@ the app's pages; split it over several calls with --only and a kept --runs direc
    at batch 8 and at the config's 32, with A/B rows of the pruned step's attention (on SDPA, in
    kernels.triton_causal_bias, in kernels.efficient), then both models replayed from CUDA graphs at each batch
    (--cuda-graph: train.cuda_graph's step), and at both again with the attention in kernels.triton_causal_bias;
-6. bench: `python -m kernels.bench --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
+6. bench: `python -m bench.kernels --tune` (Triton against SDPA, FlexAttention and the reference; the targets);
 7. app: every app page on SmolLM2 and a pruned delta at 1k and 8k tokens, the Generate page clicked
    (bench.app_pages), when the app's packages are installed here.
 Writes bench/results/{gpu_check,kernels,...}_<gpu>.json (+ the kernel table and the test log) with device,
@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def run_tests(results: Path, name: str) -> dict:
 def run_bench(results: Path, name: str, models: list[str]) -> dict:
     out = results / f"kernels_{name}.json"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench", "--tune", "--json", str(out), "--table",
+    proc = subprocess.run([sys.executable, "-m", "bench.kernels", "--tune", "--json", str(out), "--table",
                            str(results / f"kernels_{name}.md"), "--models", ",".join(models)],
                           capture_output=True, text=True, env=os.environ | {"TRITON_INTERPRET": "0"})
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
@@ -156,7 +157,7 @@ def train_one(config: str, out: Path, steps: int) -> dict:
 
 def generate_one(model_dir: str, tokens: int = 64) -> dict:
     import kernels
-    from models.checkpoint import load_for_app
+    from app.loading import load_for_app
     from models.generate import generate
     loaded = load_for_app(model_dir, dtype="auto")  # the loader on CUDA in bf16 (the fast path)
     prompt = loaded.tokenizer.encode(PROMPT).ids
@@ -266,7 +267,68 @@ def app_pages(results: Path, name: str, save=lambda out: None) -> dict:
     return out
 
 
+@dataclass
+class _Call:
+    """One call of the check: where its files go, the device's name in them, where the trained check models go,
+    the steps they train, and the report (merged into the one an earlier call wrote) with its path."""
+    results: Path
+    name: str
+    runs: Path
+    steps: int
+    out: Path
+    report: dict
+
+
 def main(argv=None) -> int:
+    args, parts = _parse(argv)
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here (torch sees none); nothing to check", file=sys.stderr)
+        return 1
+    os.environ["TRITON_INTERPRET"] = "0"
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    name = slug()
+    out = results / f"gpu_check_{name}.json"
+    report = {}
+    if len(parts) < len(PARTS) and out.is_file():  # a later call of a split check: keep the earlier parts
+        report = json.loads(out.read_text())
+    report.update(environment=environment(), steps=args.steps)
+    report.setdefault("failed_parts", [])
+    t_all = time.perf_counter()
+
+    runs = Path(args.runs or tempfile.mkdtemp(prefix="gpu-check-"))
+    call = _Call(results, name, runs, args.steps, out, report)
+    trained = _trained(runs)
+    shipped = [f"assets/models/{m}" for m in SHIPPED if (Path("assets/models") / m / "model.safetensors").is_file()]
+    report.pop("trained_missing", None)
+    if args.runs and "train" not in parts and {"generate", "decode", "bench"} & set(parts) and not trained:
+        # a machine given back between calls keeps nothing: say so instead of quietly timing the zoo alone
+        report["trained_missing"] = (f"{runs} holds no trained model (the machine was given back since the call "
+                                     "that trained them?): generate, decode and bench ran on the shipped zoo only")
+        print(f"gpu-check: {report['trained_missing']}", flush=True)
+    for part in parts:
+        t_part = time.perf_counter()
+        why = ensure_corpus() if part in NEEDS_CORPUS else None
+        if why:  # skipped with the reason, as the app part is without its packages; the other parts go on
+            report[part] = {"skipped": why}
+            print(f"gpu-check: {part}: {why}", flush=True)
+            _done(call, part, True, t_part)
+            continue
+        ok, trained = _run_part(call, part, trained, shipped)
+        _done(call, part, ok, t_part)
+    report["seconds"] = time.perf_counter() - t_all
+    out.write_text(json.dumps(report, indent=1, default=str))
+    # the exit status is this call's parts' (a split check's report keeps an earlier part's failure, which would
+    # otherwise fail every part run after it: the third H200 run's decode part did so)
+    ok = not set(report["failed_parts"]) & set(parts)
+    earlier = [p for p in report["failed_parts"] if p not in parts]
+    print(f"gpu-check ({', '.join(parts)}) {'passed' if ok else 'FAILED'} in {report['seconds']:.0f} s: {out}"
+          + (f" (failed in an earlier call: {', '.join(earlier)})" if earlier else ""), flush=True)
+    return 0 if ok else 1
+
+
+def _parse(argv) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments, and the parts this call runs (in PARTS' order, less the skipped ones)."""
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--results", default="bench/results")
@@ -283,100 +345,77 @@ def main(argv=None) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         ap.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
-    parts = [p for p in PARTS if p in parts and not getattr(args, f"skip_{p}", False)]
-    if not torch.cuda.is_available():
-        print("gpu-check: no CUDA device here (torch sees none); nothing to check", file=sys.stderr)
-        return 1
-    os.environ["TRITON_INTERPRET"] = "0"
-    results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    name = slug()
-    out = results / f"gpu_check_{name}.json"
-    report = {}
-    if len(parts) < len(PARTS) and out.is_file():  # a later call of a split check: keep the earlier parts
-        report = json.loads(out.read_text())
-    report.update(environment=environment(), steps=args.steps)
-    report.setdefault("failed_parts", [])
-    t_all = time.perf_counter()
+    return args, [p for p in PARTS if p in parts and not getattr(args, f"skip_{p}", False)]
 
-    def done(part: str, ok: bool) -> None:
-        """Written after every part: a call stopped by a time limit still leaves what it finished."""
-        failed = [p for p in report["failed_parts"] if p != part] + ([] if ok else [part])
-        report["failed_parts"] = failed
-        report.setdefault("seconds_per_part", {})[part] = time.perf_counter() - t_part
-        # a split check merges into the report it finds: each part says when and with what it ran
-        report.setdefault("parts_run", {})[part] = {"date": report["environment"]["date"],
-                                                    "torch": report["environment"]["torch"]}
-        report["ok"] = not failed
-        out.write_text(json.dumps(report, indent=1, default=str))
 
-    runs = Path(args.runs or tempfile.mkdtemp(prefix="gpu-check-"))
-    trained = [str(runs / c) for c in CONFIGS if (runs / c / "model.safetensors").is_file()]
-    shipped = [f"assets/models/{m}" for m in SHIPPED if (Path("assets/models") / m / "model.safetensors").is_file()]
-    report.pop("trained_missing", None)
-    if args.runs and "train" not in parts and {"generate", "decode", "bench"} & set(parts) and not trained:
-        # a machine given back between calls keeps nothing: say so instead of quietly timing the zoo alone
-        report["trained_missing"] = (f"{runs} holds no trained model (the machine was given back since the call "
-                                     "that trained them?): generate, decode and bench ran on the shipped zoo only")
-        print(f"gpu-check: {report['trained_missing']}", flush=True)
-    for part in parts:
-        t_part = time.perf_counter()
-        why = ensure_corpus() if part in NEEDS_CORPUS else None
-        if why:  # skipped with the reason, as the app part is without its packages; the other parts go on
-            report[part] = {"skipped": why}
-            print(f"gpu-check: {part}: {why}", flush=True)
-            done(part, True)
-            continue
-        if part == "tests":
-            report["tests"] = run_tests(results, name)
-            ok = report["tests"]["exit_code"] == 0
-        elif part == "train":
-            report["train"], ok = train_all(runs, args.steps)
-            trained = [str(runs / c) for c in CONFIGS if (runs / c / "model.safetensors").is_file()]
-        elif part == "generate":
-            report["generate"] = [generate_or_error(d) for d in trained + shipped]
-            ok = all(g.get("triton_taken", False) for g in report["generate"])
-        elif part == "decode":
-            report.update(decode_parts(results, name, trained + shipped))
-            ok = all(r.get("exit_code", 0) == 0 for r in (report["decode"], report["decode_vs_hf"]))
-        elif part == "profile":
-            # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense >= 0.5);
-            # alpha 1.02 again last: the second H200 run's first row was 8.8 ms over alpha 2's with the same kernels,
-            # and a repeat after the others tells the row's place from its alpha; alpha 2 once more with
-            # kernels.efficient off, in kernels.triton_causal_bias, then on again (the A/B). At batch 8 (both steps
-            # waited on the host in the second run) and at the config's own 32, the batch models.train runs and the
-            # issue's first numbers were taken at.
-            # Then both models with their forward and backward replayed from CUDA graphs (train.cuda_graph), in
-            # processes of their own after the eager ones: a capture that fails loses only its own rows; at both
-            # batches once more with the pruned step's attention in our own kernels (MIXSCOPE_CAUSAL_BIAS=triton).
-            eager, graphed = ("--alphas", "1.02,2,8,1.02", "--ab-alpha", "2"), ("--alphas", "1.02,2,8", "--cuda-graph")
-            ours = {"MIXSCOPE_CAUSAL_BIAS": "triton"}
-            for batch, tag, how, env in (("8", "", eager, None), ("32", "_b32", eager, None),
-                                         ("8", "_graphed", graphed, None), ("32", "_graphed_b32", graphed, None),
-                                         ("8", "_graphed_triton", graphed, ours),
-                                         ("32", "_graphed_triton_b32", graphed, ours)):
-                prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
-                report[f"train_profile{tag}"] = run_module(
-                    prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json", *how,
-                    "--steps", "10", "--batch", batch, "--device", "cuda", env=env) | profile_summary(prof, since)
-            ok = True  # a profile, not a check
-        elif part == "bench":
-            report["bench"] = run_bench(results, name, (trained + shipped)[:4])
-            ok = report["bench"]["exit_code"] == 0
-        else:  # app
-            report["app"] = app_pages(results, name, save=lambda got: out.write_text(
-                json.dumps(report | {"app": got}, indent=1, default=str)))
-            ok = all(r.get("exit_code", 0) == 0 for r in report["app"].values() if isinstance(r, dict))
-        done(part, ok)
-    report["seconds"] = time.perf_counter() - t_all
-    out.write_text(json.dumps(report, indent=1, default=str))
-    # the exit status is this call's parts' (a split check's report keeps an earlier part's failure, which would
-    # otherwise fail every part run after it: the third H200 run's decode part did so)
-    ok = not set(report["failed_parts"]) & set(parts)
-    earlier = [p for p in report["failed_parts"] if p not in parts]
-    print(f"gpu-check ({', '.join(parts)}) {'passed' if ok else 'FAILED'} in {report['seconds']:.0f} s: {out}"
-          + (f" (failed in an earlier call: {', '.join(earlier)})" if earlier else ""), flush=True)
-    return 0 if ok else 1
+def _trained(runs: Path) -> list[str]:
+    """The check models trained into `runs` (by this call, or by an earlier one given the same --runs)."""
+    return [str(runs / c) for c in CONFIGS if (runs / c / "model.safetensors").is_file()]
+
+
+def _done(call: _Call, part: str, ok: bool, t_part: float) -> None:
+    """Written after every part: a call stopped by a time limit still leaves what it finished."""
+    report = call.report
+    failed = [p for p in report["failed_parts"] if p != part] + ([] if ok else [part])
+    report["failed_parts"] = failed
+    report.setdefault("seconds_per_part", {})[part] = time.perf_counter() - t_part
+    # a split check merges into the report it finds: each part says when and with what it ran
+    report.setdefault("parts_run", {})[part] = {"date": report["environment"]["date"],
+                                                "torch": report["environment"]["torch"]}
+    report["ok"] = not failed
+    call.out.write_text(json.dumps(report, indent=1, default=str))
+
+
+def _run_part(call: _Call, part: str, trained: list[str], shipped: list[str]) -> tuple[bool, list[str]]:
+    """One part of the check, its results put into the report: whether it passed, and the trained check models
+    (the train part makes them)."""
+    report, results, name = call.report, call.results, call.name
+    if part == "tests":
+        report["tests"] = run_tests(results, name)
+        ok = report["tests"]["exit_code"] == 0
+    elif part == "train":
+        report["train"], ok = train_all(call.runs, call.steps)
+        trained = _trained(call.runs)
+    elif part == "generate":
+        report["generate"] = [generate_or_error(d) for d in trained + shipped]
+        ok = all(g.get("triton_taken", False) for g in report["generate"])
+    elif part == "decode":
+        report.update(decode_parts(results, name, trained + shipped))
+        ok = all(r.get("exit_code", 0) == 0 for r in (report["decode"], report["decode_vs_hf"]))
+    elif part == "profile":
+        _profile_part(report, results, name)
+        ok = True  # a profile, not a check
+    elif part == "bench":
+        report["bench"] = run_bench(results, name, (trained + shipped)[:4])
+        ok = report["bench"]["exit_code"] == 0
+    else:  # app
+        report["app"] = app_pages(results, name, save=lambda got: call.out.write_text(
+            json.dumps(report | {"app": got}, indent=1, default=str)))
+        ok = all(r.get("exit_code", 0) == 0 for r in report["app"].values() if isinstance(r, dict))
+    return ok, trained
+
+
+def _profile_part(report: dict, results: Path, name: str) -> None:
+    """The profile part's rows, each run into report["train_profile<tag>"]."""
+    # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense >= 0.5);
+    # alpha 1.02 again last: the second H200 run's first row was 8.8 ms over alpha 2's with the same kernels,
+    # and a repeat after the others tells the row's place from its alpha; alpha 2 once more with
+    # kernels.efficient off, in kernels.triton_causal_bias, then on again (the A/B). At batch 8 (both steps
+    # waited on the host in the second run) and at the config's own 32, the batch models.train runs and the
+    # issue's first numbers were taken at.
+    # Then both models with their forward and backward replayed from CUDA graphs (train.cuda_graph), in
+    # processes of their own after the eager ones: a capture that fails loses only its own rows; at both
+    # batches once more with the pruned step's attention in our own kernels (MIXSCOPE_CAUSAL_BIAS=triton).
+    eager, graphed = ("--alphas", "1.02,2,8,1.02", "--ab-alpha", "2"), ("--alphas", "1.02,2,8", "--cuda-graph")
+    ours = {"MIXSCOPE_CAUSAL_BIAS": "triton"}
+    for batch, tag, how, env in (("8", "", eager, None), ("32", "_b32", eager, None),
+                                 ("8", "_graphed", graphed, None), ("32", "_graphed_b32", graphed, None),
+                                 ("8", "_graphed_triton", graphed, ours),
+                                 ("32", "_graphed_triton_b32", graphed, ours)):
+        prof, since = results / f"train_step_profile_mha-pruned{tag}_{name}.json", time.time()
+        report[f"train_profile{tag}"] = run_module(
+            prof, "bench.train_step_profile", "--config", "configs/gpu/mha-pruned.json", *how,
+            "--steps", "10", "--batch", batch, "--device", "cuda", env=env) | profile_summary(prof, since)
 
 
 if __name__ == "__main__":

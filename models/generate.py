@@ -144,26 +144,13 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
     (default): wherever it can (a CUDA device, dense attention, no eviction policy; either cache, the compacted
     one then never shrinking its buffers); info["graphs"] says.
     """
-    context = model.config.context
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("empty prompt: generation needs at least one prompt token")
-    if len(prompt) >= context:
-        raise ValueError(f"prompt has {len(prompt)} tokens but the context window is {context}: "
-                         f"shorten it to at most {context - 1} tokens")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    prompt = _checked_prompt(model, prompt_ids, max_new_tokens)
     kind = "compacted" if policy is not None else pick_state(model, cache)  # a policy evicts from compacted slots
     device = model.wte.weight.device
     sample = make_sampler(device, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     info = {} if info is None else info
     info.update(notes=[], kernel_paths={}, cache_kind=kind, stop_reason="max_new_tokens", prefill_s=0.0)
-    room = context - len(prompt)
-    if max_new_tokens > room:
-        info["notes"].append(f"max_new_tokens {max_new_tokens} clamped to {room}: prompt ({len(prompt)} tokens) "
-                             f"+ new tokens must fit the context window of {context}")
-        log.warning(info["notes"][-1])
-        max_new_tokens = room
+    max_new_tokens = _clamped(max_new_tokens, prompt, model.config.context, info["notes"])
     stops = set(int(s) for s in stop_ids)
     own, dense = layer_bytes_per_token(model)
     if policy is not None:  # a learned rule is off under a policy: no K_int is kept
@@ -177,16 +164,6 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
         # the compacted cache grows by doubling and shrinks as it drops; the static one holds everything
         dec = Decoder(model, 1, kind, policy, capacity=len(prompt) + (16 if kind == "compacted" else max_new_tokens),
                       graphs=graphs)
-
-        def event(i: int, token: int, logprob: float, latency: float) -> TokenEvent:
-            """After the latency was taken: reading the drops and counts is reporting, not the model's time."""
-            info["kernel_paths"].update(dec.kernel_paths)
-            live = dec.live()
-            drops = tuple((layer, p, t) for layer, _, p, t in dec.new_drops())
-            return TokenEvent(i, token, logprob, latency, held_bytes=int(round(sum(n * b for n, b in zip(live, own)))),
-                              alloc_bytes=dec.allocated_bytes(), dense_bytes=dec.lengths[0] * sum(dense), live=live,
-                              drops=drops)
-
         try:
             t0 = time.perf_counter()
             logits = dec.prefill([prompt])[0]
@@ -196,7 +173,8 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
                 token = sample(logits)
                 tok = int(token)
                 latency = time.perf_counter() - t0
-                yield event(i, tok, float(target_logprobs(logits[None], token[None])[0]), latency)
+                yield _event(dec, info, own, dense, i, tok, float(target_logprobs(logits[None], token[None])[0]),
+                             latency)
                 if tok in stops:
                     info["stop_reason"] = "stop_token"
                     return
@@ -210,6 +188,42 @@ def stream(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temper
                 info["graphs"] = False
                 info["notes"].append(f"the CUDA graph could not be captured; decoded eagerly ({dec.graph_failed})")
             dec.close()
+
+
+def _checked_prompt(model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """The prompt's ids as ints; refused when it is empty or fills the context window, or when no token is asked."""
+    context = model.config.context
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("empty prompt: generation needs at least one prompt token")
+    if len(prompt) >= context:
+        raise ValueError(f"prompt has {len(prompt)} tokens but the context window is {context}: "
+                         f"shorten it to at most {context - 1} tokens")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    return prompt
+
+
+def _clamped(max_new_tokens: int, prompt: list[int], context: int, notes: list[str]) -> int:
+    """max_new_tokens, or the room the prompt leaves in the context window when that is less (said in notes)."""
+    room = context - len(prompt)
+    if max_new_tokens > room:
+        notes.append(f"max_new_tokens {max_new_tokens} clamped to {room}: prompt ({len(prompt)} tokens) "
+                     f"+ new tokens must fit the context window of {context}")
+        log.warning(notes[-1])
+        max_new_tokens = room
+    return max_new_tokens
+
+
+def _event(dec: Decoder, info: dict, own: list[int], dense: list[int], i: int, token: int, logprob: float,
+           latency: float) -> TokenEvent:
+    """After the latency was taken: reading the drops and counts is reporting, not the model's time."""
+    info["kernel_paths"].update(dec.kernel_paths)
+    live = dec.live()
+    drops = tuple((layer, p, t) for layer, _, p, t in dec.new_drops())
+    return TokenEvent(i, token, logprob, latency, held_bytes=int(round(sum(n * b for n, b in zip(live, own)))),
+                      alloc_bytes=dec.allocated_bytes(), dense_bytes=dec.lengths[0] * sum(dense), live=live,
+                      drops=drops)
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 1.0,

@@ -34,14 +34,15 @@ from tqdm import tqdm
 
 from models.adapters import set_trainable_params, trainable_params
 from models import snapshots
-from models.checkpoint import FILES, file_sha256, save_model_dir
+from models.checkpoint import FILES, save_model_dir
 from models.config import ConfigError, ModelConfig
 from models.device import describe, resolve
 from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
+from models.files import file_sha256
 from models.params import components, count_trainable
 from models.pruning import alpha_schedule, mean_sparsity, pair_count, sparsity_loss
-from models.pruning.alpha_sigmoid import prefetch_schedule
+from kernels.alpha_sigmoid import prefetch_schedule
 from models.step_graph import GraphedLoss, schedule_alphas
 from models.transformer import DecoderLM
 
@@ -344,11 +345,77 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
                           f"{STATE}: choose another --out, or pass --overwrite to replace it")
 
 
+@dataclass
+class _Run:
+    """A run as resolved and checked: its config, where it writes, its processes and device, its data."""
+    model_cfg: ModelConfig
+    tc: TrainConfig
+    raw: dict
+    out: Path
+    dev: torch.device
+    world: int
+    rank: int
+    train_tokens: np.ndarray
+    valid_tokens: np.ndarray
+    tokenizer: object
+
+    @property
+    def main_proc(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def state_path(self) -> Path:
+        return self.out / STATE
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / LOG
+
+
+@dataclass
+class _Counters:
+    """Where a run stands: the next step, the tokens it has trained on and the time its steps took."""
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed: float = 0.0
+
+
+@dataclass
+class _Trainer:
+    """The model and what trains it: the optimizer, the forward the steps call (compiled, or under
+    DistributedDataParallel), train.cuda_graph's graphs, the autocast and the validation batches' offsets."""
+    model: DecoderLM
+    opt: torch.optim.Optimizer
+    trainable: dict[str, torch.nn.Parameter]
+    calibration: list[float] | None
+    snapshot_at: set[int]
+    n_pairs: int
+    fwd: torch.nn.Module
+    graphed: GraphedLoss | None
+    autocast: torch.autocast
+    valid_offsets: np.ndarray
+
+
 def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_after: int | None = None,
           progress: bool = True, overwrite: bool = False) -> dict:
     """Train (or resume) and write the model directory; returns the card. stop_after: leave after that
     many steps of this run with the state saved, as an interruption would (used by tests). A directory that
     holds a finished model is refused unless overwrite (then the run starts over)."""
+    run = _resolve_run(config_path, out, device, overwrite)
+    model, opt, trainable, calibration = _build_model(run)
+    counts, snapshot_at = _restore(run, model, opt, trainable, overwrite)
+    trainer = _trainer(run, model, opt, trainable, calibration, snapshot_at, counts.step)
+    status, recent, stopped = _step_loop(run, trainer, counts, stop_after, progress)
+    if stopped:
+        if run.main_proc:
+            _checkpoint(run, trainer, counts)
+            log.warning("stopped at step %d (%s); run the same command again to resume", counts.step, stopped)
+        return {"status": "interrupted", "steps": counts.step}
+    return _conclude(run, trainer, counts, status, recent)
+
+
+def _resolve_run(config_path: str | Path, out: str | Path, device: str, overwrite: bool) -> _Run:
+    """The config, the output directory, the processes and device, the data and its tokenizer, all checked."""
     model_cfg, tc, raw = load_run_config(config_path)
     out = Path(out)
     check_out_dir(out, overwrite)
@@ -360,7 +427,6 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         if tc.batch_size % world:
             raise ConfigError(f"batch_size {tc.batch_size} does not split over {world} processes")
-    main_proc = rank == 0
 
     train_tokens = load_tokens(tc.data, "train")
     valid_tokens = load_tokens(tc.data, "valid")
@@ -373,11 +439,18 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     if min(train_tokens.size, valid_tokens.size) <= model_cfg.context + 1:
         raise DataError(f"{tc.data}: the train and valid splits need more than "
                         f"context+1={model_cfg.context + 1} tokens")
+    return _Run(model_cfg, tc, raw, out, dev, world, rank, train_tokens, valid_tokens, tokenizer)
 
+
+def _build_model(run: _Run) -> tuple[DecoderLM, torch.optim.Optimizer, dict[str, torch.nn.Parameter],
+                                     list[float] | None]:
+    """The model (initialised, or from train.init_from; context pruning calibrated as train.prune_init asks) on the
+    run's device, what trains of it set trainable, its optimizer; and the calibration's per-layer RMS, or None."""
+    model_cfg, tc, train_tokens = run.model_cfg, run.tc, run.train_tokens
     torch.manual_seed(tc.seed)  # same init for the same variant and seed
     model = DecoderLM(model_cfg)
     if tc.init_from:
-        init_from(model, model_cfg, tc.init_from, tokenizer)
+        init_from(model, model_cfg, tc.init_from, run.tokenizer)
     calibration = None
     # on the first training batch (a function of the seed)
     if model_cfg.prune and tc.prune_init in ("calibrated", "window"):
@@ -392,32 +465,48 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     set_trainable_params(model, trainable)
     if model_cfg.adapter:  # parameter-efficient: the base stays frozen
         log.info("training %d tensors (adapters, LayerNorms%s)", len(trainable), ", pruning" if model_cfg.prune else "")
-    model = model.to(dev)
-    pruning = model_cfg.prune
-    n_pairs = pair_count(model_cfg.n_layers, model_cfg.context)
+    model = model.to(run.dev)
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay, tc.scalar_lr_mult), lr=tc.lr,
-                            betas=(tc.beta1, tc.beta2), fused=dev.type == "cuda")
+                            betas=(tc.beta1, tc.beta2), fused=run.dev.type == "cuda")
+    return model, opt, trainable, calibration
+
+
+def _restore(run: _Run, model: DecoderLM, opt: torch.optim.Optimizer, trainable: dict[str, torch.nn.Parameter],
+             overwrite: bool) -> tuple[_Counters, set[int]]:
+    """The output directory made ready: a replaced run's files removed (overwrite), an unfinished run's state
+    loaded into model and opt, its curve and snapshots cut back to that state. Returns where the run stands and
+    the steps that take a snapshot."""
+    tc, out, main_proc = run.tc, run.out, run.main_proc
     out.mkdir(parents=True, exist_ok=True)
-    state_path, log_path = out / STATE, out / LOG
+    state_path, log_path = run.state_path, run.log_path
     snapshot_at = set(snapshots.snapshot_steps(tc.steps, tc.alpha_steps, tc.snapshots))
     if snapshot_at:   # (before anything is deleted: a refusal loses nothing)
         snapshots.check_size(trainable, len(snapshot_at))
     if overwrite and main_proc:  # start over: nothing of the replaced model or run is kept
         for name in (STATE, *MODEL_FILES):
             (out / name).unlink(missing_ok=True)
-    start, tokens_seen, elapsed = 0, 0, 0.0
+    counts = _Counters()
     if state_path.exists():
         meta = load_state(state_path, model, opt)
-        if meta["config_hash"] != config_hash(raw):
+        if meta["config_hash"] != config_hash(run.raw):
             raise ConfigError(f"{state_path} was written by a different config; delete it to start over")
-        start, tokens_seen, elapsed = meta["step"], meta["tokens_seen"], meta["elapsed_s"]
+        counts = _Counters(meta["step"], meta["tokens_seen"], meta["elapsed_s"])
         if main_proc:
-            log.info("resuming %s from step %d", out, start)
+            log.info("resuming %s from step %d", out, counts.step)
+    start = counts.step
     if main_proc:  # the curve and the snapshots keep exactly the steps the state has seen
         lines = log_path.read_text().splitlines() if log_path.exists() and start else []
         log_path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start))
         snapshots.clear(out, after=start if start else -1)   # (another run's, or past the state: written again)
+    return counts, snapshot_at
 
+
+def _trainer(run: _Run, model: DecoderLM, opt: torch.optim.Optimizer, trainable: dict[str, torch.nn.Parameter],
+             calibration: list[float] | None, snapshot_at: set[int], start: int) -> _Trainer:
+    """What the steps call around the model: the compiled or distributed forward, train.cuda_graph's graphs for
+    the steps from `start`, the autocast, and the validation batches' offsets."""
+    model_cfg, tc, dev, world = run.model_cfg, run.tc, run.dev, run.world
+    n_pairs = pair_count(model_cfg.n_layers, model_cfg.context)
     fwd = model
     if tc.compile and dev.type == "cuda":
         fwd = torch.compile(model)
@@ -427,153 +516,183 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
     ctx = model_cfg.context
-    valid_offsets = np.linspace(0, valid_tokens.size - ctx - 2, tc.eval_batches * tc.batch_size).astype(np.int64)
+    valid_offsets = np.linspace(0, run.valid_tokens.size - ctx - 2, tc.eval_batches * tc.batch_size).astype(np.int64)
+    return _Trainer(model, opt, trainable, calibration, snapshot_at, n_pairs, fwd, graphed, autocast, valid_offsets)
 
-    @torch.no_grad()
-    def valid_loss() -> float:
-        model.eval()
-        losses = []
-        for i in range(0, len(valid_offsets), tc.batch_size):
-            x, y = get_batch(valid_tokens, valid_offsets[i:i + tc.batch_size], ctx, dev)
-            with autocast:
-                losses.append(float(model(x, targets=y).loss))
-        model.train()
-        return float(np.mean(losses))
 
-    @torch.no_grad()
-    def valid_sparsity() -> float:
-        """Sparsity at inference (step function) on the first valid batch as the reports and pages average it: per
-        query the share of its earlier tokens dropped, mean over queries 1..T-1, rows and layers."""
-        model.eval()
-        x, _ = get_batch(valid_tokens, valid_offsets[:tc.batch_size], ctx, dev)
-        keeps = [d.keep for d in model(x, diagnostics=True, attention_maps=False).diagnostics]
-        model.train()
-        return float(torch.stack([mean_sparsity(k.float(), count_first=False).mean() for k in keeps]).mean())
-
-    def checkpoint() -> None:
-        save_state(state_path, model, opt, step, {"config_hash": config_hash(raw), "tokens_seen": tokens_seen,
-                                                  "elapsed_s": elapsed})
-
-    def snapshot() -> None:
-        """The trained tensors at this step (before its update), once: a resumed run keeps what it wrote."""
-        if main_proc and step in snapshot_at and not snapshots.path_of(out, step).exists():
-            alpha = alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end) if pruning else None
-            snapshots.save(out, trainable, step, {"alpha": alpha, "tokens_seen": tokens_seen,
-                                                  "config_hash": config_hash(raw)})
-
-    def record(entry: dict) -> None:
-        if main_proc:
-            with log_path.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
-
-    stop = StopFlag()
-    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if world == 1 else {}
-
+@torch.no_grad()
+def _valid_loss(run: _Run, t: _Trainer) -> float:
+    model, tc = t.model, run.tc
+    model.eval()
+    losses = []
+    for i in range(0, len(t.valid_offsets), tc.batch_size):
+        x, y = get_batch(run.valid_tokens, t.valid_offsets[i:i + tc.batch_size], run.model_cfg.context, run.dev)
+        with t.autocast:
+            losses.append(float(model(x, targets=y).loss))
     model.train()
+    return float(np.mean(losses))
+
+
+@torch.no_grad()
+def _valid_sparsity(run: _Run, t: _Trainer) -> float:
+    """Sparsity at inference (step function) on the first valid batch as the reports and pages average it: per
+    query the share of its earlier tokens dropped, mean over queries 1..T-1, rows and layers."""
+    model = t.model
+    model.eval()
+    x, _ = get_batch(run.valid_tokens, t.valid_offsets[:run.tc.batch_size], run.model_cfg.context, run.dev)
+    keeps = [d.keep for d in model(x, diagnostics=True, attention_maps=False).diagnostics]
+    model.train()
+    return float(torch.stack([mean_sparsity(k.float(), count_first=False).mean() for k in keeps]).mean())
+
+
+def _checkpoint(run: _Run, t: _Trainer, counts: _Counters) -> None:
+    save_state(run.state_path, t.model, t.opt, counts.step, {"config_hash": config_hash(run.raw),
+                                                             "tokens_seen": counts.tokens_seen,
+                                                             "elapsed_s": counts.elapsed})
+
+
+def _snapshot(run: _Run, t: _Trainer, counts: _Counters) -> None:
+    """The trained tensors at this step (before its update), once: a resumed run keeps what it wrote."""
+    tc, step = run.tc, counts.step
+    if run.main_proc and step in t.snapshot_at and not snapshots.path_of(run.out, step).exists():
+        alpha = (alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end)
+                 if run.model_cfg.prune else None)
+        snapshots.save(run.out, t.trainable, step, {"alpha": alpha, "tokens_seen": counts.tokens_seen,
+                                                    "config_hash": config_hash(run.raw)})
+
+
+def _record(run: _Run, entry: dict) -> None:
+    if run.main_proc:
+        with run.log_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def _step_loop(run: _Run, t: _Trainer, counts: _Counters, stop_after: int | None,
+               progress: bool) -> tuple[str, list[float], str | None]:
+    """The steps from counts.step on (counts moves with them), each logged, evaluated and checkpointed at its
+    interval, until the last, a divergence, a signal or stop_after. Returns the status, the last log_interval
+    losses and why the run stopped early (None: it did not)."""
+    tc, model_cfg, main_proc = run.tc, run.model_cfg, run.main_proc
+    start = counts.step
+    stop = StopFlag()
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if run.world == 1 else {}
+
+    t.model.train()
     bar = tqdm(total=tc.steps, initial=start, desc=f"train {model_cfg.mixer}", disable=not (progress and main_proc),
                file=sys.stderr, dynamic_ncols=True)
     recent: list[float] = []
     status = "ok"
-    t_last, tok_last = time.perf_counter(), tokens_seen
-    step = start
+    t_last, tok_last = time.perf_counter(), counts.tokens_seen
     try:
-        while step < tc.steps:
-            if stop_after is not None and step - start >= stop_after:
+        while counts.step < tc.steps:
+            if stop_after is not None and counts.step - start >= stop_after:
                 stop.reason = f"stop_after={stop_after}"
             if stop.reason:
                 break
-            snapshot()
+            _snapshot(run, t, counts)
             t0 = time.perf_counter()
-            lr = lr_at(step, tc)
-            for g in opt.param_groups:
-                g["lr"] = lr * g.get("lr_mult", 1.0)
-            offsets = batch_offsets(tc.seed, step, train_tokens.size, ctx, tc.batch_size)[rank::world]
-            x, y = get_batch(train_tokens, offsets, ctx, dev)
-            if pruning:
-                if dev.type == "cuda":  # the next steps' alpha-sigmoid tables in one batched build
-                    prefetch_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end, dev)
-                model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end))
-            if graphed is not None:  # (autocast inside the capture, with its weight cache off; no distill)
-                lm_loss, mass = graphed(x, y)
-                loss = lm_loss if not pruning else lm_loss + sparsity_loss(mass, tc.gamma, n_pairs)
-            else:
-                with autocast:
-                    res = fwd(x, targets=y)
-                    lm_loss, mass = res.loss, res.prune_mass
-                    loss = lm_loss
-                    if tc.distill:  # the target: the same model with its whole context
-                        with torch.no_grad(), rule_off(model):
-                            teacher = fwd(x).logits
-                        loss = distill_loss(res.logits, teacher)
-                        kl_value = float(loss.detach())
-                    del res  # (its logits hold the step's graph too)
-                    if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
-                        loss = loss + sparsity_loss(mass, tc.gamma, n_pairs)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            # the logged loss is the LM loss alone (the sparsity term is logged apart). Nothing holds the step's
-            # autograd graph past here: under train.cuda_graph a form's capture can follow an eager step, and the
-            # parameters' AccumulateGrad nodes that graph kept alive are tied to the default stream, which cannot
-            # join a capture (the H200's backward capture failed so, 2026-11-28; pytorch/pytorch#64339)
-            loss, mass = lm_loss.detach(), None if mass is None else mass.detach()
-            del lm_loss
-            if world > 1:  # log the global batch's loss, not this process's share
-                torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
-            loss_value = float(loss)
-            step += 1
-            tokens_seen += tc.batch_size * ctx
-            elapsed += time.perf_counter() - t0
+            lr = lr_at(counts.step, tc)
+            loss_value, mass, kl_value = _train_step(run, t, counts.step, lr)
+            counts.step += 1
+            counts.tokens_seen += tc.batch_size * model_cfg.context
+            counts.elapsed += time.perf_counter() - t0
+            step = counts.step
             recent = (recent + [loss_value])[-tc.log_interval:]
             if not math.isfinite(loss_value):
                 status = f"diverged: loss {loss_value} at step {step}"
-                record({"step": step, "kind": "train", "loss": loss_value, "lr": lr})
+                _record(run, {"step": step, "kind": "train", "loss": loss_value, "lr": lr})
                 break
             if step % tc.log_interval == 0 or step == tc.steps:
                 now = time.perf_counter()
-                rate = (tokens_seen - tok_last) / max(now - t_last, 1e-9)
-                t_last, tok_last = now, tokens_seen
-                entry = {"step": step, "kind": "train", "loss": loss_value, "lr": lr, "tokens": tokens_seen,
-                         "tokens_per_s": rate, "elapsed_s": elapsed}
+                rate = (counts.tokens_seen - tok_last) / max(now - t_last, 1e-9)
+                t_last, tok_last = now, counts.tokens_seen
+                entry = {"step": step, "kind": "train", "loss": loss_value, "lr": lr, "tokens": counts.tokens_seen,
+                         "tokens_per_s": rate, "elapsed_s": counts.elapsed}
                 if tc.distill:
                     entry["kl"] = kl_value
-                if pruning:
-                    entry |= {"alpha": model.blocks[0].mixer.pruning.alpha,
-                              "kept_fraction_soft": float(mass.detach()) * 2 / n_pairs}
-                record(entry)
+                if model_cfg.prune:
+                    entry |= {"alpha": t.model.blocks[0].mixer.pruning.alpha,
+                              "kept_fraction_soft": float(mass.detach()) * 2 / t.n_pairs}
+                _record(run, entry)
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:.0f}")
             if step % tc.eval_interval == 0 or step == tc.steps:
-                entry = {"step": step, "kind": "valid", "loss": valid_loss(), "tokens": tokens_seen}
-                if pruning:
-                    entry["query_sparsity"] = valid_sparsity()  # (logs before 2026-11-24: "sparsity", a pair share)
-                record(entry)
+                entry = {"step": step, "kind": "valid", "loss": _valid_loss(run, t), "tokens": counts.tokens_seen}
+                if model_cfg.prune:
+                    # (logs before 2026-11-24: "sparsity", a pair share)
+                    entry["query_sparsity"] = _valid_sparsity(run, t)
+                _record(run, entry)
             if main_proc and step % tc.checkpoint_interval == 0 and step < tc.steps:
-                checkpoint()
+                _checkpoint(run, t, counts)
             bar.update(1)
     finally:
         bar.close()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    if stop.reason:
-        if main_proc:
-            checkpoint()
-            log.warning("stopped at step %d (%s); run the same command again to resume", step, stop.reason)
-        return {"status": "interrupted", "steps": step}
+    return status, recent, stop.reason
 
+
+def _train_step(run: _Run, t: _Trainer, step: int, lr: float) -> tuple[float, torch.Tensor | None, float | None]:
+    """One optimizer step on the batch of `step` at learning rate lr. Returns the LM loss (the global batch's), the
+    pruning mass (None without pruning) and the distillation KL (None without train.distill)."""
+    tc, dev, ctx, pruning, model = run.tc, run.dev, run.model_cfg.context, run.model_cfg.prune, t.model
+    kl_value = None
+    for g in t.opt.param_groups:
+        g["lr"] = lr * g.get("lr_mult", 1.0)
+    offsets = batch_offsets(tc.seed, step, run.train_tokens.size, ctx, tc.batch_size)[run.rank::run.world]
+    x, y = get_batch(run.train_tokens, offsets, ctx, dev)
+    if pruning:
+        if dev.type == "cuda":  # the next steps' alpha-sigmoid tables in one batched build
+            prefetch_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end, dev)
+        model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end))
+    if t.graphed is not None:  # (autocast inside the capture, with its weight cache off; no distill)
+        lm_loss, mass = t.graphed(x, y)
+        loss = lm_loss if not pruning else lm_loss + sparsity_loss(mass, tc.gamma, t.n_pairs)
+    else:
+        with t.autocast:
+            res = t.fwd(x, targets=y)
+            lm_loss, mass = res.loss, res.prune_mass
+            loss = lm_loss
+            if tc.distill:  # the target: the same model with its whole context
+                with torch.no_grad(), rule_off(model):
+                    teacher = t.fwd(x).logits
+                loss = distill_loss(res.logits, teacher)
+                kl_value = float(loss.detach())
+            del res  # (its logits hold the step's graph too)
+            if pruning:  # L = L_lm + gamma / (L_layers n (n-1)) sum_layers sum_{j<k} I_{k,j}
+                loss = loss + sparsity_loss(mass, tc.gamma, t.n_pairs)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+    t.opt.step()
+    t.opt.zero_grad(set_to_none=True)
+    # the logged loss is the LM loss alone (the sparsity term is logged apart). Nothing holds the step's
+    # autograd graph past here: under train.cuda_graph a form's capture can follow an eager step, and the
+    # parameters' AccumulateGrad nodes that graph kept alive are tied to the default stream, which cannot
+    # join a capture (the H200's backward capture failed so, 2026-11-28; pytorch/pytorch#64339)
+    loss, mass = lm_loss.detach(), None if mass is None else mass.detach()
+    del lm_loss
+    if run.world > 1:  # log the global batch's loss, not this process's share
+        torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
+    return float(loss), mass, kl_value
+
+
+def _conclude(run: _Run, t: _Trainer, counts: _Counters, status: str, recent: list[float]) -> dict:
+    """A run that ended (finished or diverged): its last snapshot, and on the main process the test evaluation and
+    the model directory, the training state removed; then the processes' group closed. Returns the card."""
     if status == "ok":
-        snapshot()   # (the last step's, when it is one)
+        _snapshot(run, t, counts)   # (the last step's, when it is one)
     card = {}
-    if main_proc:
-        extra = {"final_valid_query_sparsity": valid_sparsity()} if pruning and status == "ok" else {}
-        if calibration is not None:
-            extra["prune_calibration_rms"] = calibration
-        if graphed is not None:  # which forms of the step this run (since its last resume) replayed from graphs
-            extra["cuda_graph"] = {"captured": sorted(graphed.graphs), "failed": graphed.failed}
-        card = finish(model, tokenizer, out, model_cfg, tc, raw, step, tokens_seen, elapsed, recent, status, dev,
-                      valid_loss() if status == "ok" else float("nan"), extra)
-        state_path.unlink(missing_ok=True)
-    if world > 1:
+    if run.main_proc:
+        pruned_ok = run.model_cfg.prune and status == "ok"
+        extra = {"final_valid_query_sparsity": _valid_sparsity(run, t)} if pruned_ok else {}
+        if t.calibration is not None:
+            extra["prune_calibration_rms"] = t.calibration
+        if t.graphed is not None:  # which forms of the step this run (since its last resume) replayed from graphs
+            extra["cuda_graph"] = {"captured": sorted(t.graphed.graphs), "failed": t.graphed.failed}
+        card = finish(t.model, run.tokenizer, run.out, run.model_cfg, run.tc, run.raw, counts.step, counts.tokens_seen,
+                      counts.elapsed, recent, status, run.dev, _valid_loss(run, t) if status == "ok" else float("nan"),
+                      extra)
+        run.state_path.unlink(missing_ok=True)
+    if run.world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return card

@@ -301,6 +301,47 @@ def run(args) -> int:
     from models.device import resolve
 
     started = export.code_version()   # (read now, before this run writes anything into the checkout)
+    formats, names, sizes, drawn = _check_arguments(args)
+    out = Path(args.out)
+    stale = sorted(out.glob("corpus_*.*")) if out.is_dir() else []   # (an earlier report's figures)
+    export.refuse_overwrite([out / f for f in OUT_FILES] + stale, out, args.force)
+    _check_models(args)
+    tokenizer = load_model_dir(args.base, device="cpu").tokenizer   # (the base is checked whole here, once)
+    sources, specs = _sources(args, tokenizer)
+    plan = run_plan(args.pruned, names, sizes)
+    models = {"base": model_entry(args.base)} | {Path(d).name: model_entry(d) for d in args.pruned}
+    precision = {"device": resolve(args.device).type, "dtype": "float32"}   # (load_model_dir's, as run_all loads)
+    protocol = {"window": args.window, "sources": specs, "runs": [r["run"] for r in plan], "precision": precision,
+                "models": {k: v["checkpoint_sha256"] for k, v in models.items()}}
+    parts = Path(args.parts) if args.parts else out / "parts"
+    check_protocol(parts, protocol)
+    run_all(args, sources, plan, parts)
+    stats, curves, commits = collect(parts, sources, plan, args.resamples)
+    names_of = {i: tokenizer.decode([i]) for i in {int(t) for t in stats["token"]["token_id"]}}
+    stats["token"]["token"] = [names_of[int(t)] for t in stats["token"]["token_id"]]
+    tables = _write_tables(out, stale, curves, stats)
+    command = "python -m analysis.reports.corpus " + " ".join(argv_of(args))
+    manifest = {"command": command, "window": args.window, "sources": specs, "models": models,
+                "runs": plan, "policies": names, "budgets": sizes, "resamples": args.resamples,
+                "precision": precision, "computed_by": commits, "code": started,
+                "created": pd.Timestamp.now("UTC").isoformat(timespec="seconds"),
+                "files": {f: corpus.file_sha256(out / f) for f in tables}}   # (read_report checks the tables)
+    write_atomic(out / "report.md", lambda p: p.write_text(report_md(command, manifest, curves, stats),
+                                                           encoding="utf-8"))
+    write_atomic(out / "corpus.json", lambda p: p.write_text(json.dumps(manifest, indent=1, default=str) + "\n",
+                                                             encoding="utf-8"))
+    report = corpus.read_report(out)
+    for name, fig, table, settings in figures(report, drawn):
+        meta = export.sidecar(models, None, settings | {"report": command}, name, fig, precision)
+        export.write_bundle(fig, table, out, name, meta, formats)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _check_arguments(args) -> tuple[list[str], list[str], list[int], list[str] | None]:
+    """The arguments that need no file checked: the figures' formats, the policies, the budgets (sorted, once each)
+    and the runs whose figures are drawn (None: every pruned model's)."""
+    from analysis import export
     formats = [f for f in args.formats.split(",") if f]
     unknown = sorted(set(formats) - set(export.FORMATS))
     if unknown:
@@ -328,9 +369,12 @@ def run(args) -> int:
     if trained:
         raise CorpusError(f"--source {trained[0]}: the models trained on that split, so its numbers would flatter "
                           "them; use test, valid or a source no run trained on (DIR:all)")
-    out = Path(args.out)
-    stale = sorted(out.glob("corpus_*.*")) if out.is_dir() else []   # (an earlier report's figures)
-    export.refuse_overwrite([out / f for f in OUT_FILES] + stale, out, args.force)
+    return formats, names, sizes, drawn
+
+
+def _check_models(args) -> None:
+    """The models fit the memory budget one at a time, each given as pruned prunes, and their names tell the runs
+    apart."""
     budgets.check_dirs([args.base, *args.pruned], args.window, budgets.report_window_bytes, one_at_a_time=True)
     for d in args.pruned:
         if not budgets.config_of(d).prune:
@@ -339,7 +383,10 @@ def run(args) -> int:
     clash = sorted({n for n in names_seen if names_seen.count(n) > 1 or n == "dense" or n in policies.REGISTRY})
     if clash:
         raise CorpusError(f"model directory names must be unique and not 'dense' or a policy's: {', '.join(clash)}")
-    tokenizer = load_model_dir(args.base, device="cpu").tokenizer   # (the base is checked whole here, once)
+
+
+def _sources(args, tokenizer) -> tuple[dict[str, list[list[int]]], dict[str, dict]]:
+    """Each --source's windows, and what the protocol records of it (its spec, windows, tokens and their hash)."""
     sources, specs = {}, {}
     for spec in args.source:
         name, eq, where = spec.partition("=")
@@ -351,39 +398,20 @@ def run(args) -> int:
             raise CorpusError(f"--source {spec}: {e}") from None
         specs[name] = {"spec": where, "windows": len(sources[name]), "tokens": args.window * len(sources[name]),
                        "ids_sha256": window_ids_sha256(sources[name])}
-    plan = run_plan(args.pruned, names, sizes)
-    models = {"base": model_entry(args.base)} | {Path(d).name: model_entry(d) for d in args.pruned}
-    precision = {"device": resolve(args.device).type, "dtype": "float32"}   # (load_model_dir's, as run_all loads)
-    protocol = {"window": args.window, "sources": specs, "runs": [r["run"] for r in plan], "precision": precision,
-                "models": {k: v["checkpoint_sha256"] for k, v in models.items()}}
-    parts = Path(args.parts) if args.parts else out / "parts"
-    check_protocol(parts, protocol)
-    run_all(args, sources, plan, parts)
-    stats, curves, commits = collect(parts, sources, plan, args.resamples)
-    names_of = {i: tokenizer.decode([i]) for i in {int(t) for t in stats["token"]["token_id"]}}
-    stats["token"]["token"] = [names_of[int(t)] for t in stats["token"]["token_id"]]
+    return sources, specs
+
+
+def _write_tables(out: Path, stale: list[Path], curves: pd.DataFrame,
+                  stats: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The curves and statistics as Parquet files in out (an earlier report's figures removed first); returns
+    {file name: table}."""
     out.mkdir(parents=True, exist_ok=True)
     for old in stale:
         old.unlink()
     tables = {"curves.parquet": curves} | {f"stats_{t}.parquet": table for t, table in stats.items()}
     for f, table in tables.items():
         write_atomic(out / f, lambda p, table=table: table.to_parquet(p, index=False))
-    command = "python -m analysis.reports.corpus " + " ".join(argv_of(args))
-    manifest = {"command": command, "window": args.window, "sources": specs, "models": models,
-                "runs": plan, "policies": names, "budgets": sizes, "resamples": args.resamples,
-                "precision": precision, "computed_by": commits, "code": started,
-                "created": pd.Timestamp.now("UTC").isoformat(timespec="seconds"),
-                "files": {f: corpus.file_sha256(out / f) for f in tables}}   # (read_report checks the tables)
-    write_atomic(out / "report.md", lambda p: p.write_text(report_md(command, manifest, curves, stats),
-                                                           encoding="utf-8"))
-    write_atomic(out / "corpus.json", lambda p: p.write_text(json.dumps(manifest, indent=1, default=str) + "\n",
-                                                             encoding="utf-8"))
-    report = corpus.read_report(out)
-    for name, fig, table, settings in figures(report, drawn):
-        meta = export.sidecar(models, None, settings | {"report": command}, name, fig, precision)
-        export.write_bundle(fig, table, out, name, meta, formats)
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
+    return tables
 
 
 def argv_of(args) -> list[str]:

@@ -124,6 +124,47 @@ def render(command: str, whole: pd.DataFrame, split: pd.DataFrame, profile: pd.D
 
 
 def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
+    names, step_names, prompt, windows = _plan(ap, args)
+    dense = load_model_dir(args.dense, device=args.device)
+    pruned = load_model_dir(args.pruned, device=args.device)
+    n = args.window
+
+    # the pruned model and the dense one, every window (their runs give the targets of both readings)
+    base, pools = _base_runs(dense.model, pruned.model, windows, prompt)
+    learned_whole, learned_gen = pools["learned"][0]["sparsity"], pools["learned"][1]["sparsity"]
+
+    rows = [dict(method="dense", model=dense.path.name, budget=None, **pools["dense"][0]),
+            dict(method="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][0])]
+    split = [dict(method="dense", model=dense.path.name, budget=None, **pools["dense"][1]),
+             dict(method="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][1])]
+    tagged = _tag(dense.tokenizer, windows)
+    tables = {"learned pruning": pd.concat([pruning.token_table(vis, labels, tags).assign(window=i)
+                                            for i, ((vis, _, _), (labels, tags))
+                                            in enumerate(zip(base["learned"], tagged))])}
+
+    targets = [learned_whole] + [float(t) for t in args.targets.split(",") if t]
+    step_rows, step_tables = _step_policies(dense, windows, tagged, step_names, targets)
+    rows += step_rows
+    tables |= step_tables
+    split += _prompt_policies(dense, windows, names, learned_gen, prompt)
+
+    whole, split = pd.DataFrame(rows), pd.DataFrame(split)
+    profile = pruning.pos_profile(tables)
+    command = (f"python -m analysis.reports.eviction --dense {args.dense} --pruned {args.pruned} --data {args.data} "
+               f"--window {args.window} --windows {args.windows} --policies {args.policies} "
+               f"--targets {shlex.quote(args.targets)} "
+               f"--prompt-share {args.prompt_share}")
+    figs = _figures(args, whole, profile, rows[0]["perplexity"], learned_whole, dense.path.name, pruned.path.name)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(render(command, whole, split, profile, n, len(windows), prompt, figs), encoding="utf-8")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m analysis.reports.eviction", description=__doc__.split("\n")[0])
     ap.add_argument("--dense", required=True)
     ap.add_argument("--pruned", required=True)
@@ -141,8 +182,12 @@ def main(argv=None) -> int:
     ap.add_argument("--figure", default="docs/eviction.png")
     ap.add_argument("--pos-figure", default="docs/eviction_pos.png")
     add_device_arguments(ap, dtype=None)
-    args = ap.parse_args(argv)
-    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
+    return ap
+
+
+def _plan(ap: argparse.ArgumentParser, args) -> tuple[list[str], list[str], int, list[list[int]]]:
+    """The arguments checked before any model loads (a refusal exits through ap.error): the methods, the step-mode
+    ones among them, the prompt's length and the test split's windows."""
     names = [n for n in args.policies.split(",") if n]
     bad = policies.check_methods(names)
     if bad:
@@ -163,15 +208,16 @@ def main(argv=None) -> int:
     windows = [w for w in windows if len(w) == args.window]
     if not windows:
         ap.error(f"the test split of {args.data} has fewer than {args.window} tokens")
-    dense = load_model_dir(args.dense, device=args.device)
-    pruned = load_model_dir(args.pruned, device=args.device)
-    n = args.window
+    return names, step_names, prompt, windows
 
-    # the pruned model and the dense one, every window (their runs give the targets of both readings)
+
+def _base_runs(dense_model, pruned_model, windows: list[list[int]], prompt: int) -> tuple[dict, dict]:
+    """The dense model (nothing dropped) and the pruned one (its own rule) on every window: their runs, and per
+    model the pooled rows of both readings (the whole window; the queries after the prompt)."""
     base = {"dense": [], "learned": []}
     for ids in tqdm(windows, desc="dense and pruned", leave=False):
-        base["dense"].append(pruning.method_run(dense.model, ids, pruning.NOTHING))
-        base["learned"].append(pruning.method_run(pruned.model, ids, pruning.LEARNED))
+        base["dense"].append(pruning.method_run(dense_model, ids, pruning.NOTHING))
+        base["learned"].append(pruning.method_run(pruned_model, ids, pruning.LEARNED))
     pools = {}
     for key in ("dense", "learned"):
         whole, gen = Pool(), Pool()
@@ -179,22 +225,25 @@ def main(argv=None) -> int:
             whole.add(vis, lp)
             gen.add(vis, lp, first=prompt)
         pools[key] = (whole.row(), gen.row())
-    learned_whole, learned_gen = pools["learned"][0]["sparsity"], pools["learned"][1]["sparsity"]
+    return base, pools
 
-    rows = [dict(method="dense", model=dense.path.name, budget=None, **pools["dense"][0]),
-            dict(method="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][0])]
-    split = [dict(method="dense", model=dense.path.name, budget=None, **pools["dense"][1]),
-             dict(method="learned pruning", model=pruned.path.name, budget=None, **pools["learned"][1])]
+
+def _tag(tokenizer, windows: list[list[int]]) -> list[tuple]:
+    """Each window's token labels and their parts of speech."""
     nlp = pruning.tagger()
     tagged = []
     for ids in windows:
-        t, toks = from_ids(dense.tokenizer, ids)
+        t, toks = from_ids(tokenizer, ids)
         tagged.append((toks.labels, pruning.pos_tags(t, toks.offsets, nlp)))
-    tables = {"learned pruning": pd.concat([pruning.token_table(vis, labels, tags).assign(window=i)
-                                            for i, ((vis, _, _), (labels, tags))
-                                            in enumerate(zip(base["learned"], tagged))])}
+    return tagged
 
-    targets = [learned_whole] + [float(t) for t in args.targets.split(",") if t]
+
+def _step_policies(dense, windows: list[list[int]], tagged: list[tuple], step_names: list[str],
+                   targets: list[float]) -> tuple[list[dict], dict[str, pd.DataFrame]]:
+    """The first reading: each step policy on the dense model over whole windows, at the budget of each target
+    sparsity. Returns its rows, and the token tables of each policy at the first target's budget."""
+    n = len(windows[0])
+    rows, tables = [], {}
     for name in step_names:
         budgets = [policies.budget_for(name, t, n - 1) for t in targets]  # the n - 1 scored queries
         for b in sorted(set(budgets)):
@@ -209,6 +258,15 @@ def main(argv=None) -> int:
                 tables[f"{name} ({b})"] = pd.concat(parts)
             print(f"{name} budget {b}: sparsity {rows[-1]['sparsity']:.1%}, perplexity {rows[-1]['perplexity']:.3f}",
                   file=sys.stderr)
+    return rows, tables
+
+
+def _prompt_policies(dense, windows: list[list[int]], names: list[str], learned_gen: float,
+                     prompt: int) -> list[dict]:
+    """The second reading: every policy on the dense model after a prompt, at the budget matched to the pruned
+    model's sparsity over the queries after it. Returns its rows."""
+    n = len(windows[0])
+    split = []
     for name in names:  # prompt, then generation
         b = policies.budget_for(name, learned_gen, n - 1, prompt, first=prompt)
         pool = Pool()
@@ -218,33 +276,29 @@ def main(argv=None) -> int:
         split.append(dict(method=name, model=dense.path.name, budget=b, **pool.row()))
         print(f"{name} budget {b} after a {prompt}-token prompt: sparsity {split[-1]['sparsity']:.1%}, "
               f"perplexity {split[-1]['perplexity']:.3f}", file=sys.stderr)
+    return split
 
-    whole, split = pd.DataFrame(rows), pd.DataFrame(split)
-    profile = pruning.pos_profile(tables)
-    command = (f"python -m analysis.reports.eviction --dense {args.dense} --pruned {args.pruned} --data {args.data} "
-               f"--window {args.window} --windows {args.windows} --policies {args.policies} "
-               f"--targets {shlex.quote(args.targets)} "
-               f"--prompt-share {args.prompt_share}")
+
+def _figures(args, whole: pd.DataFrame, profile: pd.DataFrame, dense_perplexity: float, learned_whole: float,
+             dense_name: str, pruned_name: str) -> dict[str, str | None]:
+    """The curve and the part-of-speech figure where asked for: {"curve", "pos": file name} of those written."""
     figs: dict[str, str | None] = {}
     from analysis.export import figure_bytes
     if args.figure:
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
         curves = whole[whole["method"] != "dense"].sort_values(["method", "sparsity"])
-        fig = figure(curves, f"{dense.path.name}: perplexity against sparsity", rows[0]["perplexity"])
+        fig = figure(curves, f"{dense_name}: perplexity against sparsity", dense_perplexity)
         Path(args.figure).write_bytes(figure_bytes(fig, "png"))
         figs["curve"] = Path(args.figure).name
     if args.pos_figure:
         Path(args.pos_figure).parent.mkdir(parents=True, exist_ok=True)
         fig = pruning.pos_profile_figure(profile, "hidden from later queries, by part of speech, "
-                                         f"at {learned_whole:.0%} sparsity<br><sup>{pruned.path.name}; "
-                                         f"policies on {dense.path.name}</sup>",
+                                         f"at {learned_whole:.0%} sparsity<br><sup>{pruned_name}; "
+                                         f"policies on {dense_name}</sup>",
                                          min_count=50)
         Path(args.pos_figure).write_bytes(figure_bytes(fig, "png"))
         figs["pos"] = Path(args.pos_figure).name
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render(command, whole, split, profile, n, len(windows), prompt, figs), encoding="utf-8")
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return figs
 
 
 if __name__ == "__main__":

