@@ -98,7 +98,7 @@ def table_range(alpha: float) -> float:
 
 
 # Tables by (alpha, device), newest last. Training moves alpha every step, so each step needs a new table, and
-# one table's bisection is about 930 small operations (counted on the CPU). On an H200 (2026-11-27) a
+# one table's bisection is about 930 small operations (counted on the CPU). On an H200 a
 # configs/gpu/mha-pruned step that built one took 13-17 ms more than one at alpha 2, which needs none: a GPU trainer
 # builds the next steps' tables in one batched bisection a side of alpha 2 (prepare_tables; more only past
 # BATCH_POINTS, as for a block near alpha 1.001, whose grids hold 37k points: two below 2).
@@ -186,7 +186,7 @@ def prepare_tables(alphas, device) -> None:
     """Build the tables of these alphas that are not kept yet: those on one side of 2 in one batched bisection
     (up to BATCH_POINTS grid points at a time, every row as long as the chunk's longest: a block of 64 steps from
     alpha 1.001 takes two). Near alpha 1 the point counts of a schedule's neighbouring steps differ; a bisection
-    per count made an H200 build a block of 64 steps from alpha 1.02 in six (99 ms, 2026-11-27). Closed forms
+    per count made an H200 build a block of 64 steps from alpha 1.02 in six (99 ms). Closed forms
     (alpha 1, 2, inf) need none."""
     device = _where(device)
     with _TABLES_LOCK:

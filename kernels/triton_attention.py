@@ -34,7 +34,7 @@ PREFILL_LAUNCH = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
 DECODE_LAUNCH = {64: (128, 4, 2), 128: (128, 2, 2)}  # (block_n, num_warps, num_stages)
 # float32 on a GPU (the app's default there), per head width: twice the bytes a tile and IEEE dots without tensor
 # cores. At d = 64 bf16's shape, though ptxas spills 1,180 bytes a thread of it (Triton 3.6, the static step), was
-# 1.4-2.2x faster than 32 slots a block on 8 warps (24 bytes) on an H200 (2026-11-28: MHA, MQA and MHE-MUL at 16k,
+# 1.4-2.2x faster than 32 slots a block on 8 warps (24 bytes) on an H200 (MHA, MQA and MHE-MUL at 16k,
 # batch 1, 8 and 64, bench/results/gpu_call_h200_run3.txt): the block size counts, not the spill. At d = 128 bf16's
 # shape spilled 47 KB a thread pruned, so 32 slots a block on 8 warps (36 bytes), untimed. bench.kernels
 # --dtype float32 times the other shapes beside it. The interpreter keeps the bf16 shape.

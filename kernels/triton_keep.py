@@ -48,7 +48,7 @@ def _gates(X, P, D, offs, m, j, lim, scale, half, sinks, MODE: tl.constexpr):
     else:  # the index counted from the grid's centre, as alpha_sigmoid._lerp_tables does
         # scale = half / lim from the table's params, rounded from float64 as alpha_sigmoid._lerp_tables has it
         # (a GPU's float32 division is approximate); u clamped too: the product can pass half by an ulp, and w
-        # outside [0, 1] made sigma negative at the grid's end (NaN log I on an H200 at alpha 4, 2026-11-27)
+        # outside [0, 1] made sigma negative at the grid's end (NaN log I on an H200 at alpha 4)
         u = tl.minimum(tl.maximum(tl.minimum(tl.maximum(xs, -lim), lim) * scale, -half), half)
         i0 = tl.minimum(tl.maximum(tl.floor(u), -half), half - 1)
         w = u - i0

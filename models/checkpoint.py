@@ -114,9 +114,8 @@ def _check_weights(path: Path, tensors: dict, expected: dict, cfg_path: Path) ->
 
 
 def valid_sparsity(card: dict) -> float | None:
-    """A pruned model's validation sparsity from its card: the query mean the reports use; cards written before
-    2026-11-24 hold the share of all earlier-token pairs instead (final_valid_sparsity), which weighs late queries
-    more."""
+    """A pruned model's validation sparsity from its card: the query mean the reports use; a card without it
+    holds the share of all earlier-token pairs instead (final_valid_sparsity), which weighs late queries more."""
     return card.get("final_valid_query_sparsity", card.get("final_valid_sparsity"))
 
 

@@ -1,7 +1,7 @@
-"""A training step's forward and backward replayed from CUDA graphs (train.cuda_graph; issue #27).
+"""A training step's forward and backward replayed from CUDA graphs (train.cuda_graph).
 
 On a GPU a step of configs/gpu/mha-pruned.json at batch 8 waited on the host: an H200 was busy 24 of the pruned
-step's 42-51 ms and 13 of its dense twin's 24 (2026-11-27), so what the host dispatches decided the ratio. Replayed
+step's 42-51 ms and 13 of its dense twin's 24, so what the host dispatches decided the ratio. Replayed
 from a graph, the forward and the backward are one launch each, whatever they hold.
 
 GraphedLoss captures the model's loss (and the pruned model's sparsity mass) with
@@ -23,11 +23,11 @@ sparsity term stay eager (a few launches). What a capture bakes in, and how each
   (MIXSCOPE_KERNELS, MIXSCOPE_CAUSAL_BIAS), training mode (an eval-mode call is refused).
 - No autograd graph of an earlier eager step of the model may be alive when a form is captured: its parameters'
   AccumulateGrad nodes are shared with the capture and tied to the stream they were made on, the default one,
-  which cannot join a capture (cudaErrorStreamCaptureImplicit on an H200, 2026-11-28; pytorch/pytorch#64339).
+  which cannot join a capture (cudaErrorStreamCaptureImplicit on an H200; pytorch/pytorch#64339).
   models.train drops each step's loss and mass before the next, and DecoderLM.forward keeps no layer's mass.
   A first capture holds those nodes from then on (its graphed module keeps its static outputs' graph); with
-  nothing held before it they are made on its warm-up's side stream, which later captures can join (in the
-  H200's third run a later form, the table, was captured with a replay's graph alive). Every form runs the same
+  nothing held before it they are made on its warm-up's side stream, which later captures can join (on an
+  H200 a later form, the table, was captured with a replay's graph alive). Every form runs the same
   model forward, so the first capture reaches each parameter a later one does. So before its first capture
   GraphedLoss looks for live tensors (and autograd nodes) whose graph reaches a parameter. Where torch can point
   such a node at the capturing stream at each sync (torch.autograd.graph.set_override_stale_capture_stream,

@@ -618,7 +618,7 @@ def _step_loop(run: _Run, t: _Trainer, counts: _Counters, stop_after: int | None
             if step % tc.eval_interval == 0 or step == tc.steps:
                 entry = {"step": step, "kind": "valid", "loss": _valid_loss(run, t), "tokens": counts.tokens_seen}
                 if model_cfg.prune:
-                    # (logs before 2026-11-24: "sparsity", a pair share)
+                    # (older logs hold "sparsity", a pair share)
                     entry["query_sparsity"] = _valid_sparsity(run, t)
                 _record(run, entry)
             if main_proc and step % tc.checkpoint_interval == 0 and step < tc.steps:
@@ -667,7 +667,7 @@ def _train_step(run: _Run, t: _Trainer, step: int, lr: float) -> tuple[float, to
     # the logged loss is the LM loss alone (the sparsity term is logged apart). Nothing holds the step's
     # autograd graph past here: under train.cuda_graph a form's capture can follow an eager step, and the
     # parameters' AccumulateGrad nodes that graph kept alive are tied to the default stream, which cannot
-    # join a capture (the H200's backward capture failed so, 2026-11-28; pytorch/pytorch#64339)
+    # join a capture (a backward capture on an H200 failed so; pytorch/pytorch#64339)
     loss, mass = lm_loss.detach(), None if mass is None else mass.detach()
     del lm_loss
     if run.world > 1:  # log the global batch's loss, not this process's share
