@@ -4,7 +4,7 @@ process's peak memory (the app runs in-process under streamlit's AppTest, as the
     python -m bench.app_pages [--model assets/models/smollm2-135m] [--tokens 1000] [--threads 2] [--json FILE]
         [--generate 64]   # also click Generate on each model: --generate new tokens after the text, greedy
 
-The model loads where the app would put it (models.checkpoint.load_for_app: a GPU when there is one); the result
+The model loads where the app would put it (app.loading.load_for_app: a GPU when there is one); the result
 says which device and dtype.
 
 The text is the first documents of the test split (data/smollm2 or --data) cut to --tokens tokens of the

@@ -8,7 +8,7 @@ the app's pages; split it over several calls with --only and a kept --runs direc
    steps replayed from CUDA graphs over both caches);
 2. train: bf16 training of mha, mhe-mul, a pruned mha and we (configs/gpu/, --steps each) through models.train;
 3. generate: generation from each trained model (and the shipped zoo, where present) through the app's own loader
-   (models.checkpoint.load_for_app), checking that the Triton kernels are the path actually taken;
+   (app.loading.load_for_app), checking that the Triton kernels are the path actually taken;
 4. decode: batch-1 decode, eager against CUDA graphs (bench.decode_zoo), and SmolLM2 against transformers' best
    configuration (bench.decode_vs_hf --device cuda) when assets/models/smollm2-135m is there;
 5. profile: where a pruned training step's time goes beside a dense one's (bench.train_step_profile --device cuda),

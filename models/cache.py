@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.keep_rule import state_dtype
 from models.backends import LayerState, State, Step, check_fits, static
-from models.pruning.interaction import state_dtype
 
 
 class LayerCache(LayerState):

@@ -132,7 +132,7 @@ def evaluating(model: nn.Module):
 class ModelOutput:
     logits: torch.Tensor | None          # [B,T,vocab] (None with hidden_only)
     loss: torch.Tensor | None = None     # mean next-token cross-entropy, when targets were given
-    cache: DecodeCache | None = None
+    cache: State | None = None          # the state passed in, as the call left it
     diagnostics: list[LayerRecord] | None = None  # per layer, only when asked for
     prune_mass: torch.Tensor | None = None  # training with pruning: sum over layers of sum_{j<k} I_{k,j}
     hidden: torch.Tensor | None = None   # [B,T,d_model] after the final norm, with hidden_only

@@ -207,43 +207,17 @@ def test_shrink_records_the_perplexity_price(model_dir, tmp_path):
     assert main([str(model_dir), str(tmp_path / "small")]) == 2   # never over what is there
 
 
-LOADING = ("files", "delta", "wheels", "checkpoint", "import_hf", "evaluate", "shrink", "fetch")
 
 
-def _our_imports(path) -> set[str]:
-    """The models.* / app.* / analysis.* modules a file imports anywhere in it (function-level imports too)."""
-    import ast
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            mods = [a.name for a in node.names]
-        else:
-            continue
-        names |= {m for m in mods if m.split(".")[0] in ("models", "app", "analysis")}
-    return names
-
-
-def test_the_loading_modules_import_each_other_without_a_circle():
-    """models.files is a leaf; loading (checkpoint, delta) reaches neither the converter nor the fetcher, so no
-    import among the loading modules goes round in a circle, and analysis.text needs nothing of analysis.budgets."""
-    from graphlib import CycleError, TopologicalSorter
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    graph = {m: {d.split(".")[1] for d in _our_imports(root / "models" / f"{m}.py")
-                 if d.startswith("models.") and d.split(".")[1] in LOADING} - {m} for m in LOADING}
-    assert _our_imports(root / "models" / "files.py") == set()
-    assert not graph["checkpoint"] & {"import_hf", "fetch", "evaluate", "shrink"}
-    assert not graph["delta"] & {"checkpoint", "import_hf", "fetch"}
-    try:
-        TopologicalSorter(graph).static_order()
-        circle = None
-    except CycleError as e:
-        circle = e.args[1]
-    assert circle is None, circle
-    assert not any(d.startswith("app") for f in (root / "models").rglob("*.py") for d in _our_imports(f))
-    assert "analysis.budgets" not in _our_imports(root / "analysis" / "text.py")
+def test_loading_reaches_neither_the_converter_nor_the_fetcher():
+    """models.files is a leaf; loading (checkpoint, delta) never imports the converter or the fetcher (the floors
+    and circles themselves: tests/test_layers.py)."""
+    from tests.test_layers import import_graph
+    graph = import_graph()
+    assert graph["models.files"] == set()
+    assert not graph["models.checkpoint"] & {"models.import_hf", "models.fetch", "models.evaluate", "models.shrink"}
+    assert not graph["models.delta"] & {"models.checkpoint", "models.import_hf", "models.fetch"}
+    assert "analysis.budgets" not in graph["analysis.text"]
 
 
 @pytest.mark.parametrize("module", ["models.shrink", "models.fetch", "models.checkpoint"])

@@ -126,6 +126,15 @@ def test_no_import_circle_inside_a_floor(graph, floor):
     assert _circles(inside) == []
 
 
+def test_the_graph_is_the_code_s(graph):
+    """The checks above read the real tree: every package's modules are there, with a top-level and a function-level
+    import of each kind."""
+    assert {name.split(".")[0] for name in graph} == set(PACKAGES) and len(graph) > 100
+    assert "models.backends" in graph["models.transformer"]           # top level
+    assert "models.params" in graph["models.evaluate"]                # inside a function
+    assert any(dst.startswith("models.") for dst in graph["analysis.export"])
+
+
 def test_the_circle_finder_finds_a_circle_and_the_floor_check_reads_function_level_imports(tmp_path):
     """The checks above cannot pass vacuously: a three-module loop is found, and an import inside a function counts."""
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from models.cache import LayerCache
-from models.pruning.interaction import state_dtype
+from kernels.keep_rule import state_dtype
 
 MIXERS: dict[str, type["Mixer"]] = {}
 

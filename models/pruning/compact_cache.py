@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 import kernels
+from kernels.keep_rule import state_dtype
 from models.backends import LayerState, State, Step, check_fits, compacted
-from models.pruning.interaction import state_dtype
+from models.cache import merge_counts
 
 COMPACT_BELOW = 0.9
 ALIGN = 16  # capacities are multiples of this
@@ -158,7 +159,6 @@ class CompactCache(LayerState):
                 with torch.inference_mode(False):  # a plain tensor: reset() may run outside inference mode
                     marks = torch.zeros(2, dtype=torch.long, device=self.device)
             self.cursor, self.filled = marks[:1], marks[1:2]
-            from models.cache import merge_counts  # (models.cache imports the backends, which import this module)
             self.merge_counts = merge_counts(self.buffers)
         self.set_cursor(self.end)
 
