@@ -1,20 +1,19 @@
 """Token attributions with captum for one next-token prediction: which earlier tokens drove it."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 from captum.attr import InputXGradient, IntegratedGradients, Saliency
 
+from kernels import settings
 from models.transformer import evaluating
 
 METHODS = ("integrated gradients", "gradient x input", "saliency")
 MAX_STEPS = 64   # integrated-gradients steps, capped to keep the page responsive on a CPU
 # Activation memory one gradient may hold (the server's other work stays beside it); MIXSCOPE_ATTR_BUDGET_MB overrides.
-BUDGET_BYTES = int(os.environ.get("MIXSCOPE_ATTR_BUDGET_MB", 2048)) * 2 ** 20
+BUDGET_BYTES = settings.get("MIXSCOPE_ATTR_BUDGET_MB") * 2 ** 20
 
 
 class TooLarge(ValueError):

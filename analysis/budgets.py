@@ -12,10 +12,10 @@ here); models.evaluate bounds itself with them.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 from analysis.text import MAX_CHARS, window
+from kernels import settings
 from models.scoring import RUNTIME_BYTES, forward_bytes, memory_budget, weights_bytes
 
 # re-exported: the forward's estimates from models.scoring, the text limit from analysis.text (where text is checked)
@@ -23,8 +23,9 @@ __all__ = ["MAX_CHARS", "RUNTIME_BYTES", "forward_bytes", "memory_budget", "weig
 
 # ---- text --------------------------------------------------------------------------------------------------------
 # MAX_CHARS (analysis.text): characters a page or analysis.export reads; every view below is a window of it
-SERVE_MAX_CHARS = 8_000    # serve mode's cap on the above (MIXSCOPE_SERVE_MAX_CHARS): a shared server's users
-SERVE_MAX_NEW_TOKENS = 256  # serve mode: tokens one generation adds (MIXSCOPE_SERVE_MAX_NEW_TOKENS)
+# serve mode's caps, a shared server's defaults (declared in kernels.settings, which the operator's value overrides):
+SERVE_MAX_CHARS = settings.default("MIXSCOPE_SERVE_MAX_CHARS")            # 8,000 characters of the above
+SERVE_MAX_NEW_TOKENS = settings.default("MIXSCOPE_SERVE_MAX_NEW_TOKENS")  # 256 tokens one generation adds
 
 # ---- views: tokens per window ------------------------------------------------------------------------------------
 ATTENTION_VIEW = 128     # Attention: [layers, heads, T, T] maps (30 x 9 x 128^2 floats = 18 MB) and a zoomed map whose
@@ -50,7 +51,7 @@ def first_window(tokens, size: int, context: int):
 def large_model() -> int:
     """Parameters past which a page starts on its cheaper setting (Attribution: gradient x input; Pruning: the
     second forward and the dense base wait to be asked for): MIXSCOPE_LARGE_MODEL, default 50 M."""
-    return int(float(os.environ.get("MIXSCOPE_LARGE_MODEL") or 5e7))   # (float: "5e7" is accepted too)
+    return int(settings.get("MIXSCOPE_LARGE_MODEL"))   # (a float: "5e7" is accepted too)
 
 
 # ---- memory -----------------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """The table of model directories the app can open, with the numbers from their cards."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -10,6 +9,7 @@ import plotly.graph_objects as go
 
 import torch
 
+from kernels import settings
 from models.checkpoint import CheckpointError, inspect_model_dir
 from models.evaluate import paper_metrics, zoo_references
 from models.params import COMPONENTS, count_parameters, count_trainable
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def models_root() -> Path:
     """Where the shipped models live; MIXSCOPE_MODELS overrides (tests, other zoos)."""
-    return Path(os.environ.get("MIXSCOPE_MODELS", REPO / "assets" / "models"))
+    return settings.get("MIXSCOPE_MODELS")
 
 
 def find_model_dirs(root: Path) -> list[Path]:

@@ -10,45 +10,37 @@ characters, against 20,000 on the loopback) and tokens one generation adds (MIXS
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from analysis.budgets import MAX_CHARS, SERVE_MAX_CHARS, SERVE_MAX_NEW_TOKENS  # (serve mode's defaults)
+from analysis.budgets import MAX_CHARS, SERVE_MAX_CHARS, SERVE_MAX_NEW_TOKENS  # noqa: F401 - serve mode's defaults, re-exported
 from analysis.zoo import REPO, models_root
+from kernels import settings
 
 
 def serving() -> bool:
-    return os.environ.get("MIXSCOPE_SERVE") == "1"
+    return settings.get("MIXSCOPE_SERVE")
 
 
 def path_roots() -> list[Path]:
     """The directories a typed path may lead into (serve mode); empty: adding by path is off."""
-    raw = os.environ.get("MIXSCOPE_PATH_ROOTS", "")
-    return [Path(r).expanduser().resolve() for r in raw.split(os.pathsep) if r.strip()]
+    return [r.expanduser().resolve() for r in settings.get("MIXSCOPE_PATH_ROOTS")]
 
 
 def max_weight_bytes() -> int | None:
-    mb = os.environ.get("MIXSCOPE_MAX_WEIGHTS_MB") or ("2048" if serving() else "")
-    return int(float(mb) * 2**20) if mb else None
-
-
-def _cap(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    try:
-        value = int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number, got {raw!r}") from None
-    return max(1, value)
+    mb = settings.get("MIXSCOPE_MAX_WEIGHTS_MB")
+    if mb is None:
+        mb = 2048 if serving() else None
+    return None if mb is None else int(mb * 2**20)
 
 
 def max_chars() -> int:
     """The most characters a text box or upload takes here."""
-    return min(MAX_CHARS, _cap("MIXSCOPE_SERVE_MAX_CHARS", SERVE_MAX_CHARS)) if serving() else MAX_CHARS
+    return min(MAX_CHARS, max(1, settings.get("MIXSCOPE_SERVE_MAX_CHARS"))) if serving() else MAX_CHARS
 
 
 def max_new_tokens(context: int) -> int:
     """The most tokens one generation may add here (never past the model's context)."""
-    return min(context, _cap("MIXSCOPE_SERVE_MAX_NEW_TOKENS", SERVE_MAX_NEW_TOKENS)) if serving() else context
+    return min(context, max(1, settings.get("MIXSCOPE_SERVE_MAX_NEW_TOKENS"))) if serving() else context
 
 
 def adding_by_path() -> bool:
@@ -111,9 +103,8 @@ def public(message: str) -> str:
     if not serving():
         return message
     places = [(models_root().resolve(), "<models>"), (REPO.resolve(), "<app>"), (Path.home().resolve(), "~")]
-    cache = os.environ.get("MIXSCOPE_CACHE")
-    if cache:
-        places.append((Path(cache).expanduser().resolve(), "$MIXSCOPE_CACHE"))
+    if settings.is_set("MIXSCOPE_CACHE"):
+        places.append((settings.get("MIXSCOPE_CACHE").expanduser().resolve(), "$MIXSCOPE_CACHE"))
     places += [(r, f"<root {i + 1}>") for i, r in enumerate(path_roots())]
     for place, label in sorted(places, key=lambda p: -len(str(p[0]))):   # the most specific first
         if str(place) not in ("/", ""):

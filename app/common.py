@@ -3,7 +3,6 @@ UI only: the numbers and figures come from analysis/ and models/."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path, PurePath
 
 import streamlit as st
@@ -13,6 +12,7 @@ from analysis import export
 from app import access, heavy, model_cache, slots
 from analysis.text import TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
+import kernels.settings  # (by its full name: `settings` here is a figure's)
 from app.loading import app_precision, load_for_app
 from models.files import CheckpointError, read_json
 from models.pruning import policies
@@ -38,7 +38,7 @@ def method_title(method: str) -> str:
 def setup(title: str) -> None:
     st.set_page_config(page_title=f"mixscope · {title}", layout="wide")
     # the operator's own eviction policies (docs/policies.md)
-    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))
+    policies.load_plugins(kernels.settings.get("MIXSCOPE_POLICIES"))
     st.title(title)
     heavy.room()   # where this page says its place in the server's queue, if it has to wait
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import os
 import threading
 from contextlib import contextmanager
 
@@ -16,6 +15,7 @@ import streamlit as st
 from streamlit.errors import StreamlitAPIException
 
 from app import slots
+from kernels import settings
 
 SLOTS = slots.from_env()
 _room = threading.local()
@@ -69,7 +69,7 @@ def owner() -> str | None:
     (MIXSCOPE_USER_HEADER, such as X-Forwarded-User), else the browser's address, unless it is this machine's own
     (its user, or a proxy on it: then unknown, and not limited per user)."""
     try:
-        header = os.environ.get("MIXSCOPE_USER_HEADER")
+        header = settings.get("MIXSCOPE_USER_HEADER")
         if header:
             return st.context.headers.get(header) or None
         address = st.context.ip_address

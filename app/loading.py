@@ -4,13 +4,11 @@ No streamlit here: `make gpu-check` and the benchmarks open models the way the a
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from kernels import settings
 from models.checkpoint import LoadedModel, load_model_dir
 from models.device import inference_dtype, resolve
-
-APP_DTYPE = "float32"  # the app analyses in float32 on a GPU too: drop decisions and maps as the CPU computes them
 
 
 def app_precision() -> dict:
@@ -18,8 +16,9 @@ def app_precision() -> dict:
     MIXSCOPE_DTYPE (default float32; bfloat16 trades exactness for speed: a bf16 model's whole-text forward and
     its decode round hidden states differently, so the Pruning and Generate pages may then disagree about a
     rare drop). Recorded in every figure's sidecar."""
-    dev = resolve(os.environ.get("MIXSCOPE_DEVICE") or "auto")
-    dt = inference_dtype(dev, os.environ.get("MIXSCOPE_DTYPE") or APP_DTYPE)
+    dev = resolve(settings.get("MIXSCOPE_DEVICE"))
+    # (float32 by default on a GPU too: drop decisions and maps as the CPU computes them)
+    dt = inference_dtype(dev, settings.get("MIXSCOPE_DTYPE"))
     return {"device": str(dev), "dtype": str(dt).removeprefix("torch.")}
 
 

@@ -8,11 +8,11 @@ holds stays in memory until that computation ends, as Python frees it.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
 
+from kernels import settings
 from models import graphs, packing
 
 
@@ -88,5 +88,4 @@ class ModelCache:
 
 
 def from_env() -> ModelCache:
-    return ModelCache(int(float(os.environ.get("MIXSCOPE_MODEL_CACHE_MB", "4096")) * 2**20),
-                      float(os.environ.get("MIXSCOPE_MODEL_IDLE_S", "1800")))
+    return ModelCache(int(settings.get("MIXSCOPE_MODEL_CACHE_MB") * 2**20), settings.get("MIXSCOPE_MODEL_IDLE_S"))

@@ -22,6 +22,8 @@ import time
 from collections import Counter, deque
 from contextlib import contextmanager
 
+from kernels import settings
+
 
 class Busy(RuntimeError):
     """The queue is full: the caller should ask the user to try again shortly."""
@@ -194,14 +196,16 @@ def from_env() -> Slots:
     """MIXSCOPE_HEAVY_SLOTS computations at once (default: one per 4 cores, at least one), MIXSCOPE_HEAVY_QUEUE
     waiting (default 16), MIXSCOPE_HEAVY_PER_USER running or waiting for one user (default a quarter of the
     queue, at least 2)."""
-    size = int(os.environ.get("MIXSCOPE_HEAVY_SLOTS") or max(1, cores() // 4))
-    queue = max(0, int(os.environ.get("MIXSCOPE_HEAVY_QUEUE") or 16))
-    per_owner = max(1, int(os.environ.get("MIXSCOPE_HEAVY_PER_USER") or max(2, queue // 4)))
+    size, per_owner = settings.get("MIXSCOPE_HEAVY_SLOTS"), settings.get("MIXSCOPE_HEAVY_PER_USER")
+    queue = max(0, settings.get("MIXSCOPE_HEAVY_QUEUE"))
+    size = max(1, cores() // 4) if size is None else size
+    per_owner = max(1, max(2, queue // 4) if per_owner is None else per_owner)
     return Slots(max(1, size), queue, on_idle=IdleTrim() if _TRIM is not None else None, per_owner=per_owner)
 
 
 def threads_per_slot(slots: Slots) -> int:
     """Threads each computation takes so that all slots busy at once use the cores once: MIXSCOPE_THREADS
     overrides (the whole server's count, then split)."""
-    total = int(os.environ.get("MIXSCOPE_THREADS") or cores())
+    total = settings.get("MIXSCOPE_THREADS")
+    total = cores() if total is None else total
     return max(1, total // slots.size)

@@ -7,7 +7,9 @@ gives it our own forward and backward (kernels.triton_causal_bias). The app, `ge
 these functions, so they run the same code. Ops without a Triton kernel (attention weights for the maps, SHE's
 matrix lags) and anything else that needs a gradient through attention or the lag sum (those kernels are
 inference-only) run the reference on every device; training's keep structure has kernels for both directions
-(log_keep, log_keep_grad); `record_paths()` reports what really ran, for the caller's own context only.
+(log_keep, log_keep_grad); `record_paths()` reports what really ran, for the caller's own context only. The three
+switches are read through kernels.settings (docs/settings.md), so `settings.override(MIXSCOPE_KERNELS=...)` sets
+them for one block of code.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from contextvars import ContextVar
 
 import torch
 
-from kernels import efficient, reference, switches
+from kernels import efficient, reference, settings
 
 # Which implementation each op took, noted only inside record_paths() and only for that context: a context
 # variable, because app sessions run in threads of one process and must never see each other's paths.
@@ -97,7 +99,7 @@ def _triton_ops() -> dict[str, object]:
 
 
 def backend_for(op: str, tensor) -> str:
-    forced = switches.kernels()
+    forced = settings.get("MIXSCOPE_KERNELS")
     if forced == "reference" or op not in TRITON:
         return "reference"
     if forced == "triton":
@@ -178,7 +180,7 @@ def attention(q, k, v, *, scale: float, bias=None, need_weights: bool = False, c
         # log I bias included) has a real one, and bench.kernels measures it against FlexAttention. Where the dispatch
         # takes the fast kernels (CUDA, not MIXSCOPE_KERNELS=reference), a bias that masks the future lets it skip
         # the blocks above the diagonal: in our own kernels if asked (MIXSCOPE_CAUSAL_BIAS=triton), else in PyTorch's.
-        switches.kernels()  # (an unknown value refused on every device, as inference's dispatch refuses it)
+        settings.get("MIXSCOPE_KERNELS")  # (an unknown value refused on every device, as inference's dispatch does)
         whole = bias_is_causal and causal and lengths is None and not any(m is not None for m in maps.values())
         if whole and _causal_bias_triton(q, k, v, bias):
             _note("attention", "triton")
@@ -215,7 +217,7 @@ def keep_pass() -> bool:
     (kernels.triton_attention.decode's keep_pass), once a slot, not once per head group. Off by default: on an H200
     it took 35-39 % off a call at batch 64 and added a launch a layer, which a batch-1 step from a graph pays for;
     the switch is there for the end-to-end comparison (bench.decode_zoo times both)."""
-    return switches.switch("MIXSCOPE_KEEP_PASS", ("0", "1"), "0") == "1"
+    return settings.get("MIXSCOPE_KEEP_PASS")
 
 
 def compact_decode(q, k, v, *, scale: float, prune: dict, lengths=None, merge_counts=None, **maps):

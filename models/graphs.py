@@ -120,8 +120,8 @@ def _weights(model) -> tuple:
     """Where every weight lives, its dtype and the kernel choice (the keep pass's too): a captured step reads them as
     they were (moving or recasting the model reallocates them) and launches what was chosen at capture."""
     import kernels
-    from kernels import switches
-    return (*packing.where(model), switches.kernels(), kernels.keep_pass())
+    from kernels import settings
+    return (*packing.where(model), settings.get("MIXSCOPE_KERNELS"), kernels.keep_pass())
 
 
 def _constants_current(model, entry: Captured) -> bool:

@@ -2,15 +2,14 @@
 what scoring costs in memory, so a command refuses before it starts rather than running out part way."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kernels import settings
 
 # positions per log-softmax: a float32 copy of [T, V] logits never exists whole (8k x 50k: 1.6 GB), and the
 # temporaries stay small (64 x 49,152 floats: 12 MB; 512 at a time took 0.1-0.2 s longer per 512-token text on
 # SmolLM2 on a 2-core CPU; the values are the same whatever the chunk)
 CHUNK = 64
-MEMORY_MB = 4096   # what a page or command plans for in all, weights included (MIXSCOPE_MEMORY_MB overrides)
 # the interpreter, torch, numpy and pandas beside the weights (a bare `import torch, pandas, plotly` holds ~350 MB)
 RUNTIME_BYTES = 512 * 2 ** 20
 MARGIN = 1.25      # what forward_bytes does not count: allocator slack, rotary tables, small temporaries
@@ -58,12 +57,7 @@ def head_kl(model, before: torch.Tensor, after: torch.Tensor, chunk: int = CHUNK
 def memory_budget() -> int:
     """Bytes a command or page plans for in all (weights, runtime and working memory): MIXSCOPE_MEMORY_MB, default
     4,096 (read at each call, so a test or an operator can change it)."""
-    raw = os.environ.get("MIXSCOPE_MEMORY_MB")
-    try:
-        mb = float(raw) if raw else MEMORY_MB
-    except ValueError:
-        raise ValueError(f"MIXSCOPE_MEMORY_MB={raw!r}: give a number of megabytes") from None
-    return int(mb * 2 ** 20)
+    return int(settings.get("MIXSCOPE_MEMORY_MB") * 2 ** 20)
 
 
 def weights_bytes(model) -> int:

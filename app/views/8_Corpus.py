@@ -1,5 +1,4 @@
 """Corpus: drop decisions over a whole corpus, read from a report of `python -m analysis.reports.corpus` (Parquet)."""
-import os
 from pathlib import Path
 
 import streamlit as st
@@ -7,6 +6,7 @@ import streamlit as st
 from analysis import corpus
 from app import access
 from app.common import export_buttons, setup
+import kernels.settings  # (by its full name: `settings` here is a figure's)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 def report_roots() -> list[Path]:
     """Where reports are looked for: MIXSCOPE_CORPUS_DIRS (the operator's, os.pathsep-separated), else the
     checkout's docs/ and runs/. A browser user picks among what is found there, never types a path."""
-    env = os.environ.get("MIXSCOPE_CORPUS_DIRS")
-    return [Path(p).expanduser() for p in env.split(os.pathsep) if p] if env else [REPO / "docs", REPO / "runs"]
+    dirs = kernels.settings.get("MIXSCOPE_CORPUS_DIRS")
+    return [p.expanduser() for p in dirs] if dirs is not None else [REPO / "docs", REPO / "runs"]
 
 
 def label(i: int, path: Path, roots: list[Path]) -> str:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import settings
 # the rule's pure maths (its precision included) lives with the kernels, which restate it; this module keeps the
 # parameters and exports those functions too, for the callers that know the rule by this module
 from kernels.keep_rule import (HALF, LOG_FLOOR, below_diagonal, distance_term, gates, keep_from_gates, keep_mass,
@@ -234,6 +235,7 @@ class _LogKeep(torch.autograd.Function):
         ctx.save_for_backward(keep, ratio, q, k)
         ctx.scale, ctx.bias_dim = scale, bias.dim()
         ctx.paths = kernels.recorder()  # the backward may run on another thread (CUDA): it notes its path here
+        ctx.settings = settings.overrides()  # and the kernel switches' overrides it runs under there
         ctx.set_materialize_grads(False)
         return log_i, keep, mass
 
@@ -244,7 +246,8 @@ class _LogKeep(torch.autograd.Function):
         if g_log is None and g_keep is None and g_mass is None:
             return (None, None, None, *none)
         keep, ratio, q, k = ctx.saved_tensors
-        with kernels.recording_into(ctx.paths, kernels.recorder()):  # where the forward ran, and where this runs
+        # where the forward ran, and where this runs; under the overrides the forward saw
+        with kernels.recording_into(ctx.paths, kernels.recorder()), settings.override(**ctx.settings):
             dx = kernels.log_keep_grad(g_log, g_keep, keep, ratio, g_mass)                        # [B, n, j]
         need_q, need_k, need_bias = ctx.needs_input_grad[:3]
         # the scale rides in the product; with beta=0 baddbmm ignores its input, given a real tensor of the output's

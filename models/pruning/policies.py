@@ -139,15 +139,15 @@ def min_budget(method: str) -> int:
     return parse(method)[0].min_budget
 
 
-def load_plugins(paths: str | None) -> list[str]:
-    """Import each Python file in `paths` (os.pathsep-separated: the MIXSCOPE_POLICIES variable the app and the
-    reports read) so the policies it registers join REGISTRY; a file is imported once per process. Returns the
-    names it registered. The operator's setting, never a browser user's."""
+def load_plugins(paths) -> list[str]:
+    """Import each Python file in `paths` (a sequence, or one os.pathsep-separated string; the app and the reports
+    pass settings.get("MIXSCOPE_POLICIES")) so the policies it registers join REGISTRY; a file is imported once per
+    process. Returns the names it registered. The operator's setting, never a browser user's."""
     import importlib.util
     import os
     import sys
     added = []
-    for path in filter(None, (paths or "").split(os.pathsep)):
+    for path in map(str, filter(None, paths.split(os.pathsep) if isinstance(paths, str) else paths or ())):
         key = "mixscope_policy_" + str(abs(hash(os.path.abspath(path))))
         if key in sys.modules:
             continue
