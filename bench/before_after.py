@@ -1,9 +1,9 @@
 """The same measurements in two checkouts of mixscope, interleaved: batch-1 greedy decode (tokens/s) of models
 over the cache generation picks for them, and a pruned training step (steps/s), each case run in a fresh process
-in one tree, then the other, `--runs` times; medians and the after/before ratio of each.
+in one tree, then the other (alternating which goes first), `--runs` times; medians and the after/before ratio of each.
 
     python -m bench.before_after --before DIR [--after .] [--model NAME=DIR:CACHE ...] [--train DIR] \
-        [--runs 5] [--tokens 64] [--threads 1] [--json FILE]
+        [--runs 6] [--tokens 64] [--threads 1] [--json FILE]
 
 DIR is another checkout (a `git worktree` of the earlier commit); each process imports the code of its own tree.
 The case code uses only what both trees have: models.checkpoint.load_model_dir and models.generate.generate.
@@ -72,11 +72,13 @@ def run_case(tree: Path, code: str) -> dict:
 
 
 def compare(name: str, code: str, before: Path, after: Path, runs: int, decode: bool = False) -> dict:
-    """Both trees in turn, `runs` times; medians, the ratio of the medians and the median of the pairwise ratios."""
+    """Both trees in turn, `runs` times, the one that goes first alternating (on this machine the first process of a
+    pair often ran faster); medians, the ratio of the medians and the median of the pairwise ratios."""
     rates = {"before": [], "after": []}
     same = True
-    for _ in range(runs):
-        got = {side: run_case(tree, code) for side, tree in (("before", before), ("after", after))}
+    for i in range(runs):
+        order = (("before", before), ("after", after))
+        got = {side: run_case(tree, code) for side, tree in (order if i % 2 == 0 else order[::-1])}
         for side in rates:
             rates[side].append(got[side]["rate"])
         same = same and got["before"].get("ids") == got["after"].get("ids")
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=[], metavar="NAME=DIR:CACHE",
                    help="a decode case: a model directory and the cache (static or compacted)")
     p.add_argument("--train", default=None, help="a pruned model directory for the training-step case")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=6)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
