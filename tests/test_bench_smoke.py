@@ -2,6 +2,7 @@
 import json
 import os
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -471,3 +472,29 @@ def test_the_decode_rows_with_fewer_splits_go_below_the_decodes_own_count_at_sma
     assert bench.fewer_splits(16384, 8, 1, 64, torch.bfloat16, cpu) == {"triton_graph_split8": {"n_split": 8}}
     assert bench.fewer_splits(16384, 8, 2, 64, torch.bfloat16, cpu) == {}
     assert bench.fewer_splits(512, 1, 1, 64, torch.bfloat16, cpu) == {}  # (4 blocks of 128 slots: 4 splits)
+
+
+def test_before_after_runs_each_case_in_both_trees_alternating_which_goes_first(monkeypatch):
+    """Both trees take every run, half of the runs each going first, and the greedy tokens are compared."""
+    from bench import before_after
+    calls = []
+
+    def fake(tree, code):
+        calls.append(tree.name)
+        return {"rate": 2.0 if tree.name == "new" else 1.0, "ids": [1, 2]}
+    monkeypatch.setattr(before_after, "run_case", fake)
+    row = before_after.compare("decode x", "code", Path("/old"), Path("/new"), runs=4, decode=True)
+    assert calls == ["old", "new", "new", "old", "old", "new", "new", "old"]
+    assert row["after_over_before"] == 2.0 and row["median_pair_ratio"] == 2.0 and row["same_tokens"] is True
+
+
+def test_before_after_decodes_a_toy_model_in_one_tree_against_itself(tmp_path):
+    """The case code runs for real (a fresh process loading a shipped model): same tokens in both trees."""
+    from bench import before_after
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    assert before_after.main(["--before", str(root), "--after", str(root), "--model",
+                              f"mha={root}/assets/models/mha:static", "--runs", "1", "--tokens", "2",
+                              "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["same_tokens"] is True and row["median_before"] > 0 and row["median_after"] > 0
