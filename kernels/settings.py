@@ -83,10 +83,8 @@ class Setting:
             return f"{', '.join(rest)} or {last}" if rest else last
         return f"a {self.kind}"
 
-    def parse(self, raw: str | None):
-        """The typed value of the string `raw` (None: unset); empty or only spaces is the default."""
-        if raw is None or not raw.strip():
-            return self.default_value()
+    def parse(self, raw: str):
+        """The typed value of a string that is not blank (`get` gives a blank or unset variable its default)."""
         return _PARSERS[self.kind](self, raw)
 
     def bad(self, value: str) -> ValueError:
