@@ -25,6 +25,8 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
+from models.files import spreadsheet_safe
+
 FORMATS = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf"}
 PACKAGES = ("torch", "plotly", "kaleido", "pandas", "numpy", "captum", "streamlit", "tokenizers", "safetensors")
 log = logging.getLogger("analysis.export")
@@ -188,7 +190,14 @@ def sidecar(model_dir: str | Path | dict | None, text: str | None, settings: dic
 
 
 def csv_bytes(table: pd.DataFrame) -> bytes:
-    return table.to_csv(index=False).encode("utf-8")
+    """The table as CSV, every text cell (and column name) one a spreadsheet shows rather than evaluates. Lines
+    end in CRLF (RFC 4180), which also makes the writer quote a cell holding a carriage return: with a bare LF
+    such a cell is left unquoted and a spreadsheet splits it into a new row."""
+    safe = table.rename(columns=lambda c: spreadsheet_safe(str(c)))
+    for i, dtype in enumerate(safe.dtypes):
+        if not (pd.api.types.is_numeric_dtype(dtype) or pd.api.types.is_bool_dtype(dtype)):
+            safe.isetitem(i, safe.iloc[:, i].map(spreadsheet_safe))
+    return safe.to_csv(index=False, lineterminator="\r\n").encode("utf-8")
 
 
 def write_bundle(fig: go.Figure, table: pd.DataFrame, out_dir: str | Path, name: str, meta: dict,

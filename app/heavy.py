@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import streamlit as st
 from streamlit.errors import StreamlitAPIException
 
-from app import slots
+from app import access, slots
 from kernels import settings
 
 SLOTS = slots.from_env()
@@ -65,20 +65,32 @@ def _write(method: str, text: str = "") -> None:
 
 
 def owner() -> str | None:
-    """Who asks, for the per-user limit (slots.Slots' per_owner): the header an authenticating proxy sets
-    (MIXSCOPE_USER_HEADER, such as X-Forwarded-User), else the browser's address, unless it is this machine's own
-    (its user, or a proxy on it: then unknown, and not limited per user)."""
+    """Who asks, for the per-user limit (slots.Slots' per_owner). The header an authenticating proxy sets
+    (MIXSCOPE_USER_HEADER, such as X-Forwarded-User) names the user only when the connection comes from one of the
+    proxies the operator trusts (MIXSCOPE_TRUSTED_PROXIES): anyone else could send any value, a new user per tab.
+    Otherwise the user is the connection's address; in serve mode the loopback is one user like any other, and
+    outside it (`make run`, one user) it is not limited."""
     try:
-        header = settings.get("MIXSCOPE_USER_HEADER")
-        if header:
-            return st.context.headers.get(header) or None
-        address = st.context.ip_address
-        if not address:
-            return None
-        ip = ipaddress.ip_address(address)
-        return None if (getattr(ip, "ipv4_mapped", None) or ip).is_loopback else address
-    except Exception:   # noqa: BLE001 - outside a session (a test, a thread), or an address it cannot read
+        return user_key(st.context.ip_address, st.context.headers, access.serving())
+    except Exception:   # noqa: BLE001 - outside a session (a test, a thread)
         return None
+
+
+def user_key(address: str | None, headers, serving: bool) -> str | None:
+    """owner()'s rule on plain values: address None is the loopback (Streamlit reports it so)."""
+    try:
+        ip = ipaddress.ip_address(address or "127.0.0.1")
+    except ValueError:
+        return f"address {address}"
+    ip = getattr(ip, "ipv4_mapped", None) or ip
+    header = settings.get("MIXSCOPE_USER_HEADER")
+    if header and any(ip in net for net in settings.get("MIXSCOPE_TRUSTED_PROXIES")):
+        user = headers.get(header)
+        if user:
+            return f"user {user}"
+    if ip.is_loopback and not serving:
+        return None
+    return f"address {ip}"
 
 
 @contextmanager

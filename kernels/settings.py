@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -43,7 +44,7 @@ warnings.filterwarnings("ignore", message=r"'kernels\.settings' found in sys\.mo
 
 REPO = Path(__file__).resolve().parent.parent
 WHO = ("user", "lab operator", "developer")
-KINDS = ("int", "float", "str", "bool", "choice", "path", "path list")
+KINDS = ("int", "float", "str", "bool", "choice", "path", "path list", "networks")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class Setting:
         if self.kind == "choice":
             *rest, last = self.allowed
             return f"{', '.join(rest)} or {last}" if rest else last
+        if self.kind == "networks":
+            return "comma-separated IP addresses or networks (such as 10.0.0.5,10.1.0.0/16)"
         return f"a {self.kind}"
 
     def parse(self, raw: str):
@@ -124,9 +127,17 @@ def _paths(s: Setting, raw: str) -> tuple[Path, ...]:
     return tuple(Path(p) for p in raw.split(os.pathsep) if p.strip())
 
 
+def _networks(s: Setting, raw: str) -> tuple:
+    # comma-separated, since an IPv6 address has colons; a bare address is a network of one
+    try:
+        return tuple(ipaddress.ip_network(p.strip(), strict=False) for p in raw.split(",") if p.strip())
+    except ValueError:
+        raise s.bad(raw.strip()) from None
+
+
 _PARSERS: dict[str, Callable[[Setting, str], Any]] = {
     "int": _int, "float": _float, "str": lambda s, raw: raw, "bool": _bool, "choice": _choice,
-    "path": lambda s, raw: Path(raw), "path list": _paths}
+    "path": lambda s, raw: Path(raw), "path list": _paths, "networks": _networks}
 
 
 def _home_cache() -> Path:
@@ -197,7 +208,11 @@ DECLARED: tuple[Setting, ...] = (
             shown="every core"),
     Setting("MIXSCOPE_USER_HEADER", "str", None,
             "The header an authenticating proxy names the user in (such as `X-Forwarded-User`), for the per-user "
-            "limit.", "lab operator", shown="none: the browser's address"),
+            "limit; read only from `MIXSCOPE_TRUSTED_PROXIES`.", "lab operator",
+            shown="none: the connection's address"),
+    Setting("MIXSCOPE_TRUSTED_PROXIES", "networks", (),
+            "Addresses or networks (comma-separated) of the proxies whose user header is believed; any other "
+            "connection is its own address.", "lab operator", shown="none"),
     # ---- developer: the kernels' switches, for an A/B or a test --------------------------------------------------
     Setting("MIXSCOPE_KERNELS", "choice", None,
             "Forces every kernel op's path (`triton` on CPU tensors needs `TRITON_INTERPRET=1`).", "developer",

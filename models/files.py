@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["CheckpointError", "code_version", "file_sha256", "read_json", "write_atomic"]
+__all__ = ["CheckpointError", "code_version", "file_sha256", "read_json", "spreadsheet_safe", "write_atomic"]
 
 
 class CheckpointError(ValueError):
@@ -51,6 +51,18 @@ def write_atomic(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     os.replace(tmp, path)
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(cell):
+    """A CSV cell a spreadsheet will show rather than evaluate: text that starts like a formula (=, +, -, @, a tab
+    or a carriage return) gets a leading apostrophe, which spreadsheets read as "this is text" (OWASP's advice
+    for CSV injection). Tokens, texts, directory names and card fields reach our CSVs; numbers pass unchanged."""
+    if isinstance(cell, str) and cell.startswith(FORMULA_STARTS):
+        return "'" + cell
+    return cell
 
 
 def read_json(path: Path) -> dict:

@@ -15,6 +15,8 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
+from models.files import spreadsheet_safe
+
 STEP_COLUMNS = ("step", "token_id", "token", "logprob", "running_perplexity", "model_ms", "tokens_seen",
                 "held_bytes", "alloc_bytes", "dense_bytes", "held_tokens", "dropped_this_step")
 
@@ -63,7 +65,7 @@ def steps_csv(trace: dict) -> str:
     w = csv.writer(out)
     w.writerow([*STEP_COLUMNS, *layers])
     for s in trace["steps"]:
-        w.writerow([s[c] for c in STEP_COLUMNS] + s["live_per_layer"])
+        w.writerow([spreadsheet_safe(s[c]) for c in STEP_COLUMNS] + s["live_per_layer"])
     return out.getvalue()
 
 

@@ -9,6 +9,7 @@ from streamlit.testing.v1 import AppTest
 
 from app import heavy
 from app.slots import Slots
+from kernels import settings
 
 VIEWS = Path(__file__).resolve().parent.parent / "app" / "views"
 
@@ -117,17 +118,45 @@ def test_a_user_past_their_share_is_told_so(monkeypatch):
         tab.join()
 
 
-def test_the_user_is_the_proxys_header_else_a_remote_address(monkeypatch):
+def test_the_user_is_the_trusted_proxys_header_else_the_connections_address(monkeypatch):
     from types import SimpleNamespace
     fake = SimpleNamespace(context=SimpleNamespace(headers={"X-Forwarded-User": "ann"}, ip_address="10.0.0.7"))
     monkeypatch.setattr(heavy, "st", fake)
+    monkeypatch.setenv("MIXSCOPE_SERVE", "1")
     monkeypatch.delenv("MIXSCOPE_USER_HEADER", raising=False)
-    assert heavy.owner() == "10.0.0.7"
+    monkeypatch.delenv("MIXSCOPE_TRUSTED_PROXIES", raising=False)
+    assert heavy.owner() == "address 10.0.0.7"
     monkeypatch.setenv("MIXSCOPE_USER_HEADER", "X-Forwarded-User")
-    assert heavy.owner() == "ann"
+    assert heavy.owner() == "address 10.0.0.7"        # a header from an address nobody named as a proxy: forged
+    seen = set()
+    for forged in ("a", "b", "c", "d", "e", "f", "g"):  # seven tabs, each its own header value: still one user
+        fake.context.headers = {"X-Forwarded-User": forged}
+        seen.add(heavy.owner())
+    assert seen == {"address 10.0.0.7"}
+    monkeypatch.setenv("MIXSCOPE_TRUSTED_PROXIES", "10.0.0.0/24, 192.168.1.9")
+    assert heavy.owner() == "user g"
     fake.context.headers = {}
-    assert heavy.owner() is None                      # a proxy that did not say who: unknown, not limited
-    monkeypatch.delenv("MIXSCOPE_USER_HEADER")
+    assert heavy.owner() == "address 10.0.0.7"        # the proxy did not say who: the proxy's own key
+    fake.context.ip_address = "10.0.1.7"              # outside the trusted network
+    fake.context.headers = {"X-Forwarded-User": "ann"}
+    assert heavy.owner() == "address 10.0.1.7"
+    monkeypatch.delenv("MIXSCOPE_TRUSTED_PROXIES")
     for local in ("127.0.0.1", "::1", "::ffff:127.0.0.1", None):
         fake.context.ip_address = local
-        assert heavy.owner() is None                  # this machine's own user, or a proxy on it
+        assert heavy.owner() is not None              # serve mode: the loopback is limited like anyone
+        monkeypatch.setenv("MIXSCOPE_SERVE", "0")
+        assert heavy.owner() is None                  # `make run`: this machine's one user, not limited
+        monkeypatch.setenv("MIXSCOPE_SERVE", "1")
+    monkeypatch.setenv("MIXSCOPE_TRUSTED_PROXIES", "127.0.0.1")
+    fake.context.ip_address = None                    # a proxy on this machine, trusted
+    assert heavy.owner() == "user ann"
+
+
+def test_trusted_proxies_setting_parses_networks_and_refuses_junk(monkeypatch):
+    import ipaddress
+    monkeypatch.setenv("MIXSCOPE_TRUSTED_PROXIES", "10.0.0.1,fd00::/8")
+    assert settings.get("MIXSCOPE_TRUSTED_PROXIES") == (ipaddress.ip_network("10.0.0.1/32"),
+                                                        ipaddress.ip_network("fd00::/8"))
+    monkeypatch.setenv("MIXSCOPE_TRUSTED_PROXIES", "my-proxy")
+    with pytest.raises(ValueError, match="MIXSCOPE_TRUSTED_PROXIES must be comma-separated IP addresses"):
+        settings.get("MIXSCOPE_TRUSTED_PROXIES")
