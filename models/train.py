@@ -41,7 +41,7 @@ from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
 from models.files import file_sha256
 from models.params import components, count_trainable
-from models.pruning import alpha_schedule, mean_sparsity, pair_count, sparsity_loss
+from models.pruning import alpha_schedule, imitation, mean_sparsity, pair_count, sparsity_loss
 from kernels.alpha_sigmoid import prefetch_schedule
 from models.step_graph import GraphedLoss, schedule_alphas
 from models.transformer import DecoderLM
@@ -89,6 +89,12 @@ class TrainConfig:
                                   # next tokens
     snapshots: int = 0            # save the trained tensors at step 0 and this many steps over the alpha schedule
                                   # (models/snapshots.py: the Pruning page's timeline)
+    imitate: str | None = None    # "oracle" | "attention": fit the rule to that keep target from cached inputs of
+                                  # the frozen dense model, no forward through the base (models/pruning/imitation.py)
+    imitate_sparsity: float = 0.65  # the target's sparsity, per layer and window
+    imitate_windows: int = 256    # training windows (of model.context tokens) cached and cycled through
+    imitate_cache: str | None = None  # where the cache lives (default: <out>/imitation_cache); reused when the
+                                      # recipe matches
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -159,7 +165,26 @@ def load_run_config(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
         raise ConfigError(f"{path}: train.lr, min_lr and warmup must be positive")
     if tc.cuda_graph and (tc.compile or tc.distill):
         raise ConfigError(f"{path}: train.cuda_graph captures the plain step: not with train.compile or train.distill")
+    if tc.imitate is not None:
+        _check_imitation(path, model_cfg, tc)
     return model_cfg, tc, raw
+
+
+def _check_imitation(path, model_cfg: ModelConfig, tc: TrainConfig) -> None:
+    if tc.imitate not in imitation.TARGETS:
+        raise ConfigError(f"{path}: train.imitate must be one of {', '.join(imitation.TARGETS)}, got {tc.imitate!r}")
+    if not (model_cfg.prune and tc.freeze_base and model_cfg.adapter is None and tc.init_from):
+        raise ConfigError(f"{path}: train.imitate fits a pruning rule over a frozen base: it needs model.prune, "
+                          "train.freeze_base, train.init_from and no adapter")
+    if tc.distill or tc.cuda_graph or tc.compile:
+        raise ConfigError(f"{path}: train.imitate trains from its cache: not with distill, cuda_graph or compile "
+                          "(distil from its result in a second run)")
+    s = tc.imitate_sparsity
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < 1:
+        raise ConfigError(f"{path}: train.imitate_sparsity must be a number in (0, 1), got {s!r}")
+    w = tc.imitate_windows
+    if isinstance(w, bool) or not isinstance(w, int) or w < tc.batch_size:
+        raise ConfigError(f"{path}: train.imitate_windows must be an integer of at least batch_size, got {w!r}")
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -394,6 +419,7 @@ class _Trainer:
     graphed: GraphedLoss | None
     autocast: torch.autocast
     valid_offsets: np.ndarray
+    imitation: imitation.Cache | None = None
 
 
 def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_after: int | None = None,
@@ -405,6 +431,7 @@ def train(config_path: str | Path, out: str | Path, device: str = "auto", stop_a
     model, opt, trainable, calibration = _build_model(run)
     counts, snapshot_at = _restore(run, model, opt, trainable, overwrite)
     trainer = _trainer(run, model, opt, trainable, calibration, snapshot_at, counts.step)
+    trainer.imitation = _imitation_cache(run, model, progress) if run.tc.imitate else None
     status, recent, stopped = _step_loop(run, trainer, counts, stop_after, progress)
     if stopped:
         if run.main_proc:
@@ -631,6 +658,34 @@ def _step_loop(run: _Run, t: _Trainer, counts: _Counters, stop_after: int | None
     return status, recent, stop.reason
 
 
+def _imitation_cache(run: _Run, model: DecoderLM, progress: bool) -> imitation.Cache:
+    """train.imitate's cache of the dense model's layer inputs and targets on imitate_windows training windows
+    (drawn by the seed), built where missing (every process reads it; the main one writes it)."""
+    tc, ctx = run.tc, run.model_cfg.context
+    path = Path(tc.imitate_cache) if tc.imitate_cache else run.out / "imitation_cache"
+    starts = np.random.default_rng([tc.seed, 7]).choice(run.train_tokens.size - ctx, tc.imitate_windows,
+                                                        replace=False)
+    windows = np.stack([run.train_tokens[s:s + ctx] for s in np.sort(starts)]).astype(np.int64)
+    if run.main_proc:
+        with torch.no_grad(), rule_off(model):
+            was = model.training
+            model.eval()
+            imitation.build_cache(model, windows, path, tc.imitate, float(tc.imitate_sparsity),
+                                  file_sha256(Path(tc.init_from) / "model.safetensors"), progress)
+            model.train(was)
+    if run.world > 1:
+        torch.distributed.barrier()
+    return imitation.Cache(path, tc.imitate_windows)
+
+
+def _imitation_step(run: _Run, t: _Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.imitate's loss on the cached windows of `step` (this process's share) and the rule's mass."""
+    tc = run.tc
+    chosen = imitation.order(tc.imitate_windows, step, tc.batch_size, tc.seed)[run.rank::run.world]
+    x, until = t.imitation.batch(chosen, run.dev)
+    return imitation.imitation_loss([b.mixer.pruning for b in t.model.blocks], x, until)
+
+
 def _train_step(run: _Run, t: _Trainer, step: int, lr: float) -> tuple[float, torch.Tensor | None, float | None]:
     """One optimizer step on the batch of `step` at learning rate lr. Returns the LM loss (the global batch's), the
     pruning mass (None without pruning) and the distillation KL (None without train.distill)."""
@@ -644,7 +699,10 @@ def _train_step(run: _Run, t: _Trainer, step: int, lr: float) -> tuple[float, to
         if dev.type == "cuda":  # the next steps' alpha-sigmoid tables in one batched build
             prefetch_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end, dev)
         model.set_alpha(alpha_schedule(step, tc.alpha_steps or tc.steps, tc.alpha_start, tc.alpha_end))
-    if t.graphed is not None:  # (autocast inside the capture, with its weight cache off; no distill)
+    if t.imitation is not None:  # the logged loss is then the imitation loss
+        lm_loss, mass = _imitation_step(run, t, step)
+        loss = lm_loss
+    elif t.graphed is not None:  # (autocast inside the capture, with its weight cache off; no distill)
         lm_loss, mass = t.graphed(x, y)
         loss = lm_loss if not pruning else lm_loss + sparsity_loss(mass, tc.gamma, t.n_pairs)
     else:
