@@ -8,6 +8,7 @@ import torch
 from captum.attr import InputXGradient, IntegratedGradients, Saliency
 
 from kernels import settings
+from models.memory import largest
 from models.transformer import evaluating
 
 METHODS = ("integrated gradients", "gradient x input", "saliency")
@@ -33,12 +34,9 @@ MARGIN = 1.15   # what the count above misses: the embeddings' gradients, the la
 
 
 def max_tokens(cfg, budget: int = BUDGET_BYTES) -> int:
-    """The longest prefix whose one-sample gradient fits the budget."""
-    lo, hi = 1, 1 << 20
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if bytes_per_sample(cfg, mid) <= budget else (lo, mid - 1)
-    return lo
+    """The longest prefix (up to 2^20 tokens) whose one-sample gradient fits the budget, by models.memory's search;
+    1 when none does (the refusal still names a position)."""
+    return max(1, largest(lambda t: bytes_per_sample(cfg, t) <= budget, 1 << 20))
 
 
 def attribute(model, ids: list[int], position: int, target: int | None = None, method: str = "integrated gradients",

@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analysis.budgets import SCORES_VIEW as VIEW  # queries x keys drawn at once, whatever the text's length
+from analysis.views import SCORES_VIEW as VIEW  # queries x keys drawn at once, whatever the text's length
 from analysis.maps import layer_records
 from models.pruning.interaction import distance_term, gates, keep_from_gates, mean_sparsity
 

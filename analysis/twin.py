@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from analysis.budgets import replay_most
+from models.memory import forward_bytes, largest_window, weights_bytes
 from models.pruning.replay import replay
 from models.scoring import head_logprobs
 
@@ -19,15 +21,10 @@ from models.scoring import head_logprobs
 def most_tokens(model, policy=None) -> int:
     """The longest prompt + continuation scored at once: a policy's replay reads at most what budgets.replay_most
     allows (its [T, vocab] logits and per-layer scores); the model's own rule (or none) is one forward, up to the
-    model's context within the memory budget, with both models of the pair held."""
-    from analysis import budgets
-    from models.scoring import RUNTIME_BYTES, forward_bytes, memory_budget, weights_bytes
-    cfg = model.config
+    model's context within the memory budget, with both models of the pair held (models.memory's planner)."""
     if policy is not None:
-        return budgets.replay_most(cfg)
-    room = memory_budget() - RUNTIME_BYTES - 2 * weights_bytes(model)
-    return budgets.largest(lambda t: forward_bytes(cfg, 1, t) <= room, cfg.context)
-
+        return replay_most(model.config)
+    return largest_window([model.config], lambda c, t: forward_bytes(c, 1, t), 2 * weights_bytes(model))
 
 
 @torch.inference_mode()

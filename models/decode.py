@@ -36,10 +36,10 @@ class Decoder:
     capacity (it grows by doubling). ragged (compacted only): every call carries a padding mask, even when all
     rows take part (the path where rows may differ in length and sit steps out: generate_batch); otherwise a
     step of all rows takes the decode fast path. count_seen: the compacted cache counts, per decode query, the
-    share of its earlier tokens it attended over (scoring's sparsity). fixed: after the prompt, one-token steps
-    keep every shape and ask the host nothing (the static cache: DecodeCache.fix_shapes; the compacted one:
-    CompactDecodeCache.fix_shapes, compacting or growing between steps); graphs: those steps replayed from a
-    CUDA graph (models.graphs)."""
+    share of its earlier tokens it attended over (scoring's sparsity). fixed: the state's fixed-shape form
+    (models.fixed_shape), whose shapes are fixed after the first call: one-token steps then keep every shape and
+    ask the host nothing (the compacted cache compacting or growing between steps: before_fixed_step); graphs:
+    those steps replayed from a CUDA graph (models.graphs)."""
 
     def __init__(self, model, batch: int = 1, state: str = "static", policy=None, capacity: int | None = None,
                  ragged: bool = False, count_seen: bool = False, fixed: bool = False, graphs: bool = False):
@@ -68,7 +68,7 @@ class Decoder:
                 for layer in self.state.layers:
                     layer.seen = torch.zeros(layer.batch, device=self.device)  # a row per group, if per group
         else:
-            self.state = model.new_cache(batch=batch, capacity=capacity)
+            self.state = model.new_cache(batch=batch, capacity=capacity, fixed=self.fixed)
         if self.fixed:  # one product for q, k, v and one for gate and up in each fixed-shape step
             packing.attach(model, self.state)
         self.lengths = [0] * batch            # tokens fed per row (on the host)
@@ -81,27 +81,24 @@ class Decoder:
         """idx [B,T] at each row's next positions; valid [B,T] (compacted only: False is padding) -> logits.
         Positions are kept on the device: a step copies nothing from the host."""
         t = idx.shape[1]
+        fixed = self.fixed and self.state.shapes_fixed
         with kernels.record_paths() as paths:  # per call: interleaved decoders must not share a recorder
-            if self.kind == "compacted" and self.state.next_pos is not None:  # fixed shapes (DecoderLM.forward)
-                if t == 1:  # positions and slots from the device; the host's count follows
+            if fixed and t == 1:  # a fixed-shape step: positions (and slots) from the device; the host's count follows
+                if self.kind == "compacted":
                     self.before_fixed_step()
-                    out = self.model(idx, cache=self.state, last_only=last_only)
-                    self.state.advance(1)
-                else:
-                    pos = self.state.next_pos + torch.arange(t, device=self.device)
-                    out = self.model(idx, cache=self.state, positions=pos, last_only=last_only)
-            elif self.kind == "compacted":
-                pos = self._next + torch.arange(t, device=self.device)
-                out = self.model(idx, cache=self.state, positions=pos, valid=valid, last_only=last_only)
-                self._next = self._next + (t if valid is None else valid.long().sum(1, keepdim=True))
-            else:  # the static cache keeps its own length (a static-shape step: counted here, on the host)
                 out = self.model(idx, cache=self.state, last_only=last_only)
-                if self.state.cursor is not None and t == 1:
-                    self.state.advance(1)
-        if self.fixed:  # from the first call on (a prefill, or an extend), one-token steps keep their shapes
-            if self.kind == "static" and self.state.cursor is None:
+                self.state.advance(1)
+            elif self.kind == "compacted":
+                pos = (self.state.next_pos if fixed else self._next) + torch.arange(t, device=self.device)
+                out = self.model(idx, cache=self.state, positions=pos, valid=valid, last_only=last_only)
+                if not fixed:
+                    self._next = self._next + (t if valid is None else valid.long().sum(1, keepdim=True))
+            else:  # the static cache keeps its own length
+                out = self.model(idx, cache=self.state, last_only=last_only)
+        if self.fixed and not self.state.shapes_fixed:  # from the first call on (a prefill, or an extend)
+            if self.kind == "static":
                 self.state.fix_shapes()
-            elif self.kind == "compacted" and self.state.next_pos is None:
+            else:
                 self.state.fix_shapes(self._next)
         self.kernel_paths.update(paths)
         return out.logits
@@ -157,7 +154,7 @@ class Decoder:
         elif not all(rows):
             raise ValueError("rows that sit a step out need a ragged decoder (the compacted cache)")
         tokens = tokens.to(self.device).view(self.batch, 1)
-        if self._captured is not None and self.kind == "compacted" and self.state.next_pos is not None:
+        if self._captured is not None and self.kind == "compacted" and self.state.shapes_fixed:
             self.before_fixed_step()  # (a replay runs no Python; an eager step asks again, which costs nothing)
         if self._captured is not None:
             if self.kind == "static" and self.lengths[0] + 1 > self.state.capacity:

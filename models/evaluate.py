@@ -12,7 +12,7 @@ Memory is bounded whatever the window (SmolLM2's whole 8,192-token context fits 
 BATCH_TOKENS tokens of windows (at least one window, fewer where the memory budget says so), and the head turns
 the final hidden states into log-probabilities a chunk of positions at a time, only where a window scores: the
 [windows, window, vocab] logits never exist. A window that would not fit even alone is refused before anything
-runs, naming the longest that fits.
+runs, naming the largest that fits (models.memory plans both).
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ from models.checkpoint import load_model_dir
 from models.decode import Decoder
 from models.files import CheckpointError, file_sha256, read_json
 from models.pruning import sparsity
-from models.scoring import RUNTIME_BYTES, forward_bytes, head_logprobs, memory_budget, target_logprobs, weights_bytes
+from models import memory
+from models.memory import forward_bytes, record_bytes, weights_bytes
+from models.scoring import head_logprobs, target_logprobs
 from models.tokenizer import EOS
 from models.transformer import evaluating
 
@@ -58,34 +60,12 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
 BATCH_TOKENS = 4096  # tokens one forward takes: 16 windows of the zoo's 256, one of SmolLM2's 8,192 (at least one)
 
 
-def batch_rows(model, length: int, batch_tokens: int = BATCH_TOKENS, budget: int | None = None,
-               extra=lambda t: 0) -> int:
-    """How many windows of `length` tokens one forward takes: batch_tokens' worth (at least one), fewer where the
-    weights, the runtime and forward_bytes (plus extra(length) per window) would pass the memory budget; 0 when not
-    even one fits."""
-    room = (memory_budget() if budget is None else budget) - weights_bytes(model) - RUNTIME_BYTES
-    rows = max(1, batch_tokens // length)
-    while rows and forward_bytes(model.config, rows, length) + rows * extra(length) > room:
-        rows -= 1 if rows < 4 else rows // 4   # (coarse steps first: a few checks, however many rows were asked)
-    return rows
-
-
 def check_window(model, window: int, budget: int | None = None, extra=lambda t: 0, what: str = "--window") -> None:
-    """A ValueError, before anything runs, when one window of `window` tokens would not fit the memory budget,
-    naming the longest window that does (extra(t): bytes a window of t tokens holds besides one forward's)."""
-    if batch_rows(model, window, 1, budget, extra):
-        return
-    lo, hi = 0, window
-    while lo < hi:  # the longest window that fits
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if batch_rows(model, mid, 1, budget, extra) else (lo, mid - 1)
-    budget = memory_budget() if budget is None else budget
-    need = forward_bytes(model.config, 1, window) + extra(window)
-    raise ValueError(f"a {window:,}-token window of this model needs about {need / 2**30:.1f} GB beside its "
-                     f"{weights_bytes(model) / 2**30:.1f} GB of weights, over the {budget / 2**30:.1f} GB memory "
-                     f"budget (MIXSCOPE_MEMORY_MB): "
-                     + (f"the longest window that fits is {lo:,} tokens ({what} {lo})" if lo > 1 else
-                        "not even a short window fits beside these weights"))
+    """models.memory.OverBudget (a ValueError), before anything runs, when one window of `window` tokens would not
+    fit beside this loaded model's weights, naming the largest window that does (extra(t): bytes a window of t
+    tokens holds besides one forward's; budget: default memory_budget())."""
+    memory.check_window([model.config], window, lambda c, t: forward_bytes(c, 1, t) + extra(t),
+                        weights_bytes(model), what, budget)
 
 
 @torch.inference_mode()
@@ -111,7 +91,7 @@ def score_documents(model, docs: list[list[int]], stride: int, batch_tokens: int
     with evaluating(model):
         while i < len(jobs):
             length = jobs[i][2] - jobs[i][1]
-            rows = max(1, batch_rows(model, length, batch_tokens, budget))
+            rows = max(1, memory.batch_rows(model, length, batch_tokens, budget))
             group = [j for j in jobs[i:i + rows] if j[2] - j[1] == length]
             x = torch.tensor([docs[d][b:e] for d, b, e, _ in group], device=device)
             y = torch.tensor([docs[d][b + 1:e + 1] for d, b, e, _ in group], device=device)
@@ -170,12 +150,6 @@ def bucket_eval(model, stream: list[int], window: int, buckets=BUCKETS, max_wind
                 acc[(lo, hi)][2] += float(sp[sel].sum())
     return [{"bucket": f"{lo}-{hi}", "tokens": t, "perplexity": math.exp(nll / t) if t else float("nan"),
              "sparsity": s / t if t else float("nan")} for (lo, hi), (nll, t, s) in acc.items()]
-
-
-def record_bytes(cfg, t: int) -> int:
-    """What a forward with diagnostics keeps of a t-token window until it returns, without attention maps: every
-    layer's [t, t] keep mask in float32 when the model masks (context pruning, a fixed pattern); nothing when dense."""
-    return cfg.n_layers * 4 * t * t if cfg.prune or cfg.pattern != "dense" else 0
 
 
 @torch.inference_mode()

@@ -1,8 +1,8 @@
 """Decode steps replayed from a CUDA graph (gpt-fast's answer to per-token launch overhead, without
-torch.compile): over a static-shape cache (models.cache.DecodeCache.fix_shapes) a one-token step launches the
-same kernels on the same buffers every time, so it is captured once and replayed for the price of one launch.
-The compacted cache of context pruning keeps its shapes too (models.pruning.compact_cache, fixed=True): it
-compacts in place between steps, and only its growth (new buffers) asks for a new capture.
+torch.compile): over a fixed-shape state (models.fixed_shape) a one-token step launches the same kernels on the
+same buffers every time, so it is captured once and replayed for the price of one launch. The compacted cache of
+context pruning keeps its shapes too (models.pruning.fixed_compact): it compacts in place between steps, and only
+its growth (new buffers) asks for a new capture.
 
 A captured step belongs to its cache's buffers and to the weights it read, so the two live together in a
 `Captured` entry, kept per model, batch, capacity bucket, weights and kernel choice, and reused by the next
@@ -56,11 +56,11 @@ class Captured:
     def __init__(self, model, batch: int, capacity: int, kind: str = "static"):
         with torch.inference_mode(False), torch.no_grad():  # plain tensors: reset() may run outside inference mode
             if kind == "static":
-                self.state = model.new_cache(batch=batch, capacity=capacity)
+                self.state = model.new_cache(batch=batch, capacity=capacity, fixed=True)
             else:
                 self.state = model.new_compact_cache(batch=batch, capacity=capacity, fixed=True)
         self.batch = batch
-        self.allocations = self._allocations()  # the buffers the graph was captured over
+        self.allocations = self.state.allocations  # the buffers the graph was captured over
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tokens: torch.Tensor | None = None   # the graph's input [B,1]
         self.logits: torch.Tensor | None = None   # the graph's output [B,1,V]
@@ -69,15 +69,12 @@ class Captured:
         self.failed: str | None = None           # why capture failed: this entry decodes eagerly
         self.recaptures = 0
 
-    def _allocations(self) -> int:
-        return getattr(self.state, "allocations", 0)  # the static cache never reallocates
-
     def step(self, model, tokens: torch.Tensor, eager) -> tuple[torch.Tensor, bool]:
         """One token per row (tokens [B,1]) -> (logits [B,V], replayed). eager(tokens) runs the step without a
         graph (and counts it on the host); a replay is counted by the caller."""
         if self.failed is not None:
             return eager(tokens), False
-        if self.graph is not None and self._allocations() != self.allocations:  # the cache grew: capture again
+        if self.graph is not None and self.state.allocations != self.allocations:  # the cache grew: capture again
             self.graph, self.logits, self.warm = None, None, 0
             self.recaptures += 1
         if self.graph is None and self.warm < WARMUP_STEPS:
@@ -107,7 +104,7 @@ class Captured:
             self.failed = f"{type(e).__name__}: {e}"[:300]
             self.logits = None
             return False
-        self.graph, self.paths, self.allocations = graph, dict(paths), self._allocations()
+        self.graph, self.paths, self.allocations = graph, dict(paths), self.state.allocations
         return True
 
 

@@ -1,18 +1,13 @@
-"""log p of the next tokens, defined once for everything that scores text (evaluation, replays, reports, pages), and
-what scoring costs in memory, so a command refuses before it starts rather than running out part way."""
+"""log p of the next tokens, defined once for everything that scores text (evaluation, replays, reports, pages), the
+head applied a chunk of positions at a time. What scoring costs in memory is planned in models.memory."""
 from __future__ import annotations
 
 import torch
-
-from kernels import settings
 
 # positions per log-softmax: a float32 copy of [T, V] logits never exists whole (8k x 50k: 1.6 GB), and the
 # temporaries stay small (64 x 49,152 floats: 12 MB; 512 at a time took 0.1-0.2 s longer per 512-token text on
 # SmolLM2 on a 2-core CPU; the values are the same whatever the chunk)
 CHUNK = 64
-# the interpreter, torch, numpy and pandas beside the weights (a bare `import torch, pandas, plotly` holds ~350 MB)
-RUNTIME_BYTES = 512 * 2 ** 20
-MARGIN = 1.25      # what forward_bytes does not count: allocator slack, rotary tables, small temporaries
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
@@ -52,35 +47,3 @@ def head_kl(model, before: torch.Tensor, after: torch.Tensor, chunk: int = CHUNK
     for (s, a), (_, b) in zip(head_log_softmax(model, before, chunk), head_log_softmax(model, after, chunk)):
         out[..., s:s + chunk] = (a.exp() * (a - b)).sum(-1).clamp_min(0)   # (>= 0; rounding can dip below)
     return out
-
-
-def memory_budget() -> int:
-    """Bytes a command or page plans for in all (weights, runtime and working memory): MIXSCOPE_MEMORY_MB, default
-    4,096 (read at each call, so a test or an operator can change it)."""
-    return int(settings.get("MIXSCOPE_MEMORY_MB") * 2 ** 20)
-
-
-def weights_bytes(model) -> int:
-    """The loaded model's parameters and buffers, in their own dtypes."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
-def forward_bytes(cfg, rows: int, t: int, chunk: int = CHUNK) -> int:
-    """Estimated working memory of one inference forward over rows x t tokens in float32 with the head applied
-    `chunk` positions at a time (head_logprobs) and no attention maps recorded. Layers run one after another, so one
-    layer's activations are live at once: per token the residual stream and its norm, q/k/v with their rotated
-    copies, the attention output, the feed-forward's d_ff-wide tensors; per row the [t, t] masks a mask-using model
-    builds (context pruning's log I, keep, scores and additive mask; a fixed pattern's bias), and one [t, t] boolean
-    causal mask (SDPA's CPU kernel attends in blocks: no [heads, t, t] scores); an Extractor's FFT buffers; the
-    head's [rows, chunk, vocab] logits with their log-softmax. Times MARGIN."""
-    d, heads = cfg.d_model, cfg.n_heads * cfg.d_head
-    per_token = 4 * d + 4 * cfg.d_ff + 5 * heads
-    if cfg.mixer in ("me", "we", "he", "she"):
-        per_token += 8 * d                                     # complex spectra of 2t positions per channel
-    square = t * t                                             # the causal mask, one byte a cell
-    if cfg.prune:
-        square += rows * 4 * 4 * t * t
-    elif cfg.pattern != "dense":
-        square += 2 * 4 * t * t
-    head = 3 * rows * min(chunk, t) * cfg.vocab_size
-    return int(MARGIN * (4 * rows * t * per_token + square + 4 * head))

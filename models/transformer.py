@@ -18,9 +18,11 @@ from models.backends import State, Step, check_fits
 from models.backends.full import FULL, WholeSequence
 from models.cache import DecodeCache
 from models.config import ModelConfig
+from models.fixed_shape import FixedDecodeCache
 from models.mixers import LayerRecord, build_mixer
-from models.pruning import policies
+from models.pruning import eviction, policies
 from models.pruning.compact_cache import CompactCache, CompactDecodeCache
+from models.pruning.fixed_compact import FixedCompactCache, FixedCompactDecodeCache
 
 
 class FeedForward(nn.Module):
@@ -165,18 +167,22 @@ class DecoderLM(nn.Module):
         """n positions must fit the context window (models.backends.check_fits)."""
         check_fits(n, self.config.context, what)
 
-    def new_cache(self, batch: int = 1, capacity: int | None = None) -> DecodeCache:
+    def new_cache(self, batch: int = 1, capacity: int | None = None, fixed: bool = False) -> DecodeCache:
+        """The static decode cache (gpt-fast's, preallocated). fixed: its fixed-shape form, whose one-token steps
+        keep their shapes once fix_shapes() has run (models.fixed_shape; models.graphs)."""
         capacity = self.config.context if capacity is None else min(capacity, self.config.context)
         p = self.wte.weight
-        return DecodeCache([b.mixer.new_cache(batch, capacity, p.dtype, p.device) for b in self.blocks])
+        layers = [b.mixer.new_cache(batch, capacity, p.dtype, p.device) for b in self.blocks]
+        return FixedDecodeCache(layers) if fixed else DecodeCache(layers)
 
     def new_compact_cache(self, batch: int = 1, capacity: int = 16, policy=None,
                           fixed: bool = False) -> CompactDecodeCache:
         """The compacted cache (context pruning's data structure; rows may have different lengths). Attention
         mixers only: an Extractor's state is a window of past inputs indexed by lag, which slots cannot hold.
         policy: a heuristic eviction policy (models.pruning.policies); on a model with learned pruning the policy
-        decides instead of the rule (its own weights, the rule off, as models.pruning.replay runs it). fixed: compaction
-        in place and no shrinking, so that fix_shapes() can make the decode steps keep their shapes (models.graphs)."""
+        decides instead of the rule (its own weights, the rule off, as models.pruning.replay runs it). fixed: the
+        fixed-shape form (models.pruning.fixed_compact: compaction in place and no shrinking), whose one-token steps
+        keep their shapes once fix_shapes() has run (models.graphs)."""
         if not self.blocks[0].mixer.decodes_compacted:
             raise ValueError(f"the compacted cache (generate_batch) serves attention mixers, not {self.config.mixer}: "
                              "an Extractor mixes its past inputs by lag; generate() decodes it with the static cache")
@@ -189,16 +195,15 @@ class DecoderLM(nn.Module):
         p = self.wte.weight
         learned = policy is None and self.config.prune  # the rule decides: its decode constants read once, here
         # a per-KV-group policy: one row of slots per (batch row, group), each holding one group's K/V
-        g = self.blocks[0].mixer.n_groups if policy is not None and policy.per_group else 1
-        layers = []
+        g = eviction.rows_of(policy, self.blocks[0].mixer)
+        layers, layer_class = [], FixedCompactCache if fixed else CompactCache
         for b in self.blocks:
             spec = b.mixer.cache_spec(policy is None)
             if g > 1:
                 spec = {name: (1, *shape[1:]) for name, shape in spec.items()}
-            layers.append(CompactCache(spec, batch * g, capacity, p.dtype, p.device, policy,
-                                       b.mixer.pruning.decode_constants() if learned else None, groups=g,
-                                       fixed=fixed))
-        return CompactDecodeCache(layers)
+            layers.append(layer_class(spec, batch * g, capacity, p.dtype, p.device, policy,
+                                      b.mixer.pruning.decode_constants() if learned else None, groups=g))
+        return FixedCompactDecodeCache(layers) if fixed else CompactDecodeCache(layers)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: State | None = None,
                 diagnostics: bool = False, positions: torch.Tensor | None = None,

@@ -1,6 +1,7 @@
-"""View and memory budgets (analysis.budgets): the pages and analysis.export draw the same windows; models.evaluate
-scores in token-sized batches with the head applied in chunks, equal to the direct computation; every command
-refuses what would not fit before any model work, naming what fits, and accepts its largest input."""
+"""Views and memory budgets (analysis.views, analysis.budgets on models.memory's planner): the pages and
+analysis.export draw the same windows; models.evaluate scores in token-sized batches with the head applied in chunks,
+equal to the direct computation; every command refuses what would not fit before any model work, naming what fits,
+and accepts its largest input."""
 import dataclasses
 import math
 from pathlib import Path
@@ -11,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from analysis import budgets, export
+from analysis import budgets, export, views
 from analysis.text import MAX_CHARS, Tokens, decode_upload, tokenize, window
 from analysis.zoo import models_root
-from models import evaluate
+from models import evaluate, memory
 from models.checkpoint import load_model_dir
 from models.config import ModelConfig
-from models.scoring import RUNTIME_BYTES, forward_bytes, head_logprobs, target_logprobs, weights_bytes
+from models.memory import RUNTIME_BYTES, OverBudget, forward_bytes, weights_bytes
+from models.scoring import head_logprobs, target_logprobs
 from models.transformer import DecoderLM
 from tests.helpers import randomize, tiny_config
 
@@ -31,9 +33,9 @@ def fake_tokens(n: int) -> Tokens:
 
 # ---- one place for the views -----------------------------------------------------------------------------------
 
-def test_pages_and_modules_take_their_limits_from_budgets():
+def test_pages_and_modules_take_their_limits_from_views():
     src = {p.stem: p.read_text(encoding="utf-8") for p in VIEWS.glob("*.py")}
-    assert "from analysis.budgets import ATTENTION_VIEW as MAX_VIEW" in src["2_Attention"]
+    assert "from analysis.views import ATTENTION_VIEW as MAX_VIEW" in src["2_Attention"]
     assert "MAX_VIEW = budgets.ATTRIBUTION_VIEW" in src["5_Attribution"]
     assert "budgets.view(budgets.COMPARE_VIEW" in src["6_Compare"]
     assert "MAX_VIEW = budgets.PRUNING_VIEW" in src["7_Pruning"]
@@ -41,10 +43,14 @@ def test_pages_and_modules_take_their_limits_from_budgets():
     assert not [name for name, s in src.items() if "MAX_VIEW = 1" in s or "MAX_VIEW = 2" in s]
     from analysis import live, scores, text
     from app import access
-    assert text.MAX_CHARS is budgets.MAX_CHARS == 20_000
-    assert access.SERVE_MAX_CHARS == budgets.SERVE_MAX_CHARS
-    assert access.SERVE_MAX_NEW_TOKENS == budgets.SERVE_MAX_NEW_TOKENS
-    assert scores.VIEW == budgets.SCORES_VIEW and live.MAX_STRIP == budgets.LIVE_STRIP   # (to import from budgets)
+    assert text.MAX_CHARS is views.MAX_CHARS == 20_000
+    assert access.SERVE_MAX_CHARS == views.SERVE_MAX_CHARS
+    assert access.SERVE_MAX_NEW_TOKENS == views.SERVE_MAX_NEW_TOKENS
+    assert scores.VIEW == views.SCORES_VIEW and live.MAX_STRIP == views.LIVE_STRIP   # (to import from views)
+    # the pages that reach the views as budgets.NAME read the same objects
+    for name in ("ATTENTION_VIEW", "ATTRIBUTION_VIEW", "COMPARE_VIEW", "PRUNING_VIEW", "MAX_SNAPSHOTS", "view",
+                 "first_window", "large_model", "attribution_default"):
+        assert getattr(budgets, name) is getattr(views, name)
 
 
 @pytest.mark.parametrize("n, context", [(5000, 8192), (600, 256), (100, 512), (40, 24)])
@@ -201,13 +207,14 @@ def test_token_batches_and_head_chunks_equal_direct_scores(dtype, rel):
 
 def test_batch_rows_follow_the_token_budget_and_the_memory_budget():
     model = DecoderLM(tiny_config("mha", vocab_size=200, context=256)).eval()
-    assert evaluate.batch_rows(model, 256) == evaluate.BATCH_TOKENS // 256
-    assert evaluate.batch_rows(model, 8192 * 2) == 1          # at least one window
+    rows = evaluate.BATCH_TOKENS
+    assert memory.batch_rows(model, 256, rows) == evaluate.BATCH_TOKENS // 256
+    assert memory.batch_rows(model, 8192 * 2, rows) == 1          # at least one window
     cfg = model.config
     fixed = weights_bytes(model) + RUNTIME_BYTES
     budget = fixed + forward_bytes(cfg, 3, 256)
-    assert evaluate.batch_rows(model, 256, budget=budget) == 3
-    assert evaluate.batch_rows(model, 256, budget=fixed + forward_bytes(cfg, 1, 256) - 1) == 0
+    assert memory.batch_rows(model, 256, rows, budget=budget) == 3
+    assert memory.batch_rows(model, 256, rows, budget=fixed + forward_bytes(cfg, 1, 256) - 1) == 0
 
 
 def test_evaluate_refuses_before_any_forward_naming_the_longest_window_that_fits(monkeypatch):
@@ -220,9 +227,9 @@ def test_evaluate_refuses_before_any_forward_naming_the_longest_window_that_fits
 
     monkeypatch.setattr(model, "forward", no_forward)
     budget = fixed + forward_bytes(cfg, 1, 200)
-    with pytest.raises(ValueError, match="longest window that fits is 200 tokens") as e:
+    with pytest.raises(OverBudget, match="largest window that fits is --window 200$") as e:
         evaluate.score_documents(model, docs, stride=64, budget=budget)
-    assert "--window 200" in str(e.value)
+    assert isinstance(e.value, ValueError)   # (what models.evaluate's callers catch)
     monkeypatch.undo()
     res = evaluate.score_documents(model, docs, stride=64, window=200, budget=budget)   # what it named: accepted
     assert res["tokens"] == 599
@@ -233,7 +240,7 @@ def test_smollm2_base_plans_its_whole_context_in_4_gb(smollm2_base):
     cfg = ModelConfig.load(smollm2_base / "config.json")
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    assert cfg.context == 8192 and evaluate.batch_rows(model, 8192) == 1
+    assert cfg.context == 8192 and memory.batch_rows(model, 8192, evaluate.BATCH_TOKENS) == 1
     evaluate.check_window(model, 8192)
 
 
@@ -241,18 +248,18 @@ def test_smollm2_base_plans_its_whole_context_in_4_gb(smollm2_base):
 
 def test_report_windows_refused_past_what_fits_and_the_named_one_accepted(smollm2_base):
     cfg = budgets.config_of(smollm2_base)
-    budgets.check_window([cfg], 1024, budgets.report_window_bytes)   # a report's usual windows fit
-    with pytest.raises(budgets.OverBudget, match=r"largest window that fits is --window (\d+)") as e:
-        budgets.check_window([cfg], 3000, budgets.report_window_bytes)
+    memory.check_window([cfg], 1024, budgets.report_window_bytes)   # a report's usual windows fit
+    with pytest.raises(OverBudget, match=r"largest window that fits is --window (\d+)") as e:
+        memory.check_window([cfg], 3000, budgets.report_window_bytes)
     most = int(str(e.value).rsplit(" ", 1)[1])
     assert 1024 <= most < 3000
-    budgets.check_window([cfg], most, budgets.report_window_bytes)
-    with pytest.raises(budgets.OverBudget):
-        budgets.check_window([cfg], most + 1, budgets.report_window_bytes)
+    memory.check_window([cfg], most, budgets.report_window_bytes)
+    with pytest.raises(OverBudget):
+        memory.check_window([cfg], most + 1, budgets.report_window_bytes)
     pruned = budgets.config_of(models_root() / "smollm2-pruned-g1.0")
-    budgets.check_window([cfg, pruned], pruned.context, budgets.report_window_bytes)   # the reports' default 512
-    with pytest.raises(budgets.OverBudget, match="context is 512 tokens.*--window 512"):
-        budgets.check_window([cfg, pruned], 513, budgets.report_window_bytes)
+    memory.check_window([cfg, pruned], pruned.context, budgets.report_window_bytes)   # the reports' default 512
+    with pytest.raises(OverBudget, match="context is 512 tokens.*--window 512"):
+        memory.check_window([cfg, pruned], 513, budgets.report_window_bytes)
 
 
 def test_report_commands_refuse_before_loading(monkeypatch, tmp_path, capsys, smollm2_base):

@@ -1,9 +1,9 @@
-"""The compacted cache with fixed shapes (models.pruning.compact_cache, fixed=True; models.graphs captures its
-steps on a GPU): a decode step writes at a device-side cursor and reads the buffers up to it, compaction moves
-the live slots to the front of the same buffers between steps, and the buffers only grow. On the CPU: it
+"""The compacted cache with fixed shapes (models.pruning.fixed_compact, new_compact_cache(fixed=True); models.graphs
+captures its steps on a GPU): a decode step writes at a device-side cursor and reads the buffers up to it, compaction
+moves the live slots to the front of the same buffers between steps, and the buffers only grow. On the CPU: it
 decodes what the dynamic compacted cache decodes (logits, every drop and its trigger, live counts) through
-compactions and growth, for the learned rule and for dense models on the compacted cache, on fresh random
-weights; nothing after the cursor is read; the kernels' `lengths` keep nothing after it."""
+compactions and growth, for the learned rule and for dense models on the compacted cache, on fresh random weights;
+nothing after the cursor is read; the kernels' `lengths` keep nothing after it."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -6,7 +6,8 @@ import torch
 
 from models.decode import Decoder
 from models.pruning import mean_sparsity, policies, sparsity
-from models.pruning.replay import MAX_TOKENS, replay
+from models.memory import REPLAY_MAX_TOKENS as MAX_TOKENS
+from models.pruning.replay import replay
 from models.scoring import target_logprobs
 from tests.test_compact_cache import model_for
 

@@ -1,5 +1,6 @@
-"""Static-shape decode (models.cache.DecodeCache.fix_shapes, models.backends.static.attend_fixed): every step
-writes at a device-side cursor and attends over the whole preallocated buffers, so a CUDA graph can replay it.
+"""Static-shape decode (models.fixed_shape.FixedDecodeCache.fix_shapes, models.backends.fixed.attend_static):
+every step writes at a device-side cursor and attends over the whole preallocated buffers, so a CUDA graph can
+replay it.
 On the CPU the path itself is checked: it equals today's decode and the full forward, for every attention
 variant and the learned step rule, on fresh random weights; the pool of captured entries hands out emptied
 caches. The capture and replay are checked on a GPU (tests/test_gpu.py)."""

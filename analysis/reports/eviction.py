@@ -31,12 +31,13 @@ import plotly.graph_objects as go
 from tqdm import tqdm
 
 from analysis import pruning
-from analysis.budgets import OverBudget, check_dirs, report_window_bytes
+from analysis.budgets import check_dirs, report_window_bytes
 from analysis.text import from_ids
 from kernels import settings
 from models.checkpoint import load_model_dir
 from models.data.corpus import load_tokens
 from models.device import add_arguments as add_device_arguments
+from models.memory import OverBudget
 from models.pruning import mean_sparsity, policies
 
 

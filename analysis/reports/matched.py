@@ -40,11 +40,12 @@ import torch
 from tqdm import tqdm
 
 from analysis import bootstrap, pruning
-from analysis.budgets import OverBudget, check_dirs, report_window_bytes
+from analysis.budgets import check_dirs, report_window_bytes
 import kernels.settings  # (by its full name: `settings` here is the protocol's)
 from models.checkpoint import code_version, file_sha256, load_model_dir
 from models.data.corpus import DataError, load_tokens
 from models.device import add_arguments as add_device_arguments
+from models.memory import OverBudget
 from models.pruning import policies, sparsity
 
 LATE = 100  # positions from here on are reported apart: every query there has at least 100 earlier tokens
@@ -300,8 +301,9 @@ def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: lis
 
 
 def check_window(ap: argparse.ArgumentParser, dirs: list[str], window: int) -> None:
-    """ap.error, before any model loads, when `window` does not fit: the models in dirs are held at once (the base and
-    every run), one window's runs beside them (analysis.budgets.report_window_bytes)."""
+    """ap.error, before any model loads, when `window` does not fit (models.memory's planner, through
+    analysis.budgets.check_dirs): the models in dirs are held at once (the base and every run), one window's runs
+    beside them (analysis.budgets.report_window_bytes)."""
     try:
         check_dirs(dirs, window, report_window_bytes)
     except OverBudget as e:

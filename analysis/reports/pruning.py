@@ -19,11 +19,12 @@ from pathlib import Path
 import pandas as pd
 import plotly.express as px
 
-from analysis import budgets
+from analysis.budgets import check_dirs
 from models.checkpoint import CheckpointError, load_model_dir
 from models.data import load_documents
 from models.device import add_arguments as add_device_arguments
-from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of, record_bytes
+from models.evaluate import BUCKETS, bucket_eval, encode_documents, method_of
+from models.memory import OverBudget, forward_bytes, record_bytes
 
 
 def model_buckets(loaded, window: int, data: str | None = None, max_windows: int | None = None) -> list[dict]:
@@ -38,10 +39,10 @@ def model_buckets(loaded, window: int, data: str | None = None, max_windows: int
 
 
 def check_window(dirs: list[str], window: int) -> None:
-    """budgets.OverBudget before anything loads when a window does not fit: the models load one at a time, each
-    holding one window's forward and its masks (models.evaluate.bucket_eval)."""
-    budgets.check_dirs(dirs, window, lambda c, t: budgets.forward_bytes(c, 1, t) + record_bytes(c, t),
-                       one_at_a_time=True)
+    """OverBudget before anything loads when a window does not fit (models.memory's planner, through
+    analysis.budgets.check_dirs): the models load one at a time, each holding one window's forward and its masks
+    (models.evaluate.bucket_eval)."""
+    check_dirs(dirs, window, lambda c, t: forward_bytes(c, 1, t) + record_bytes(c, t), one_at_a_time=True)
 
 
 def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_windows: int | None = None,
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         table = evaluate_models(args.model_dirs, args.window, args.data, args.max_windows, args.device)
-    except (budgets.OverBudget, CheckpointError) as e:
+    except (OverBudget, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     command = "python -m analysis.reports.pruning " + " ".join(args.model_dirs) + f" --window {args.window}"

@@ -11,7 +11,10 @@ full.py        WholeSequence: a whole sequence (training, scoring) under the cau
 static.py      attend over models.cache.LayerCache: gpt-fast's preallocated decode cache, with the
                learned rule's step mask when the model prunes
 compacted.py   attend over models.pruning.compact_cache.CompactCache: context pruning's compacted cache, where the
-               learned rule or a heuristic eviction policy (models.pruning.policies) frees what it drops
+               learned rule or a heuristic eviction policy (models.pruning.policies) frees what it drops; a
+               fixed-shape cache (models.pruning.fixed_compact) says where its step writes and what it reads
+fixed.py       a fixed-shape step over the static cache's buffers (models.fixed_shape.FixedLayerCache): written at
+               a device-side cursor, read up to it, so that a CUDA graph can replay it (models.graphs)
 models.pruning.replay.Replay              an eviction policy over a whole text in one forward
 models.pruning.intervene.Intervention     the learned rule with forced decisions over a whole text
 
@@ -74,7 +77,8 @@ class LayerState:
 class State:
     """The interface of every attention state DecoderLM.forward runs over. `layers[i]` is block i's state, whose
     `attend(mixer, x, q, k, v, record)` returns the mixer's output. This base serves a state over a whole text
-    from position 0 (a replay, an intervention); the decode caches override `begin` and `end`."""
+    from position 0 (a replay, an intervention); the decode caches override `begin`, their fixed-shape forms
+    (models.fixed_shape) `end` too."""
 
     layers: Sequence
 

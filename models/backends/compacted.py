@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 import kernels
-from models.backends import CHUNK, additive, group_rows
+from models.backends import additive, group_rows
+from models.pruning import eviction
 from models.pruning.patterns import pattern_allows
 
 
@@ -43,7 +44,8 @@ class _GroupRows:
 
 
 def attend(mixer, cache, x, q, k, v, record, rope=None):
-    """rope: the angle tables and positions of q and k, not rotated yet (a fixed-shape step: CompactCache.rotates)."""
+    """rope: the angle tables and positions of q and k, not rotated yet (a fixed-shape step:
+    FixedCompactCache.rotates)."""
     if cache.groups > 1:
         return by_group(mixer, cache, x, q, k, v, record)
     return attend_rows(mixer, cache, x, q, k, v, record, rope)
@@ -108,7 +110,7 @@ def attend_rows(mixer, cache, x, q, k, v, record, rope=None):
         cache.update_live(kept[rows, last], trigger)
     allowed = torch.where(valid[:, :, None], allowed, (slot_pos >= 0)[:, None, :])  # padding rows: no NaN
     out = mixer.attend(q, kk, vv, additive(allowed, q.dtype)[:, None], record, causal=False)
-    if cache.policy is not None and cache.policy.at_prompt_end and q.shape[2] > 1:
+    if eviction.compresses(cache.policy, q.shape[2]):
         if cache.valid is not None:
             raise ValueError(f"{cache.policy.method} compresses a prompt of real tokens only (no padding rows)")
         compress_prompt(mixer, cache, q, kk, vv, q_pos)
@@ -118,10 +120,12 @@ def attend_rows(mixer, cache, x, q, k, v, record, rope=None):
 
 
 def decode(mixer, cache, x, q, k, v, rope=None):
-    """One new token per row, every row real: the fast path (no host synchronisation, no sort). The token joins
-    slot `end`; with pruning, one fused pass scores it against the live slots, attends over what survives and
-    says what survives; the compaction question is asked every few steps. rope (fixed shapes only): q and k
-    come unrotated, and are rotated as K is written (kernels.step_write)."""
+    """One new token per row, every row real: the fast path (no host synchronisation, no sort). The cache writes
+    the token and says what the step reads (CompactCache.write_token: slot `end` and the slots before it; a
+    fixed-shape cache's cursor and its whole buffers, each row's read length with them); with pruning, one fused
+    pass scores it against the live slots, attends over what survives and says what survives; the compaction
+    question is asked every few steps. rope (fixed shapes only): q and k come unrotated, and are rotated as K is
+    written (kernels.step_write)."""
     q_pos = cache.q_pos
     rule = mixer.pruning if cache.policy is None else None
     if rule is not None:
@@ -130,17 +134,7 @@ def decode(mixer, cache, x, q, k, v, rope=None):
         q_int, k_int = qk[..., :rule.r], qk[..., rule.r:]
     else:
         q_int, k_int = None, False
-    new = mixer.cache_entries(x, k, v, k_int)
-    if cache.cursor is None:
-        cache.append(new, q_pos)
-        e = cache.end
-        past, live, pos, trig = cache.view(), cache.live[:, :e], cache.pos[:, :e], cache.trig[:, :e]
-        lengths = counts = None
-    else:  # fixed shapes: every write at the cursor in one kernel (rotating q and K there with rope), then the
-        # whole buffers, each row read up to the slot just written (the cursors move on at the step's end)
-        q = cache.write_step(q, new, q_pos, rope)
-        past, live, pos, trig = cache.buffers, cache.live, cache.pos, cache.trig
-        lengths, counts = cache.filled.expand(q.shape[0]), cache.merge_counts
+    q, (past, live, pos, trig, lengths, counts) = cache.write_token(q, mixer.cache_entries(x, k, v, k_int), rope)
     kk = past["k"]
     vv = kk if mixer.kv_shared else past["v"]
     if cache.policy is not None:
@@ -164,40 +158,35 @@ def decode(mixer, cache, x, q, k, v, rope=None):
 
 
 def policy_decode(mixer, cache, q, kk, vv, q_pos):
-    """A decode step under a heuristic eviction policy: in step mode it evicts by position before the query
-    attends (StreamingLLM) or reads the query's attention over what is held, then evicts (TOVA, H2O, SnapKV's
-    step form); in prompt mode it compressed the prompt and keeps every later token."""
-    pol, live, pos = cache.policy, cache.live[:, :cache.end], cache.pos[:, :cache.end]
-    if pol.at_prompt_end or not pol.uses_attention:
-        keep = live if pol.at_prompt_end else pol.step(live, pos, q_pos[:, 0])
-        cache.count_seen(keep)
-        out = mixer.attend(q, kk, vv, additive(keep, q.dtype)[:, None, None], None, causal=False)
-    else:
-        cache.count_seen(live)
-        o, probs = kernels.attention(q, kk, vv, scale=mixer.scale, bias=additive(live, q.dtype)[:, None, None],
-                                     need_weights=True, causal=False, **mixer.head_maps())
-        keep = pol.step(live, pos, q_pos[:, 0], probs[:, :, 0].float(), cache.slot_state)
-        out = mixer.output(o)
+    """A decode step under a heuristic eviction policy: models.pruning.eviction.step says under which mask the
+    query attends and what each row keeps; here the query attends over the cache's slots (with its weights when
+    the policy reads them) and the cache notes the drops."""
+    out = []
+
+    def attend(mask, weights):
+        cache.count_seen(mask)
+        bias = additive(mask, q.dtype)[:, None, None]
+        if not weights:
+            out.append(mixer.attend(q, kk, vv, bias, None, causal=False))
+            return None
+        o, probs = kernels.attention(q, kk, vv, scale=mixer.scale, bias=bias, need_weights=True, causal=False,
+                                     **mixer.head_maps())
+        out.append(mixer.output(o))
+        return probs[:, :, 0].float()
+
+    live, pos = cache.live[:, :cache.end], cache.pos[:, :cache.end]
+    keep = eviction.step(cache.policy, live, pos, q_pos[:, 0], attend, cache.slot_state)
     cache.update_kept(keep, q_pos, every=cache.check_every)
-    return out
+    return out[0]
 
 
 def compress_prompt(mixer, cache, q, kk, vv, q_pos):
-    """After a prompt (all rows real), a policy in prompt mode compresses it once: from the attention its last
-    `window` queries (or all of them) paid, summed per head over those queries, or by position alone."""
-    pol = cache.policy
-    slot_pos, live = cache.pos[:, :cache.end], cache.live[:, :cache.end]
-    got = None
-    if pol.uses_attention:
-        t = q.shape[2]
-        first = 0 if pol.window is None else max(0, t - pol.window)
-        for a in range(first, t, CHUNK):
-            b = min(a + CHUNK, t)
-            allowed = live[:, None, :] & (slot_pos[:, None, :] <= q_pos[:, a:b, None])              # [B,c,S]
-            _, probs = kernels.attention(q[:, :, a:b], kk, vv, scale=mixer.scale,
-                                         bias=additive(allowed, q.dtype)[:, None],
-                                         need_weights=True, causal=False, **mixer.head_maps())
-            part = probs.float().sum(2)                                   # [B,H,S] (MHE: H heads from one q)
-            got = part if got is None else got + part
-    keep = pol.compress(live, slot_pos, q_pos[:, -1] + 1, got)
-    cache.update_live(keep, q_pos[:, -1:].expand_as(keep))
+    """After a prompt (all rows real), a prompt-mode policy compresses it once (models.pruning.eviction.compress);
+    here a block of prompt queries attends over the cache's slots when the policy reads their attention, and the
+    cache notes the drops."""
+    def probs(a, b, allowed):  # [B,H,b-a,S] (MHE: H heads from one q)
+        return kernels.attention(q[:, :, a:b], kk, vv, scale=mixer.scale, bias=additive(allowed, q.dtype)[:, None],
+                                 need_weights=True, causal=False, **mixer.head_maps())[1]
+
+    keep, by = eviction.compress(cache.policy, cache.live[:, :cache.end], cache.pos[:, :cache.end], q_pos, probs)
+    cache.update_live(keep, by.expand_as(keep))

@@ -4,32 +4,27 @@ Token by token (models.evaluate.score_token_by_token) a 30-layer model reads 1,0
 layer l's inputs at every position depend only on layers < l, so each layer can take all its queries and keys at
 once: the policy then steps through the positions over that layer's raw scores (its softmax over what is held,
 renormalised per step), which gives every query's visible set, and the layer attends once under that mask. The
-slots are the positions, in order, as the compacted cache keeps them (appends at the end, stable compaction), so
-ties break alike; tests/test_replay.py checks the two against each other.
+decisions are models.pruning.eviction's, the engine the decode step runs too; the slots are the positions, in
+order, as the compacted cache keeps them (appends at the end, stable compaction), so ties break alike;
+tests/test_replay.py checks the two against each other.
 
 A model with learned context pruning runs here with its rule off: its own weights, nothing dropped unless the
 policy evicts it (policy None: nothing at all), which puts the learned rule and the heuristics on one model.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 import kernels
-from models.backends import CHUNK, LayerState, State, attend_by_group
+from models import memory
+from models.backends import LayerState, State, attend_by_group
+from models.pruning import eviction
+from models.pruning.eviction import rows_of
 from models.scoring import target_logprobs
 from models.transformer import evaluating
 
-MAX_TOKENS = 4096         # the model's context or this, whichever is smaller
-SCORES_BYTES = 2 ** 30    # one layer's scores [heads, T, T] in float32 at most (9 heads x 4,096^2 = 600 MB)
-VISIBLE_BYTES = 2 ** 30   # the visible masks kept [layers, rows, T, T] (30 layers x 3 groups x 3,000^2 = 810 MB)
-
-
-def rows_of(policy, mixer) -> int:
-    """How many masks a layer holds under this policy: one per KV group for a per-group policy, else one."""
-    return mixer.n_groups if policy is not None and policy.per_group else 1
 
 
 class LayerReplay(LayerState):
@@ -70,16 +65,11 @@ def _probs(row: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return row.masked_fill(~held[:, None], float("-inf")).softmax(-1).float()
 
 
-def received(scores: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """scores [R,h,T,T] -> the causal attention queries first..last-1 pay keys 0..last-1, summed over those
-    queries [R,h,last] (float32; zeros when there are none), in blocks of CHUNK queries as
-    models.backends.compacted sums them."""
-    out = torch.zeros(*scores.shape[:2], last, dtype=torch.float32, device=scores.device)
-    causal = torch.ones(last, last, dtype=torch.bool, device=scores.device).tril()
-    for a in range(first, last, CHUNK):
-        b = min(a + CHUNK, last)
-        out += scores[:, :, a:b, :last].masked_fill(~causal[a:b], float("-inf")).softmax(-1).float().sum(2)
-    return out
+def _block(scores: torch.Tensor):
+    """scores [R,h,T,T] -> eviction.received's probs(a, b, allowed): queries a..b-1's softmax over the keys of
+    allowed [R,b-a,S] (the positions 0..S-1), in the model's dtype."""
+    return lambda a, b, allowed: scores[:, :, a:b, :allowed.shape[-1]].masked_fill(~allowed[:, None],
+                                                                                   float("-inf")).softmax(-1)
 
 
 def hindsight(scores: torch.Tensor) -> torch.Tensor:
@@ -93,10 +83,8 @@ def hindsight(scores: torch.Tensor) -> torch.Tensor:
 
 def evict(policy, t: int, scores: torch.Tensor | None, prompt: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(visible [R,T,T] bool, dropped_at [R,T] long) of one layer, R rows (its KV groups under a per-group
-    policy, else one). Step mode decides at each position as the decode step does (before the query attends or
-    after, from the query's attention over what its row holds); prompt mode keeps everything within the prompt,
-    compresses it once from the prompt queries' causal attention, and keeps every later token. An oracle reads
-    the full model's later attention instead (hindsight)."""
+    policy, else one): the positions are the slots, and models.pruning.eviction decides, as in decoding. An
+    oracle reads the full model's later attention instead (hindsight)."""
     rows = 1 if scores is None else scores.shape[0]
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     dropped_at = torch.full((rows, t), -1, dtype=torch.long, device=device)
@@ -104,37 +92,47 @@ def evict(policy, t: int, scores: torch.Tensor | None, prompt: int | None, devic
         return causal[None], dropped_at
     pos = torch.arange(t, device=device)[None].expand(rows, t)
     if policy.at_prompt_end:
-        p = min(prompt, t)
-        visible = causal[None].repeat(rows, 1, 1)
-        if p < 2:  # a one-token prompt is decoded, not compressed (as the model does)
-            return visible, dropped_at
-        got = None
-        if policy.hindsight:
-            got = received(scores, p, t)[..., :p]         # every query from p on, in the full model
-        elif policy.uses_attention:
-            w = p if policy.window is None else min(policy.window, p)
-            got = received(scores, p - w, p)
-        live = torch.ones(rows, p, dtype=torch.bool, device=device)
-        keep = policy.compress(live, pos[:, :p], torch.full((rows,), p, device=device), got)
-        visible[:, p:, :p] &= keep[:, None, :]
-        dropped_at[:, :p][~keep] = p - 1  # the last prompt query attended to everything, then the cache shrank
+        return _compressed(policy, min(prompt, t), scores, pos, causal[None].repeat(rows, 1, 1), dropped_at)
+    return _stepped(policy, scores, pos, dropped_at)
+
+
+def _compressed(policy, p: int, scores, pos, visible, dropped_at):
+    """Prompt mode: every query sees its whole past within the prompt; the prompt's p tokens are compressed once
+    (eviction.compress), and every later query sees what was kept and every token after the prompt."""
+    if not eviction.compresses(policy, p):
         return visible, dropped_at
+    later = None
+    if policy.hindsight:  # what the queries after the prompt pay each prompt token in the full model (all keys held)
+        full = torch.ones_like(pos, dtype=torch.bool)
+        queries = eviction.prompt_queries(policy, p, pos.shape[1])
+        later = eviction.received(full, pos, pos, queries, _block(scores))[..., :p]
+    held = torch.ones_like(pos[:, :p], dtype=torch.bool)
+    keep, by = eviction.compress(policy, held, pos[:, :p], pos[:, :p], _block(scores), later)
+    visible[:, p:, :p] &= keep[:, None, :]
+    dropped_at[:, :p] = eviction.drops(dropped_at[:, :p], held, keep, by)
+    return visible, dropped_at
+
+
+def _stepped(policy, scores, pos, dropped_at):
+    """Step mode: position n joins the held slots, then eviction.step decides, its query attending over the row
+    of scores n (or, for an oracle, reading the later attention)."""
+    rows, t = pos.shape
     later = hindsight(scores) if policy.hindsight else None
-    visible = torch.zeros(rows, t, t, dtype=torch.bool, device=device)
-    live = torch.zeros(rows, t, dtype=torch.bool, device=device)
-    state = policy.state(rows, t, device)
+    visible = torch.zeros(rows, t, t, dtype=torch.bool, device=pos.device)
+    live = torch.zeros(rows, t, dtype=torch.bool, device=pos.device)
+    state = policy.state(rows, t, pos.device)
     for n in range(t):
         live[:, n] = True
-        held, here, q = live[:, :n + 1], pos[:, :n + 1], pos[:, n]
-        if policy.uses_attention:
-            visible[:, n, :n + 1] = held
-            probs = later[:, :, n, :n + 1].float() if later is not None else _probs(scores[:, :, n, :n + 1], held)
-            keep = policy.step(held, here, q, probs, state)
-        else:
-            keep = policy.step(held, here, q)
-            visible[:, n, :n + 1] = keep
-        gone = held & ~keep
-        dropped_at[:, :n + 1] = torch.where(gone, n, dropped_at[:, :n + 1])
+        held, here = live[:, :n + 1], pos[:, :n + 1]
+
+        def attend(mask, weights, n=n):
+            visible[:, n, :n + 1] = mask
+            if weights:
+                return later[:, :, n, :n + 1].float() if later is not None else _probs(scores[:, :, n, :n + 1], mask)
+            return None
+
+        keep = eviction.step(policy, held, here, pos[:, n], attend, state)
+        dropped_at[:, :n + 1] = eviction.drops(dropped_at[:, :n + 1], held, keep, n)
         live[:, :n + 1] = keep
     return visible, dropped_at
 
@@ -150,14 +148,6 @@ class MethodRun:
     logprobs: torch.Tensor
 
 
-def most_tokens(cfg, rows: int, copies: int) -> int:
-    """The longest text a replay reads: the model's context and MAX_TOKENS, one layer's scores [heads, T, T] `copies`
-    times over within SCORES_BYTES, and the masks [layers, rows, T, T] within VISIBLE_BYTES (analysis.budgets plans
-    with it too)."""
-    return min(cfg.context, MAX_TOKENS, math.isqrt(SCORES_BYTES // (4 * cfg.n_heads * copies)),
-               math.isqrt(VISIBLE_BYTES // (cfg.n_layers * rows)))
-
-
 @torch.inference_mode()
 def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> MethodRun:
     """One forward over ids with `policy` in every attention layer (learned pruning off; None: nothing evicted)."""
@@ -168,7 +158,7 @@ def replay(model, ids: list[int], policy=None, prompt: int | None = None) -> Met
                          "dense softmax model")
     cfg, rows = model.config, rows_of(policy, model.blocks[0].mixer)
     copies = 3 if policy is not None and policy.hindsight else 1  # the oracle's softmax and suffix sums beside them
-    most = most_tokens(cfg, rows, copies)
+    most = memory.replay_tokens(cfg, rows, copies)
     if len(ids) > most:
         raise ValueError(f"{len(ids)} tokens: an eviction replay reads at most {most} (the model's context, the scores "
                          f"[{cfg.n_heads} heads, T, T] it holds per layer and the masks [{cfg.n_layers} layers, {rows} "
