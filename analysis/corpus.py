@@ -19,6 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from analysis import bootstrap
+from analysis.plain import plotly_text
 
 
 TABLES = ("layer", "pos_layer", "pos", "position", "token")   # the statistics a report keeps, stats_<table>.parquet
@@ -153,7 +154,8 @@ def pos_layer_figure(stats: pd.DataFrame, title: str, min_tokens: int = 50) -> g
     hover = s.assign(text=[_interval(*v) for v in zip(s["drop_rate"], s["lo"], s["hi"], s["occurrences"],
                                                       s["windows"])])
     text = hover.pivot(index="pos", columns="layer", values="text").reindex(order)
-    fig = go.Figure(go.Heatmap(z=pivot.to_numpy(np.float64), x=[f"L{c}" for c in pivot.columns], y=list(pivot.index),
+    fig = go.Figure(go.Heatmap(z=pivot.to_numpy(np.float64), x=[f"L{c}" for c in pivot.columns],
+                               y=[plotly_text(p) for p in pivot.index],
                                colorscale="Reds", zmin=0, zmax=1, customdata=text.to_numpy(),
                                colorbar={"title": "dropped"},
                                hovertemplate="%{y}, %{x}: %{customdata}<extra></extra>"))
@@ -171,10 +173,11 @@ def _error(s: pd.DataFrame) -> dict:
 def _lines(stats: dict[str, pd.DataFrame], x: str, title: str, xaxis: str, category: bool = False) -> go.Figure:
     fig = go.Figure()
     for run, s in stats.items():
-        fig.add_trace(go.Scatter(x=s[x], y=s["drop_rate"], mode="lines+markers", name=run, error_y=_error(s),
+        name = plotly_text(run)   # (a report's run names: text, never plotly's HTML)
+        fig.add_trace(go.Scatter(x=s[x], y=s["drop_rate"], mode="lines+markers", name=name, error_y=_error(s),
                                  customdata=[_interval(*v) for v in zip(s["drop_rate"], s["lo"], s["hi"],
                                                                        s["occurrences"], s["windows"])],
-                                 hovertemplate="%{x}: %{customdata}<extra>" + run + "</extra>"))
+                                 hovertemplate="%{x}: %{customdata}<extra>" + name + "</extra>"))
     fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title="share dropped by the end", yaxis_range=[0, 1],
                       height=360, xaxis_type="category" if category else None)
     return fig
@@ -196,7 +199,7 @@ def token_figure(stats: pd.DataFrame, title: str, top: int = TOP_TOKENS) -> go.F
     ordered by drop rate over all layers, with intervals."""
     s = stats.sort_values("occurrences", ascending=False).head(top).sort_values("drop_rate")
     text = s["token"] if "token" in s else s["token_id"].astype(str)
-    labels = [f"{t!r} #{i} ({n:,})" for t, i, n in zip(text, s["token_id"], s["occurrences"])]
+    labels = [plotly_text(f"{t!r} #{i} ({n:,})") for t, i, n in zip(text, s["token_id"], s["occurrences"])]
     fig = go.Figure(go.Bar(x=s["drop_rate"], y=labels, orientation="h", error_x=_error(s),
                            customdata=[_interval(*v) for v in zip(s["drop_rate"], s["lo"], s["hi"],
                                                                  s["occurrences"], s["windows"])],
@@ -214,7 +217,8 @@ def curve_figure(curves: pd.DataFrame, title: str) -> go.Figure:
         g = g.sort_values("sparsity")
         err = dict(type="data", symmetric=False, array=g["cost_hi"] - g["cost"], arrayminus=g["cost"] - g["cost_lo"])
         learned = family == "learned"
-        label = [str(r) if learned else f"{int(b)}" for r, b in zip(g["run"], g["budget"].fillna(0))]
+        label = [plotly_text(r) if learned else f"{int(b)}" for r, b in zip(g["run"], g["budget"].fillna(0))]
+        family = plotly_text(family)
         fig.add_trace(go.Scatter(x=g["sparsity"], y=g["cost"], error_y=err, name=family, text=label,
                                  mode="markers+text" if learned else "lines+markers",
                                  textposition="top left", marker_size=10 if learned else 6,
@@ -252,20 +256,21 @@ def page_figures(report: dict, source: str, run: str, others: list[str] | None =
 
     spec = {"source": source, "run": run}
     lay, pos = pick("layer", shown), pick("position", shown)
+    src, name = plotly_text(source), plotly_text(run)   # (in titles: a report's names as text)
     return [
-        (f"corpus_curve_{source}", curve_figure(c, f"{source}: sparsity against perplexity cost"), c,
+        (f"corpus_curve_{source}", curve_figure(c, f"{src}: sparsity against perplexity cost"), c,
          {"source": source}),
         (f"corpus_pos_layer_{run}_{source}",
-         pos_layer_figure(pick("pos_layer", [run]), f"{run} on {source}: share of each part of speech dropped, per "
+         pos_layer_figure(pick("pos_layer", [run]), f"{name} on {src}: share of each part of speech dropped, per "
                                                     "layer", min_tokens),
          pick("pos_layer", [run]), spec | {"min_tokens": min_tokens}),
-        (f"corpus_layers_{run}_{source}", layer_figure(by_run(lay), f"{source}: share dropped by each layer"), lay,
+        (f"corpus_layers_{run}_{source}", layer_figure(by_run(lay), f"{src}: share dropped by each layer"), lay,
          spec | {"runs": shown}),
         (f"corpus_position_{run}_{source}",
-         position_figure(by_run(pos), f"{source}: share dropped by position in the window"), pos,
+         position_figure(by_run(pos), f"{src}: share dropped by position in the window"), pos,
          spec | {"runs": shown}),
         (f"corpus_tokens_{run}_{source}",
-         token_figure(pick("token", [run]), f"{run} on {source}: the {top} most frequent tokens", top),
+         token_figure(pick("token", [run]), f"{name} on {src}: the {top} most frequent tokens", top),
          pick("token", [run]), spec | {"top": top}),
     ]
 

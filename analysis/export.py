@@ -13,8 +13,10 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import platform
 import re
+import secrets
 import sys
 import threading
 import warnings
@@ -29,29 +31,98 @@ from models.files import spreadsheet_safe
 
 FORMATS = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf"}
 PACKAGES = ("torch", "plotly", "kaleido", "pandas", "numpy", "captum", "streamlit", "tokenizers", "safetensors")
+# The renderer's chromium reaches nothing: every request goes to a proxy on the loopback's discard port (refused),
+# the loopback itself included (<-loopback> removes chromium's implicit bypass of localhost), and no host name or
+# address resolves (the proxy's own neither), so not even a DNS query leaves. Chromium makes requests of its own
+# (search engine, update and account services), as well as any a figure could name: all of them fail at once.
+RENDERER_FLAGS = ("--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>",
+                  "--host-resolver-rules=MAP * ~NOTFOUND", "--disable-background-networking")
 log = logging.getLogger("analysis.export")
 _server_lock = threading.Lock()
 _server_started = False
+_draw_lock = threading.Lock()   # (kaleido's sync server answers calls in order: one at a time gets its own image)
 
 
 class ExportError(RuntimeError):
     pass
 
 
+def _page():
+    """kaleido's page for the renderer: plotly.js from the installed plotly package, no MathJax (kaleido's default
+    loads it from a CDN on every drawing); refused if any script would come from elsewhere than a local file."""
+    import plotly
+    from kaleido import PageGenerator
+    plotly_js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    if not plotly_js.is_file():
+        raise ExportError(f"plotly.js is not where the plotly package keeps it ({plotly_js}): reinstall plotly")
+    page = PageGenerator(plotly=plotly_js.as_uri(), mathjax=False)
+    sources = re.findall(r'<script src="([^"]*)"', page.generate_index())
+    if not sources or any(not src.startswith("file://") for src in sources):
+        raise ExportError(f"the renderer's page would load {sources}: only local files are allowed")
+    return page
+
+
+def _offline_browser():
+    """choreographer's Chromium with RENDERER_FLAGS at the end of its command line (a proxy named by
+    CHOREO_PROXY_SERVER is not used: ours is the only one)."""
+    from choreographer.browsers.chromium import Chromium
+
+    class OfflineChromium(Chromium):
+        def __init__(self, channel, path=None, **kwargs):
+            kwargs.pop("proxy_server", None)
+            super().__init__(channel, path, **kwargs)
+            self.proxy_server = None
+
+        def get_cli(self):
+            return [*super().get_cli(), *RENDERER_FLAGS]
+
+    return OfflineChromium
+
+
 def _ensure_server() -> None:
-    """One long-lived headless browser for all images (about 10x faster than one per image)."""
+    """One long-lived headless browser for all images (about 10x faster than one per image): the page without
+    MathJax (_page), the browser without network (RENDERER_FLAGS). A kaleido server something else started (with
+    kaleido's defaults) is stopped and ours started in its place."""
     global _server_started
+    import kaleido
+    server = getattr(kaleido, "_global_server", None)
     with _server_lock:
+        running = server.is_running() if server is not None else _server_started
+        if _server_started and running:
+            return
+        if running:
+            kaleido.stop_sync_server(silence_warnings=True)
+        kaleido.start_sync_server(page_generator=_page(), browser_cls=_offline_browser(), silence_warnings=True)
         if not _server_started:
-            import kaleido
-            kaleido.start_sync_server(silence_warnings=True)
             atexit.register(kaleido.stop_sync_server, silence_warnings=True)
-            _server_started = True
+        _server_started = True
+
+
+def drawable_spec(fig: go.Figure | dict) -> dict:
+    """The figure's spec as it goes to the renderer (plotly's to_dict, templates without their inert geo and map
+    parts: analysis.plain.without_inert_template_parts); ExportError naming the place when it names a remote
+    resource, markup or MathJax (analysis.plain.spec_refusal)."""
+    from analysis.plain import spec_refusal, without_inert_template_parts
+    spec = without_inert_template_parts(fig.to_dict() if isinstance(fig, go.Figure) else fig)
+    why = spec_refusal(spec)
+    if why:
+        raise ExportError(f"the figure is not drawn: {why}")
+    return spec
+
+
+def _draw(spec: dict, fmt: str, scale: float) -> bytes:
+    """The spec drawn by kaleido in the offline renderer (_ensure_server), unchecked: figure_bytes checks first."""
+    import plotly.io as pio
+    _ensure_server()
+    with _draw_lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pio.to_image(spec, format=fmt, scale=scale if fmt == "png" else 1.0, validate=False)
 
 
 def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
     """The figure drawn by kaleido; the same bytes every time for one figure (stable_svg, and traces given uids,
-    which plotly.js would otherwise draw at random)."""
+    which plotly.js would otherwise draw at random). A figure naming a remote resource (drawable_spec) is refused
+    with ExportError; the renderer has no MathJax and no network either way."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
     if any(t.uid is None for t in fig.data):
@@ -59,15 +130,44 @@ def figure_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
         for i, trace in enumerate(fig.data):
             if trace.uid is None:
                 trace.uid = f"trace{i}"
+    spec = drawable_spec(fig)
     try:
-        _ensure_server()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            data = fig.to_image(format=fmt, scale=scale if fmt == "png" else 1.0)
+        data = _draw(spec, fmt, scale)
+    except ExportError:
+        raise
     except Exception as e:  # kaleido reports a missing browser in several exception types
         raise ExportError(f"could not render {fmt.upper()} with kaleido: {e}. Figure export needs a Chromium "
                           "browser: on Debian `apt-get install chromium` (make run / make test do this as root)") from e
     return stable_svg(data) if fmt == "svg" else data
+
+
+def write_file(path: str | Path, data: bytes) -> Path:
+    """data written to path through a temporary file created exclusively beside it (a random name, O_EXCL: never
+    a file or link already there) and renamed into place, so a link planted at the temporary name or at path is
+    never followed (one at path is replaced), and a failed write leaves no half file. Whether path may be
+    replaced is the caller's to decide."""
+    path = Path(path)
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.part")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise ExportError(f"could not create a temporary file beside {path}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
 
 
 def stable_svg(svg: bytes) -> bytes:
@@ -202,17 +302,16 @@ def csv_bytes(table: pd.DataFrame) -> bytes:
 
 def write_bundle(fig: go.Figure, table: pd.DataFrame, out_dir: str | Path, name: str, meta: dict,
                  formats=tuple(FORMATS)) -> list[Path]:
-    """name.{png,svg,pdf,csv,json} in out_dir (the images in `formats` only; the CSV and the spec always)."""
+    """name.{png,svg,pdf,csv,json} in out_dir (the images in `formats` only; the CSV and the spec always), each
+    written by write_file; files already there are replaced (export_model refuses them first unless --force)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for fmt in formats:
-        p = out / f"{name}.{fmt}"
-        p.write_bytes(figure_bytes(fig, fmt))
-        paths.append(p)
-    (out / f"{name}.csv").write_bytes(csv_bytes(table))
-    (out / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    return paths + [out / f"{name}.csv", out / f"{name}.json"]
+    for fmt in formats:   # (each through write_file: no link planted at its name or a temporary one is followed)
+        paths.append(write_file(out / f"{name}.{fmt}", figure_bytes(fig, fmt)))
+    paths.append(write_file(out / f"{name}.csv", csv_bytes(table)))
+    paths.append(write_file(out / f"{name}.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8")))
+    return paths
 
 
 def app_windows(tokens, context: int) -> dict:

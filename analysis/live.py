@@ -3,7 +3,6 @@ the text with dropped tokens faded, cache bytes and latency over steps, and the 
 Pure: trace in, DataFrame / Figure / HTML out."""
 from __future__ import annotations
 
-import html
 import statistics
 from itertools import cycle
 
@@ -12,7 +11,9 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from analysis.budgets import LIVE_STRIP as MAX_STRIP  # tokens drawn in a strip (the last ones)
+from analysis.views import LIVE_STRIP as MAX_STRIP  # tokens drawn in a strip (the last ones)
+from analysis.plain import plotly_text
+from analysis.tokens import html_text
 from models.trace import held_at
 
 HELD, DROPPED, UNSEEN = 1.0, 0.0, np.nan
@@ -55,9 +56,9 @@ def strip_figure(trace: dict, step: int, labels: list[str], title: str) -> go.Fi
     note = np.full(z.shape, "", dtype=object)
     for d in trace["drops"]:
         if d["trigger"] <= seen - 1 and d["position"] >= start:
-            note[d["layer"], d["position"] - start] = (f"dropped at step {d['step']} by {labels[d['trigger']]!r} "
-                                                        f"(pos {d['trigger']})")
-    words = np.array([labels[start:]] * trace["n_layers"], dtype=object)
+            by = plotly_text(repr(labels[d["trigger"]]))   # (a token: text, never plotly's HTML)
+            note[d["layer"], d["position"] - start] = f"dropped at step {d['step']} by {by} (pos {d['trigger']})"
+    words = np.array([[plotly_text(w) for w in labels[start:]]] * trace["n_layers"], dtype=object)
     fig = go.Figure(go.Heatmap(
         z=z, x=list(range(start, total)), colorscale=[[0, "#c0392b"], [1, "#d6e9f8"]], zmin=0, zmax=1, showscale=False,
         customdata=np.dstack([words, note]), hoverongaps=False,
@@ -74,6 +75,7 @@ def cache_curve_figure(traces: dict[str, dict], title: str) -> go.Figure:
     fig = go.Figure()
     for (name, tr), colour in zip(traces.items(), cycle(px.colors.qualitative.Plotly)):
         df = steps_frame(tr)   # a run's held and allocated share its colour (and legend group)
+        name = plotly_text(name)   # (a run's name holds a model's: text, never plotly's HTML)
         fig.add_trace(go.Scatter(x=df["step"], y=df["held_bytes"] / 2**20, mode="lines", name=f"{name}: held",
                                  line_color=colour, legendgroup=name))
         fig.add_trace(go.Scatter(x=df["step"], y=df["alloc_bytes"] / 2**20, mode="lines", line_dash="dot",
@@ -90,8 +92,9 @@ def latency_curve_figure(traces: dict[str, dict], title: str) -> go.Figure:
     fig = go.Figure()
     for name, tr in traces.items():
         df = steps_frame(tr)
-        fig.add_trace(go.Scatter(x=df["step"][1:], y=df["model_ms"][1:], mode="lines", name=name,
-                                 customdata=df["token"][1:], hovertemplate="%{customdata}: %{y:.2f} ms<extra></extra>"))
+        fig.add_trace(go.Scatter(x=df["step"][1:], y=df["model_ms"][1:], mode="lines", name=plotly_text(name),
+                                 customdata=df["token"][1:].map(plotly_text),
+                                 hovertemplate="%{customdata}: %{y:.2f} ms<extra></extra>"))
     fig.update_layout(title=title, xaxis_title="step (the first, with the prefill, left out)",
                       yaxis_title="model ms per token", height=320)
     return fig
@@ -103,7 +106,7 @@ def faded_text_html(labels: list[str], n_prompt: int, held: np.ndarray) -> str:
     at the next) are drawn whole with a dashed underline."""
     out = []
     for i, tok in enumerate(labels):
-        text = html.escape(tok.replace("⏎", "\n"))
+        text = html_text(tok.replace("⏎", "\n"))   # (one line: a line break is a reference, see html_text)
         if i >= len(held):
             out.append(f'<span title="pos {i}: sampled at this step, not yet in the cache" '
                        f'style="border-bottom:2px dashed #2e86c1">{text}</span>')

@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 import torch
 
 from analysis.axes import position_axis, position_names
+from analysis.plain import plotly_text
 from models.mixers import LayerRecord
 from models.mixers.extractor import Extractor
 from models.transformer import evaluating
@@ -140,6 +141,7 @@ def map_figure(m: np.ndarray, labels: list[str], title: str, colorscale: str = "
     """One map with readable token labels on both axes (one category per position, so repeated tokens stay
     apart; hovering a cell names its query and key)."""
     T = len(labels)
+    labels = [plotly_text(t) for t in labels]   # tokens: text, never plotly's HTML
     names = position_names(labels)
     fig = go.Figure(go.Heatmap(z=_masked(m).astype(np.float32), x=names, y=names, colorscale=colorscale, zmid=zmid,
                                hoverongaps=False,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import html
 
 import numpy as np
 import pandas as pd
@@ -13,6 +12,8 @@ import torch
 
 from analysis.axes import position_axis, position_names
 from analysis.maps import layer_records
+from analysis.plain import plotly_text
+from analysis.tokens import html_text
 from models.pruning import drop_records, mean_sparsity, policies
 from models.pruning.replay import replay
 from models.transformer import evaluating
@@ -177,12 +178,13 @@ def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> 
     """Tokens x layers coloured by who dropped the token by the end of the text."""
     codes = {w: i for i, w in enumerate(WHO_COLOURS)}
     pivot = d.assign(code=d["who"].map(codes)).pivot(index="layer", columns="position", values="code")
-    labels = d[d["layer"] == d["layer"].min()].sort_values("position")["token"].tolist()
+    labels = [plotly_text(t) for t in d[d["layer"] == d["layer"].min()].sort_values("position")["token"]]
     n = len(WHO_COLOURS)
     scale = []
     for i, colour in enumerate(WHO_COLOURS.values()):  # a discrete scale: one flat band per category
         scale += [[i / n, colour], [(i + 1) / n, colour]]
-    names_by_code = np.array([{"a only": f"{names[0]} only", "b only": f"{names[1]} only"}.get(w, w)
+    shown = [plotly_text(name) for name in names]
+    names_by_code = np.array([{"a only": f"{shown[0]} only", "b only": f"{shown[1]} only"}.get(w, w)
                               for w in WHO_COLOURS])
     axis = position_names(labels)
     fig = go.Figure(go.Heatmap(z=pivot.values, x=axis, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
@@ -211,6 +213,7 @@ def pos_profile_figure(profile: pd.DataFrame, title: str, min_count: int = 1) ->
     """Grouped bars: per POS tag (seen at least min_count times), each method's mean share of later queries that
     cannot see such a token."""
     p = profile[profile["token_layers"] >= min_count]
+    p = p.assign(method=p["method"].map(plotly_text), pos=p["pos"].map(plotly_text))   # (legend and axis names)
     order = p.groupby("pos")["token_layers"].max().sort_values(ascending=False).index.tolist()
     fig = px.bar(p, x="pos", y="hidden_share", color="method", barmode="group", title=title,
                  category_orders={"pos": order},
@@ -248,7 +251,8 @@ def sparsity_per_layer(keeps: np.ndarray) -> pd.DataFrame:
 def pos_heatmap(rates: pd.DataFrame, title: str) -> go.Figure:
     pivot = rates.pivot(index="pos", columns="layer", values="drop_rate")
     counts = rates.pivot(index="pos", columns="layer", values="tokens")
-    fig = go.Figure(go.Heatmap(z=pivot.values, x=[f"L{c}" for c in pivot.columns], y=list(pivot.index),
+    fig = go.Figure(go.Heatmap(z=pivot.values, x=[f"L{c}" for c in pivot.columns],
+                               y=[plotly_text(p) for p in pivot.index],
                                colorscale="Reds", zmin=0, zmax=1, customdata=counts.values,
                                hovertemplate="%{y}, %{x}: %{z:.0%} dropped of %{customdata} tokens<extra></extra>"))
     fig.update_layout(title=title, height=max(320, 26 * len(pivot) + 120))
@@ -259,7 +263,7 @@ def token_layer_figure(table: pd.DataFrame, title: str) -> go.Figure:
     """Tokens x layers: the share of the layer's rows (KV groups under per-group eviction) that dropped the token
     by the end of the text (1: dropped, 0: kept)."""
     pivot = table.pivot(index="layer", columns="position", values="drop_share").astype(float)
-    labels = table[table["layer"] == 0].sort_values("position")["token"].tolist()
+    labels = [plotly_text(t) for t in table[table["layer"] == 0].sort_values("position")["token"]]
     names = position_names(labels)
     fig = go.Figure(go.Heatmap(z=pivot.values.astype(np.float32), x=names, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]],
                                zmin=0, zmax=1, showscale=False,
@@ -271,7 +275,8 @@ def token_layer_figure(table: pd.DataFrame, title: str) -> go.Figure:
 
 
 def triggers_figure(counts: pd.DataFrame, title: str) -> go.Figure:
-    fig = px.bar(counts.assign(layer=counts["layer"].astype(str)), x="trigger_pos", y="drops", color="layer",
+    fig = px.bar(counts.assign(layer=counts["layer"].astype(str), trigger_pos=counts["trigger_pos"].map(plotly_text)),
+                 x="trigger_pos", y="drops", color="layer",
                  barmode="group", title=title, labels={"trigger_pos": "POS of the token whose query dropped others"})
     fig.update_layout(height=380)
     return fig
@@ -281,9 +286,9 @@ def struck_text_html(table: pd.DataFrame, layer: int) -> str:
     """The text with the tokens this layer drops struck through (hover: who dropped it, when)."""
     out = []
     for _, r in table[table["layer"] == layer].sort_values("position").iterrows():
-        tok = html.escape(r["token"].replace("·", " ").replace("⏎", "\n"))
+        tok = html_text(r["token"].replace("·", " ").replace("⏎", "\n"))   # (one line: see tokens.html_text)
         if r["dropped"]:
-            out.append(f'<s title="dropped at position {r["dropped_at"]} by {html.escape(str(r["trigger_token"]))}" '
+            out.append(f'<s title="dropped at position {r["dropped_at"]} by {html_text(r["trigger_token"])}" '
                        f'style="color:#c0392b">{tok}</s>')
         elif r["drop_share"] > 0:  # some KV groups of the layer dropped it, others hold it
             out.append(f'<u title="dropped by {r["drop_share"]:.0%} of this layer\'s KV groups" '

@@ -11,46 +11,35 @@ exported: the same data arrays and, with the same plotly, kaleido and chromium, 
 
 Writes NAME.{format} beside the sidecar (or in --out), NAME being the sidecar's file name; existing files are
 refused unless --force. A sidecar exported before the spec was kept in it cannot be redrawn this way: export the
-figure again.
+figure again. A spec that names anything a renderer would fetch or act on (images, maps, a <span style>, a CSS
+url(), a URL, MathJax), anywhere in it, is refused with the place named (`refused`); each file is written through
+a temporary file created exclusively beside it and renamed into place (analysis.export.write_file).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import plotly.io as pio
 
-from analysis import style
-from analysis.export import FORMATS, ExportError, figure_bytes
+from analysis import plain, style
+from analysis.export import FORMATS, ExportError, figure_bytes, write_file
 
 MAX_SIDECAR_BYTES = 64 * 2**20   # the largest spec the app writes (the maps overview) is about 1 MB
 MAX_SIDE_PX = 8000                # --width / --height, and a spec's own
 MAX_PIXELS = 100e6                # width x height x scale^2 of a PNG (kaleido's chromium draws it whole)
-# what this project's figures are made of; anything else (images, maps, geo) could make the renderer fetch a URL
-TRACES = {"heatmap", "scatter", "scattergl", "bar", "scatter3d", "box", "histogram", "violin"}
-LAYOUT_REFUSED = ("images", "mapbox", "map", "geo")
+TRACES = plain.TRACES             # what this project's figures are made of
 
 
 def refused(spec: dict) -> str | None:
-    """What in a spec this project's figures never have (and a renderer might fetch a URL for), or None."""
-    layout = spec.get("layout") or {}
-    template = layout.get("template") or {} if isinstance(layout, dict) else {}
-    # (a template named by a string is plotly's own; a template's geo and map entries only style subplots that the
-    # allowed traces never open, and plotly's default template has them, but its images would be drawn)
-    style = (template.get("layout") or {}) if isinstance(template, dict) else {}
-    if not isinstance(layout, dict) or not isinstance(style, dict) or any(layout.get(k) for k in LAYOUT_REFUSED) \
-            or style.get("images"):
-        return "layout images, maps or geography, which this project's figures never have"
-    data = spec.get("data") or []
-    traces = data if isinstance(data, list) else [None]
-    kinds = {t.get("type", "scatter") if isinstance(t, dict) else None for t in traces}
-    if not kinds <= TRACES:
-        return (f"traces of type {sorted(map(str, kinds - TRACES))}; this project's figures are made of "
-                f"{', '.join(sorted(TRACES))}")
-    return None
+    """Where and what in a spec names something a renderer would fetch or act on, as "PATH: what" (layout images,
+    maps or geography, a trace type outside TRACES, a <span style>, a CSS url(), a URL, MathJax: anywhere in its
+    data, layout, frames or templates; analysis.plain.spec_refusal), or None. plotly's own template styles geo
+    and map subplots, which no allowed trace opens: those parts of a template are dropped, not refused
+    (analysis.plain.without_inert_template_parts)."""
+    return plain.spec_refusal(plain.without_inert_template_parts(spec))
 
 
 def load_figure(sidecar: str | Path):
@@ -69,9 +58,9 @@ def load_figure(sidecar: str | Path):
                           "is not a figure's sidecar; export the figure again")
     refusal = refused(meta["plotly"])
     if refusal:
-        raise ExportError(f"{path}: its figure spec has {refusal}")
+        raise ExportError(f"{path}: its figure spec is refused, {refusal}")
     try:
-        fig = pio.from_json(json.dumps(meta["plotly"]))
+        fig = pio.from_json(json.dumps(meta["plotly"]))   # (as written: figure_bytes drops the template's inert parts)
     except (ValueError, TypeError, RecursionError) as e:
         raise ExportError(f"{path}: its figure spec is not a plotly figure: {e}") from None
     for side in ("width", "height"):
@@ -123,13 +112,8 @@ def render(sidecar: str | Path, formats: list[str], out_dir: str | Path | None =
         except style.StyleError as e:
             raise ExportError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
-    for path, data in zip(targets, images):   # via a temporary name: a failed write leaves no half file behind
-        tmp = path.with_name(f".{path.name}.part")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+    for path, data in zip(targets, images):   # (write_file: a temporary file of its own, created exclusively, renamed
+        write_file(path, data)                # into place: no half file, no planted link followed)
     return targets
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from analysis.plain import plotly_text
 from models.transformer import evaluating
 from models.scoring import target_logprobs
 
@@ -38,8 +39,9 @@ def perplexity(logprobs: np.ndarray) -> float:
 def surprisal_figure(df: pd.DataFrame, title: str) -> go.Figure:
     fig = go.Figure()
     for name, part in df.groupby("model", sort=False):
-        fig.add_trace(go.Scatter(x=part["position"], y=part["surprisal_bits"], mode="lines+markers", name=str(name),
-                                 customdata=part["token"], hovertemplate="%{customdata}: %{y:.2f} bits<extra></extra>"))
+        fig.add_trace(go.Scatter(x=part["position"], y=part["surprisal_bits"], mode="lines+markers",
+                                 name=plotly_text(name), customdata=part["token"].map(plotly_text),
+                                 hovertemplate="%{customdata}: %{y:.2f} bits<extra></extra>"))
     fig.update_layout(title=title, xaxis_title="position", yaxis_title="surprisal (bits)", height=400)
     return fig
 
@@ -55,10 +57,24 @@ def generation_table(events, tokenizer) -> pd.DataFrame:
 
 
 def latency_figure(df: pd.DataFrame, title: str) -> go.Figure:
-    fig = go.Figure(go.Scatter(x=df["index"], y=df["latency_ms"], mode="lines+markers", customdata=df["token"],
+    fig = go.Figure(go.Scatter(x=df["index"], y=df["latency_ms"], mode="lines+markers",
+                               customdata=df["token"].map(plotly_text),
                                hovertemplate="%{customdata}: %{y:.2f} ms<extra></extra>"))
     fig.update_layout(title=title, xaxis_title="generated token", yaxis_title="latency (ms)", height=320)
     return fig
+
+
+# HTML for st.markdown(..., unsafe_allow_html=True): Streamlit's Markdown reads it first, so what the tokens say
+# must not be Markdown either. The HTML is one <div> on one line (an HTML block, which Markdown hands whole to the
+# HTML parser: no link, emoji or autolink made of the text), and a token's text is entity-escaped with its line
+# breaks and tabs as references (a blank line would end the block) and ':' as one (Streamlit rewrites
+# ':material/' in the whole source before parsing).
+_REFS = {"\n": "&#10;", "\r": "&#13;", "\t": "&#9;", ":": "&#58;"}
+
+
+def html_text(s) -> str:
+    """A string the code did not write as text (or an attribute's value) in such HTML."""
+    return "".join(_REFS.get(c, c) for c in html.escape(str(s), quote=True))
 
 
 def colored_tokens_html(tokens: list[str], probs: list[float]) -> str:
@@ -66,7 +82,7 @@ def colored_tokens_html(tokens: list[str], probs: list[float]) -> str:
     spans = []
     for tok, p in zip(tokens, probs):
         hue = int(120 * max(0.0, min(1.0, p)))
-        text = html.escape(tok).replace("\n", "⏎<br>")
+        text = "⏎<br>".join(html_text(line) for line in tok.split("\n"))
         spans.append(f'<span title="p={p:.3f}" style="background:hsl({hue},70%,80%);'
                      f'border-radius:3px;padding:0 1px;white-space:pre-wrap">{text}</span>')
-    return "".join(spans)
+    return "<div>" + "".join(spans) + "</div>"

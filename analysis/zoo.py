@@ -1,6 +1,8 @@
 """The table of model directories the app can open, with the numbers from their cards."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import pandas as pd
@@ -9,13 +11,16 @@ import plotly.graph_objects as go
 
 import torch
 
+from analysis.plain import plotly_text
 from kernels import settings
-from models.checkpoint import CheckpointError, inspect_model_dir
+from models.checkpoint import CheckpointError, inspect_model_dir, read_card
+from models.config import ConfigError
 from models.evaluate import paper_metrics, zoo_references
 from models.params import COMPONENTS, count_parameters, count_trainable
 from models.transformer import DecoderLM
 
 REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("analysis.zoo")
 
 
 def models_root() -> Path:
@@ -54,32 +59,49 @@ def model_labels(paths: list[Path], root: Path | None = None) -> dict[str, str]:
             for i, n in zip(ids, names)}
 
 
+def layered_counts(cfg, freeze_base: bool = False) -> dict:
+    """Parameter counts by component, the trainable ones and the KV-cache bytes per token of DecoderLM(cfg), from a
+    one- and a two-layer model on the meta device (every count is linear in n_layers: layers are alike), so listing
+    a model costs the same at any n_layers."""
+    values = []
+    for n in (1, 2):
+        with torch.device("meta"):  # shapes only: counts and cache size need no weights
+            model = DecoderLM(dataclasses.replace(cfg, n_layers=n))
+        values.append({**count_parameters(model), "trainable": count_trainable(model, freeze_base)["total"],
+                       "kv": model.cache_bytes_per_token()})
+    one, two = values
+    return {k: one[k] + (cfg.n_layers - 1) * (two[k] - one[k]) for k in one}
+
+
 def describe(path: Path, loaded=None) -> dict:
     """One table row for a model directory, from its config, card and safetensors headers alone (a
     30-layer model costs no more than a small one; models.checkpoint.inspect_model_dir), or from `loaded`.
-    A broken directory gives its error instead of numbers."""
+    A broken directory gives its error instead of numbers (a hostile one too: never an exception)."""
     row = {"model": path.name, "path": str(path)}
     try:
         info = loaded or inspect_model_dir(path)
-    except CheckpointError as e:
+        cfg, card = info.config, info.card
+        # everything, or (with adapters) adapters + norms + pruning, or (base frozen) pruning alone
+        freeze = bool(card.get("train", {}).get("freeze_base"))
+        if loaded is not None:
+            model = loaded.model
+            counts = count_parameters(model)
+            counts |= {"trainable": count_trainable(model, freeze)["total"], "kv": model.cache_bytes_per_token()}
+        else:
+            counts = layered_counts(cfg, freeze)
+    except (CheckpointError, ConfigError) as e:
         return row | {"error": str(e)}
-    cfg, card = info.config, info.card
-    if loaded is not None:
-        model = loaded.model
-    else:
-        with torch.device("meta"):  # shapes only: counts and cache size need no weights
-            model = DecoderLM(cfg)
-    counts = count_parameters(model)
-    # everything, or (with adapters) adapters + norms + pruning, or (base frozen) pruning alone
-    trainable = count_trainable(model, bool(card.get("train", {}).get("freeze_base")))["total"]
+    except Exception as e:  # noqa: BLE001 - one model that cannot be listed must not take the page down
+        log.exception("listing %s", path)
+        return row | {"error": f"it cannot be listed ({type(e).__name__})"}
     return row | {
         "mixer": cfg.mixer, "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads,
         "context": cfg.context, "attention params": counts["mixer"], "total params": counts["total"],
         **{f"{c} params": counts[c] for c in COMPONENTS},
-        "adapter": cfg.adapter or "", "trainable %": 100.0 * trainable / counts["total"],
-        "test ppl": card.get("test_perplexity"), "KV-cache bytes/token": model.cache_bytes_per_token(),
+        "adapter": cfg.adapter or "", "trainable %": 100.0 * counts["trainable"] / counts["total"],
+        "test ppl": card.get("test_perplexity"), "KV-cache bytes/token": counts["kv"],
         "train steps": card.get("steps"), "train tokens": card.get("tokens_seen"),
-        "train tokens/s": card.get("train_tokens_per_s"), "status": card.get("status", "untrained"),
+        "train tokens/s": card.get("train_tokens_per_s"), "status": card.get("status") or "untrained",
         "data": card.get("data", {}).get("dir"), "note": getattr(info, "base_missing", None) or "", "error": None,
     }
 
@@ -102,9 +124,8 @@ def with_paper_metrics(table: pd.DataFrame, root: Path | None = None) -> pd.Data
 
 def _card_data(model_dir: Path) -> str | None:
     try:
-        import json
-        return json.loads((model_dir / "card.json").read_text()).get("data", {}).get("dir")
-    except (OSError, ValueError, AttributeError):
+        return read_card(Path(model_dir) / "card.json").get("data", {}).get("dir")
+    except (OSError, ValueError, AttributeError):   # (CheckpointError is a ValueError)
         return None
 
 
@@ -115,7 +136,7 @@ def zoo_table(paths: list[Path], loader=None, root: Path | None = None) -> pd.Da
         label = labels[model_id(p, root)]
         try:
             loaded = loader(p) if loader else None
-        except CheckpointError as e:
+        except (CheckpointError, ConfigError) as e:
             rows.append({"model": label, "path": str(p), "error": str(e)})
             continue
         rows.append(describe(p, loaded) | {"model": label})
@@ -133,6 +154,7 @@ def efficiency_figure(table: pd.DataFrame) -> go.Figure:
         ok = ok[ok["error"].isna()]
     if "data" in ok and ok["data"].notna().any():  # one test set only: the most common one (the zoo's)
         ok = ok[ok["data"] == ok["data"].mode().iloc[0]]
+    ok = ok.assign(model=ok["model"].map(plotly_text))   # names of directories: text, never plotly's HTML
     fig = px.scatter(ok, x="attention params", y="test ppl", text="model", color="mixer", log_x=True,
                      title="test perplexity vs attention parameters (lower left is better)",
                      hover_data=["total params", "KV-cache bytes/token"])

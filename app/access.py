@@ -7,12 +7,17 @@ refused before it is read; messages shown in the browser name server directories
 mode also caps what one request may ask for: text a page reads (MIXSCOPE_SERVE_MAX_CHARS, default 8,000
 characters, against 20,000 on the loopback) and tokens one generation adds (MIXSCOPE_SERVE_MAX_NEW_TOKENS, default
 256, against the model's context).
+
+The checks themselves live beside the readers (models.delta, models.checkpoint): loading checks each file where it
+reads it (place_problem, the base's weights, the weights cap on a delta and its base together); this module asks
+them up front, for a page to say why before it loads. A typed path is never expanded ('~daemon' is not looked up:
+every path starting with '~' is refused with the message a path outside the roots gets).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.budgets import MAX_CHARS, SERVE_MAX_CHARS, SERVE_MAX_NEW_TOKENS  # noqa: F401 - serve mode's defaults, re-exported
+from analysis.views import MAX_CHARS, SERVE_MAX_CHARS, SERVE_MAX_NEW_TOKENS  # noqa: F401 - serve mode's defaults, re-exported
 from analysis.zoo import REPO, models_root
 from kernels import settings
 
@@ -27,10 +32,9 @@ def path_roots() -> list[Path]:
 
 
 def max_weight_bytes() -> int | None:
-    mb = settings.get("MIXSCOPE_MAX_WEIGHTS_MB")
-    if mb is None:
-        mb = 2048 if serving() else None
-    return None if mb is None else int(mb * 2**20)
+    """Bytes of weights one model may read, its base's included (models.delta.weights_cap)."""
+    from models.delta import weights_cap
+    return weights_cap()
 
 
 def max_chars() -> int:
@@ -47,54 +51,40 @@ def adding_by_path() -> bool:
     return not serving() or bool(path_roots())
 
 
+OUTSIDE = "that path is outside the directories this server opens models from"
+
+
 def outside_roots(path: str) -> str | None:
     """Why serve mode will not open this typed path (None: it may): it must lead into one of the roots once
-    symlinks and '..' are resolved. Outside serve mode every path may be tried."""
+    symlinks and '..' are resolved. '~' is never expanded (no user name is looked up): such a path, like one that
+    cannot be resolved, gets the one message a path outside the roots gets. Outside serve mode every path may be
+    tried."""
     if not serving():
         return None
     roots = path_roots()
     if not roots:
         return "adding models by path is off on this server"
-    try:
-        real = Path(path).expanduser().resolve()
-    except (OSError, RuntimeError, ValueError):
-        return "that path cannot be resolved"
-    if not _inside(real, roots):
-        return "that path is outside the directories this server opens models from"
+    from models.delta import inside, real_path
+    real = None if path.startswith("~") else real_path(path)
+    if real is None or not inside(real, roots):
+        return OUTSIDE
     return None
-
-
-MEMBERS = ("config.json", "model.safetensors", "tokenizer.json", "card.json", "base.json")
-
-
-def _inside(real: Path, places: list[Path]) -> bool:
-    return any(real == p or p in real.parents for p in places)
 
 
 def model_dir_problem(path: str | Path) -> str | None:
     """Why serve mode will not open this model directory now (None: it may), checked when it is opened, not only
-    when it was added: the directory and each of its files must resolve inside the models folder or a root (no
-    symlink out), and a base it is stored over must be the registry cache's or lie inside them too. A card's
-    init_from (a pruned model's dense twin) is opened through here as well. Outside serve mode: None."""
+    when it was added: the directory must resolve inside the models folder or a root, each of its files (and its
+    snapshots folder) inside the directory (no symlink out), and the base its base.json names must be readable
+    inside them (a registry base: in the base cache), one message whatever lies outside
+    (models.checkpoint.place_problem; loading checks each file again as it reads it). A card's init_from (a pruned
+    model's dense twin) is opened through here as well. Outside serve mode: None."""
     if not serving():
         return None
-    from models.delta import base_cache, base_dir_for, read_base_spec
-    places = [models_root().resolve(), *path_roots()]
+    from models.checkpoint import open_places, place_problem
     try:
-        real = Path(path).expanduser().resolve()
-        if not _inside(real, places):
-            return "it is outside the directories this server opens models from"
-        if any((real / m).exists() and not _inside((real / m).resolve(), [real]) for m in MEMBERS):
-            return "a file in it links outside the directory"
-        if (real / "base.json").is_file():
-            source = read_base_spec(real)["source"]
-            base = base_dir_for(source, real).resolve()
-            registry = source.startswith("pypi:") and _inside(base, [base_cache().resolve()])
-            if not registry and not _inside(base, places):
-                return "the base its base.json names is outside the directories this server opens models from"
-    except Exception as e:  # noqa: BLE001 - an unreadable directory or base.json is refused, whatever the reason
-        return f"it cannot be checked ({type(e).__name__})"
-    return None
+        return place_problem(path, open_places())   # (the models folder and the roots)
+    except Exception:  # noqa: BLE001 - whatever the reason, the directory is refused, and nothing of it is told
+        return "it cannot be checked"
 
 
 def public(message: str) -> str:

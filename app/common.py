@@ -3,6 +3,7 @@ UI only: the numbers and figures come from analysis/ and models/."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path, PurePath
 
 import streamlit as st
@@ -14,6 +15,7 @@ from analysis.text import TextError, check_text, decode_upload, tokenize, window
 from analysis.zoo import find_model_dirs, model_labels, models_root
 import kernels.settings  # (by its full name: `settings` here is a figure's)
 from app.loading import app_precision, load_for_app
+from app.plain import md
 from models.files import CheckpointError, read_json
 from models.pruning import policies
 
@@ -47,11 +49,40 @@ export.code_version()   # (read now: the code this server runs is the checkout a
 MODELS = model_cache.from_env()  # shared by every session of this server; bounded by bytes and idle time
 
 
+# an absolute path left in a message once access.public has named the server's directories by label: "/a/b/c", not
+# a label's rest ("<root 1>/m", "~/x"), a URL's ("http://h/p"), a ratio ("3/4") or a JSON escape
+_PATH = re.compile(r"(?<![\w.~>:\\/…])/(?:[^/\s:'\"\\]+/)*[^/\s:'\"\\]*")
+
+
+def public(message: str) -> str:
+    """A message (an error, a table cell, a sidecar) as a browser user of this server may see it (plain text:
+    md() it inside Markdown): access.public's labels for the server's directories, and in serve mode any other
+    absolute path (a card's init_from, a report's, another machine's) by its last name alone."""
+    message = access.public(message)
+    if not access.serving():
+        return message
+    return _PATH.sub(lambda m: "…/" + m.group(0).rstrip("/").rsplit("/", 1)[-1] if m.group(0) != "/" else "/",
+                     message)
+
+
+def shown_path(path) -> str:
+    """A server path as this server shows it (plain text: md() it inside Markdown): as given (`make run`'s one local
+    user), or in serve mode by its label (<root 1>/m, <models>/mha), a path under no labelled directory by its last
+    name alone (a card's init_from may point anywhere)."""
+    if not access.serving():
+        return str(path)
+    try:
+        real = str(Path(path).resolve())   # (never expanded: '~user' is not looked up)
+    except (OSError, RuntimeError, ValueError):
+        real = str(path)
+    return public(real)
+
+
 def load(path: str):
     def fresh():
         problem = access.model_dir_problem(path)  # serve mode: the roots, checked again when the model is opened
         if problem:
-            raise CheckpointError(access.public(f"{path}: {problem}"))
+            raise CheckpointError(f"{shown_path(path)}: {problem}")
         return load_for_app(path, access.max_weight_bytes())  # on the GPU when there is one, in float32 by default
     ready = MODELS.peek(path)
     if ready is not None:
@@ -103,23 +134,24 @@ def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accep
     accept(loaded) -> None or a reason string filters models a page cannot show."""
     paths = model_paths()
     if not paths:
-        where.info(access.public(f"No models in {models_root()}: add a model directory by path on the Models page."))
+        where.info(f"No models in {md(shown_path(models_root()))}: add a model directory by path on the Models page.")
         return None
-    labels = {i: access.public(n) for i, n in model_labels(paths).items()}  # id -> name (+ where, if names collide)
+    # id -> name (+ where, if names collide), plain text: a selectbox's options are not Markdown, the rest md() it
+    labels = {i: access.public(n) for i, n in model_labels(paths).items()}
     ids = list(labels)
     wanted = st.query_params.get(key, default)  # ?model=ID (and ?model2=ID) open a page on that model
     index = ids.index(wanted) if wanted in ids else ids.index(default) if default in ids else 0
     chosen = where.selectbox(label, ids, index=index, key=key, format_func=labels.get)
     path, name = paths[ids.index(chosen)], labels[chosen]
     try:
-        with st.spinner(f"Loading {name}…"):
+        with st.spinner(f"Loading {md(name)}…"):
             loaded = load(str(path))
     except CheckpointError as e:
-        where.error(access.public(str(e)))
+        where.error(md(public(str(e))))
         return None
     reason = accept(loaded) if accept else None
     if reason:
-        st.info(f"{name} ({loaded.config.mixer}): {reason}")
+        st.info(f"{md(name)} ({loaded.config.mixer}): {reason}")
         return None
     return loaded
 
@@ -136,7 +168,7 @@ def text_input(key: str = "text") -> str | None:
         try:
             text = check_text(text, limit)
         except TextError as e:
-            st.warning(str(e))
+            st.warning(md(str(e)))
             return None
         if len(text) == limit:  # the widget keeps the first `limit` characters of a longer paste
             st.warning(f"The text is at the {limit:,}-character limit: anything pasted beyond it was cut off.")
@@ -147,8 +179,8 @@ def text_input(key: str = "text") -> str | None:
             return None
         try:
             text = decode_upload(upload.name, upload.getvalue(), limit)
-        except TextError as e:
-            st.error(str(e))
+        except TextError as e:   # (it names the file as the browser sent it)
+            st.error(md(str(e)))
             return None
     st.session_state["shared_text"] = text
     return text
@@ -205,7 +237,7 @@ def sidecar_json(fig, name: str, model_dir=None, text: str | None = None, settin
     arrays are base64 text a replace could corrupt (and which names no server path). precision: where and in what
     dtype the numbers were computed, when not by this server's models (a report's, as it recorded it)."""
     meta = export.sidecar(model_dir, text, settings or {}, name)
-    meta = json.loads(access.public(json.dumps(meta, ensure_ascii=False)))
+    meta = json.loads(public(json.dumps(meta, ensure_ascii=False)))
     meta["precision"] = precision or app_precision()   # where and in what dtype the models ran
     meta["plotly"] = json.loads(fig.to_json())   # (what `mixscope render` redraws)
     return json.dumps(meta, indent=2)

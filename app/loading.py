@@ -27,7 +27,9 @@ def load_for_app(path: str | Path, max_weight_bytes: int | None = None, dtype: s
     app_precision says (dtype: override it, e.g. "auto" for bf16 on a GPU, as the GPU benchmarks measure).
     Parameters without gradients: sessions share the model, and attributions take gradients at the embeddings.
     Never fetches (loading never does): a browser request must not run a download (a missing base is refused
-    with its command)."""
+    with its command). In serve mode every file read must resolve inside the models folder or a root, and the
+    weights (a delta's and its base's together) within max_weight_bytes (default: the server's cap,
+    MIXSCOPE_MAX_WEIGHTS_MB): models.checkpoint.load_model_dir checks each where it reads it."""
     where = app_precision()
     loaded = load_model_dir(path, device=where["device"], dtype=dtype or where["dtype"],
                             max_weight_bytes=max_weight_bytes)

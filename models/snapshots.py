@@ -82,24 +82,38 @@ def _alpha(value) -> float | None:
         return None
 
 
+def _home(model_dir: str | Path) -> Path | None:
+    """Where the snapshots physically are: the model directory's own snapshots folder, resolved; None when there is
+    none, or when the folder itself is a symlink or links out of the directory (its files are then read from
+    nowhere: a model directory a browser user added is untrusted)."""
+    try:
+        home = Path(model_dir).resolve() / DIR
+        if (Path(model_dir) / DIR).resolve() != home or not home.is_dir():
+            return None
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return home
+
+
 def listing(model_dir: str | Path) -> list[dict]:
     """The snapshots a model directory holds, by step (entry of each step_*.safetensors, those it leaves out
-    skipped)."""
-    root = Path(model_dir) / DIR
-    if not root.is_dir():
+    skipped); none when the snapshots folder links out of the directory."""
+    root = _home(model_dir)
+    if root is None:
         return []
-    found = [entry(model_dir, path) for path in sorted(root.glob("step_*.safetensors"))]
+    found = [entry(model_dir, Path(model_dir) / DIR / path.name) for path in sorted(root.glob("step_*.safetensors"))]
     return sorted((s for s in found if s is not None), key=lambda s: s["step"])
 
 
 def entry(model_dir: str | Path, path: Path) -> dict | None:
     """{"step", "alpha", "tokens_seen", "path"} of one snapshot file, or None for a file that is not a regular file
-    inside the directory (a link out of it, a FIFO), one over MAX_FILE_BYTES, one whose header cannot be read or
-    whose step is not its name's (a model directory a browser user added is untrusted)."""
+    inside the directory's own snapshots folder (a link out of it, a folder that links out, a FIFO), one over
+    MAX_FILE_BYTES, one whose header cannot be read or whose step is not its name's (a model directory a browser
+    user added is untrusted)."""
     try:
+        home = _home(model_dir)
         real = path.resolve()
-        if real.parent != (Path(model_dir) / DIR).resolve() or not real.is_file() \
-                or real.stat().st_size > MAX_FILE_BYTES:
+        if home is None or real.parent != home or not real.is_file() or real.stat().st_size > MAX_FILE_BYTES:
             return None
         with safe_open(str(real), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("snapshot", "null"))

@@ -13,7 +13,10 @@ import streamlit as st
 from analysis import live, twin as twins
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure
 from app import access, heavy
-from app.common import METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, setup
+from analysis.plain import plotly_text
+from app.common import (METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, public, setup,
+                        shown_path)
+from app.plain import md
 from models import trace as traces
 from models.checkpoint import CheckpointError
 from models.delta import unfetched_base
@@ -25,18 +28,19 @@ TEXT_EVERY_S, FIGURES_EVERY_S = 0.25, 1.5  # live redraws are throttled so that 
 
 
 def twin_for(loaded):
-    """The dense base of a pruned model, loaded; (None, why) when there is none or it is not here."""
+    """The dense base of a pruned model, loaded; (None, why) when there is none or it is not here (why: Markdown,
+    its path by label and as text)."""
     path = dense_base_path(loaded)
     if not path:
         return None, "no dense base is recorded on this model's card"
     if access.model_dir_problem(path):  # serve mode: a card's init_from may point anywhere; say nothing of it
         return None, "its dense base is not one this server opens"
     if not Path(path).is_dir() or unfetched_base(loaded.path):
-        return None, access.public(f"its dense base {path} is not on this machine (`make run` fetches registry bases)")
+        return None, f"its dense base {md(shown_path(path))} is not on this machine (`make run` fetches registry bases)"
     try:
         return load(str(Path(path))), None
     except CheckpointError as e:
-        return None, access.public(f"its dense base {path} does not load: {e}")
+        return None, f"its dense base {md(shown_path(path))} does not load: {md(public(str(e)))}"
 
 
 setup("Generate")
@@ -104,7 +108,7 @@ def draw_live(boxes, names, runs):
         lp = [x.logprob for x in events]
         rate = (len(events) - 1) / sum(x.latency_s for x in events[1:]) if len(events) > 1 else float("nan")
         box["text"].markdown(colored_tokens_html(run["texts"], [math.exp(v) for v in lp]), unsafe_allow_html=True)
-        box["stats"].caption(f"**{name}** · token {e.index + 1}: model {e.latency_s * 1000:.1f} ms · "
+        box["stats"].caption(f"**{md(name)}** · token {e.index + 1}: model {e.latency_s * 1000:.1f} ms · "
                              f"{rate:.1f} tokens/s · perplexity {math.exp(-sum(lp) / len(lp)):.2f} · "
                              f"cache held {e.held_bytes / 1024:.0f} KiB "
                              f"(dense {e.dense_bytes / 1024:.0f} KiB, allocated {e.alloc_bytes / 1024:.0f} KiB)")
@@ -289,8 +293,8 @@ if saved and saved["model"] == str(loaded.path):
         price_view(loaded, saved, labels, res, twin_res)
         cols = st.columns(2)
         for col, (p, r, _), label in zip(cols, saved["runs"], labels):
-            col.markdown(f"**{label} · {p.name}** · perplexity of its own output {r.perplexity:.2f} (a sampling "
-                         "statistic)")
+            col.markdown(f"**{md(label)} · {md(p.name)}** · perplexity of its own output {r.perplexity:.2f} (a "
+                         "sampling statistic)")
             col.markdown(colored_tokens_html([loaded.tokenizer.decode([e.token_id]) for e in r.events],
                                              [math.exp(e.logprob) for e in r.events]), unsafe_allow_html=True)
     if res.cache_kind == "compacted":
@@ -306,7 +310,8 @@ if saved and saved["model"] == str(loaded.path):
         st.caption(("The more layers have dropped a token by this step, the fainter it is" if which == "all layers"
                     else f"Faded: dropped by layer {which} by this step") + "; generated tokens are underlined, the "
                    "one sampled at this step dashed (it enters the cache at the next).")
-        strip = live.strip_figure(tr, step, labels, f"{path.name}: what each layer holds after step {step}")
+        strip = live.strip_figure(tr, step, labels,
+                                  f"{plotly_text(path.name)}: what each layer holds after step {step}")
         st.plotly_chart(strip, width="stretch")
         settings = {"step": step, **tr["settings"]}
         export_buttons(strip, lambda: live.steps_frame(tr), "generation_strip", path, used_prompt, settings,

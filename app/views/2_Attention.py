@@ -5,7 +5,7 @@ from analysis import lags, maps
 from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 
-from analysis.budgets import ATTENTION_VIEW as MAX_VIEW  # tokens per view; a window selector for the rest
+from analysis.views import ATTENTION_VIEW as MAX_VIEW  # tokens per view; a window selector for the rest
 
 
 @st.cache_data(max_entries=32, show_spinner="Running the model…")

@@ -2,8 +2,10 @@
 import streamlit as st
 
 from analysis import attribution, budgets
+from analysis.plain import plotly_text
 from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
+from app.plain import md
 
 
 MAX_VIEW = budgets.ATTRIBUTION_VIEW  # tokens per attributed window (analysis.budgets says why)
@@ -29,7 +31,7 @@ view, start = window_picker(toks, cfg.context, "attr_window", MAX_VIEW)
 n = len(view.ids)
 c1, c2, c3 = st.columns(3)
 position = c1.slider("Prediction made after token #", 0, n - 1, n - 1, key="attr_pos") if n > 1 else 0
-c1.caption(f"after {view.labels[position]!r}")
+c1.caption(f"after {md(repr(view.labels[position]))}")
 n_params = sum(p.numel() for p in loaded.model.parameters())
 # a large model starts on the one-pass method (one gradient takes seconds on a CPU); analysis.export opens the same way
 opening, default_steps = budgets.attribution_default(n_params)
@@ -55,8 +57,10 @@ except attribution.TooLarge as e:
 bar.empty()
 df = attribution.attribution_table(scores, view.labels)
 name = tok.decode([target])
-st.markdown(f"Explaining **{name!r}** after position {position} (log p = {logprob:.3f}).")
-fig = attribution.attribution_figure(df, f"{cfg.mixer}: {method} for next token {name!r}")
+st.markdown(f"Explaining **{md(repr(name))}** after position {position} (log p = {logprob:.3f}).")
+# tokens are the text's: plotly draws them as text, never its HTML (the table keeps them as they are)
+fig = attribution.attribution_figure(df.assign(token=df["token"].map(plotly_text)),
+                                     f"{cfg.mixer}: {method} for next token {plotly_text(repr(name))}")
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, df, "attribution", loaded.path, text, {"method": method, "steps": int(steps), "position": position,
                                                           "target": target, "window_start": start})

@@ -6,9 +6,11 @@ import pandas as pd
 import streamlit as st
 
 from analysis import budgets, maps, tokens
+from analysis.plain import plotly_text
 from analysis.text import tokenize, window
 from app import heavy
 from app.common import export_buttons, load, pick_model, setup, text_input
+from app.plain import md
 
 
 @st.cache_data(max_entries=32, show_spinner="Recording the mixing maps…")
@@ -51,7 +53,7 @@ st.caption(f"Both models read the first {size} tokens at most. Tokenizers may di
            "by position only when they match.")
 cols = st.columns(2)
 for col, name, loaded, lp, secs in ((cols[0], "A", a, lpa, sa), (cols[1], "B", b, lpb, sb)):
-    col.metric(f"{name}: {loaded.path.name} perplexity on this text", f"{tokens.perplexity(lp):.2f}")
+    col.metric(f"{name}: {md(loaded.path.name)} perplexity on this text", f"{tokens.perplexity(lp):.2f}")
     col.metric(f"{name}: forward latency ({len(lp) + 1} tokens)", f"{secs * 1000:.1f} ms",
                help="The faster of two forwards over the text with its log-probabilities, timed on this run "
                     "of the page.")
@@ -76,7 +78,7 @@ def maps_view(a, b, ta, tb) -> None:
     left, right = st.columns(2)
     for col, name, loaded, m, toks in ((left, "A", a, ma, ta), (right, "B", b, mb, tb)):
         h = min(head, m.shape[1] - 1)
-        fig = maps.map_figure(m[layer, h], toks.labels, f"{name} {loaded.path.name}: layer {layer}")
+        fig = maps.map_figure(m[layer, h], toks.labels, f"{name} {plotly_text(loaded.path.name)}: layer {layer}")
         with col:
             st.plotly_chart(fig, width="stretch", key=f"cmp_{name.lower()}")
             export_buttons(fig, lambda m=m, labels=toks.labels, h=h: maps.maps_table(m[layer:layer + 1, h:h + 1],

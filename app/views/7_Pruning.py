@@ -9,9 +9,11 @@ import streamlit as st
 from analysis import budgets, live, pruning, scores, timeline, tokens
 from analysis import intervene as change
 from analysis.pruning import LEARNED, NOTHING
-from app import access, heavy
+from analysis.plain import plotly_text
+from app import heavy
 from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,
-                        model_text_tokens, setup, window_picker)
+                        model_text_tokens, public, setup, shown_path, window_picker)
+from app.plain import md
 from models.checkpoint import CheckpointError, read_json, valid_sparsity
 from models.delta import unfetched_base
 from models.generate import layer_bytes_per_token
@@ -104,7 +106,7 @@ def score_view(layer: int) -> None:
     if n > scores.VIEW:
         at = int(st.slider("Drawn from token", 0, n - scores.VIEW, 0, key="prune_scores_at",
                            help=f"{scores.VIEW} queries x {scores.VIEW} keys at a time"))
-    fig = scores.score_figure(x, fate, at, view.labels, f"layer {layer}: x_n,j (a token is dropped at the first "
+    fig = scores.score_figure(x, fate, at, shown_labels, f"layer {layer}: x_n,j (a token is dropped at the first "
                                                          "query whose score is not positive)", rule.sinks)
     st.plotly_chart(fig, width="stretch")
     export_buttons(fig, fate, "pruning_scores", loaded.path, text, settings | {"layer": layer, "from": at},
@@ -132,7 +134,7 @@ def score_view(layer: int) -> None:
     soft, hard = scores.soft_keep(x, alpha, rule.sinks), scores.soft_keep(x, float("inf"), rule.sinks)
     c2.metric(f"sparsity of this layer at alpha {alpha:g}", f"{scores.soft_sparsity(soft):.1%}",
               f"{scores.soft_sparsity(hard):.1%} at inference (the step)", delta_color="off")
-    soft_fig = scores.soft_figure(soft, at, view.labels, f"I_k,j under sigma_alpha, alpha {alpha:g}")
+    soft_fig = scores.soft_figure(soft, at, shown_labels, f"I_k,j under sigma_alpha, alpha {alpha:g}")
     with c2:
         st.plotly_chart(soft_fig, width="stretch")
         export_buttons(soft_fig, lambda: scores.soft_table(soft, at, view.labels), "pruning_soft_keep", loaded.path,
@@ -206,7 +208,9 @@ def what_if(layer: int) -> None:
     free = int((~res["changed"]["forced"]).sum())
     m[3].metric("later decisions changed", f"{free}", help="Drops in any layer that moved or appeared or vanished "
                 "as a consequence (the forced ones not counted)")
-    fig = change.effect_figure(res["effects"], s["from"], f"{cfg.mixer}: {what}")
+    effects = res["effects"].assign(token=res["effects"]["token"].map(plotly_text),   # (drawn as text)
+                                    next_token=res["effects"]["next_token"].map(plotly_text))
+    fig = change.effect_figure(effects, s["from"], f"{cfg.mixer}: {plotly_text(what)}")
     st.plotly_chart(fig, width="stretch")
     export_buttons(fig, res["effects"], "pruning_what_if", loaded.path, text,
                    settings | {"layer": layer, **iv_settings}, key="iv")
@@ -244,7 +248,7 @@ def timeline_view() -> None:
             parts.append(cached_snapshot(path, ids, tuple(tags), tuple(view.labels), snap["path"].name,
                                          snap["path"].stat().st_mtime))
         except (snapshots.SnapshotError, OSError) as e:   # (a model directory a user added may hold anything)
-            st.warning(access.public(f"left out: {e}"))
+            st.warning(f"left out: {md(public(str(e)))}")
         bar.progress((k + 1) / len(shown), text=f"snapshot {k + 1}/{len(shown)} (step {snap['step']})")
     bar.empty()
     if not parts:
@@ -320,6 +324,7 @@ loaded, text, toks = model_text_tokens(default=first_pruned(), accept=prunable)
 cfg, path = loaded.config, str(loaded.path)
 view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
 ids, n = tuple(view.ids), len(view.ids)
+shown_labels = [plotly_text(t) for t in view.labels]   # the tokens as figures draw them: text, never plotly's HTML
 # spaCy tags the window's own text, so offsets are taken relative to it
 a, b = view.offsets[0][0], view.offsets[-1][1]
 tags = cached_tags(text[a:b], tuple((x - a, y - a) for x, y in view.offsets))
@@ -371,14 +376,14 @@ m[2].metric(f"perplexity ({'pruned' if method == LEARNED else method})", f"{ppl:
             None if ppl0 is None else f"{ppl / ppl0 - 1:+.2%} vs nothing evicted", delta_color="inverse")
 base_dir = dense_base_path(loaded) if cfg.prune else None
 # a large dense base is a second large model in memory: loaded only when asked for
-ask = base_dir and n_params > LARGE and not m[4].toggle(f"compare with the dense base ({Path(base_dir).name})",
+ask = base_dir and n_params > LARGE and not m[4].toggle(f"compare with the dense base ({md(Path(base_dir).name)})",
                                                          key="prune_base")
 if base_dir and not ask:
     try:
         base_lp = cached_logprobs(str(Path(base_dir)), ids)
         m[4].metric("perplexity (dense base)", f"{tokens.perplexity(base_lp):.2f}")
     except (CheckpointError, ValueError) as e:  # (load() refuses, in serve mode, a base outside its roots)
-        m[4].caption(access.public(f"dense base {base_dir}: {e}"))
+        m[4].caption(f"dense base {md(shown_path(base_dir))}: {md(public(str(e)))}")   # (serve mode: no path)
 elif cfg.prune and not base_dir:
     m[4].caption("no dense base recorded on this model's card")
 

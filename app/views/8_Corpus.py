@@ -5,7 +5,8 @@ import streamlit as st
 
 from analysis import corpus
 from app import access
-from app.common import export_buttons, setup
+from app.common import export_buttons, public, setup
+from app.plain import md
 import kernels.settings  # (by its full name: `settings` here is a figure's)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ roots = report_roots()
 found = corpus.find_reports(roots)
 if not found:
     where = "the corpus report directories" if access.serving() else ", ".join(map(str, roots))
-    st.info(f"No corpus report found (looked in {where}): run `python -m analysis.reports.corpus ... --out "
+    st.info(f"No corpus report found (looked in {md(where)}): run `python -m analysis.reports.corpus ... --out "
             "runs/corpus`.")
     st.stop()
 names = {str(p): label(i, p, roots) for i, p in found}
@@ -50,7 +51,7 @@ try:
     stamp = tuple((Path(chosen) / f).stat().st_mtime for f in corpus.REPORT_FILES)
     rep = cached_report(chosen, stamp)
 except (corpus.ReportError, OSError) as e:
-    st.error(access.public(str(e)) if not access.serving() else f"{names[chosen]} could not be read "
+    st.error(md(public(str(e))) if not access.serving() else f"{md(names[chosen])} could not be read "
              f"({type(e).__name__}): run its report again")
     st.stop()
 man, curves = rep["manifest"], rep["curves"]
@@ -60,7 +61,8 @@ if access.serving():   # the directories a report recorded (perhaps another mach
 about = (f"windows of {man.get('window', '?')} tokens · precision {man.get('precision', {})} · "
          + " · ".join(f"{k}: {str(v.get('checkpoint_sha256') if isinstance(v, dict) else v)[:12]}"
                       for k, v in models.items()))
-st.caption(about if access.serving() else f"`{man.get('command', '?')}` · {about}")
+# (a report's fields, shown as text)
+st.caption(md(about) if access.serving() else f"{md(man.get('command', '?'))} · {md(about)}")
 sources = list(dict.fromkeys(curves["source"]))
 source = st.sidebar.selectbox("Source", sources, key="corpus_source",
                               format_func=lambda s: f"{s} ({man['sources'].get(s, {}).get('windows', '?')} windows)")
@@ -74,8 +76,8 @@ others = st.sidebar.multiselect("Beside it (by layer and by position)", [r for r
                                 default=corpus.default_others(c, run), key="corpus_others")
 figs = corpus.page_figures(rep, source, run, others, least, top)
 spec = {"report": names[chosen], "precision": man.get("precision")}
-heads = ["Sparsity against perplexity", f"{run}: by part of speech and layer", "By layer", "By position",
-         f"{run}: the most frequent tokens"]
+heads = ["Sparsity against perplexity", f"{md(run)}: by part of speech and layer", "By layer", "By position",
+         f"{md(run)}: the most frequent tokens"]   # (a run's name, as the report wrote it: text)
 for head, (name, fig, table, settings) in zip(heads, figs):
     st.subheader(head)
     st.plotly_chart(fig, width="stretch")
