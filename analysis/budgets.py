@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.views import (ATTENTION_VIEW, ATTRIBUTION_VIEW, COMPARE_VIEW, MAX_SNAPSHOTS, PRUNING_VIEW,
-                            attribution_default, first_window, large_model, view)
-from models.memory import (RUNTIME_BYTES, OverBudget, check_window, forward_bytes, gb, logits_bytes, memory_budget,
-                           planned_weights, record_bytes, replay_tokens, weights_bytes)
-
-# re-exported for the pages and commands that reach them as budgets.NAME: the views (analysis.views) and the planner
-# with its estimates of the forward (models.memory)
-__all__ = ["ATTENTION_VIEW", "ATTRIBUTION_VIEW", "COMPARE_VIEW", "MAX_SNAPSHOTS", "PRUNING_VIEW",
-           "attribution_default", "first_window", "large_model", "view",
-           "OverBudget", "check_window", "forward_bytes", "gb", "memory_budget", "planned_weights", "weights_bytes"]
+from analysis.views import ATTENTION_VIEW, ATTRIBUTION_VIEW, COMPARE_VIEW, attribution_default, view
+from models.memory import (RUNTIME_BYTES, check_window, forward_bytes, logits_bytes, planned_weights, record_bytes,
+                           replay_tokens)
 
 
 def config_of(model_dir: str | Path):

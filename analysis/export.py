@@ -1,6 +1,6 @@
 """Figure export: PNG, SVG and PDF (kaleido, driving Debian chromium), the data as CSV, and a JSON sidecar
 saying exactly what was drawn. The app's buttons and the command line write the same files, and the command line
-draws the windows the pages open on (analysis.budgets), so a text of up to 20,000 characters costs what the
+draws the windows the pages open on (analysis.views), so a text of up to 20,000 characters costs what the
 app's first views cost.
 
     python -m analysis.export MODEL_DIR --text FILE --out DIR
@@ -195,9 +195,9 @@ def versions() -> dict[str, str]:
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict:
     """The package's version, and the git commit this process's code came from with whether the checkout had
-    changes then (None outside this checkout; models.checkpoint.code_version, which cards record, read once: the
+    changes then (None outside this checkout; models.files.code_version, which cards record, read once: the
     code a running server uses is what it started with)."""
-    from models.checkpoint import code_version as commit_of_checkout
+    from models.files import code_version as commit_of_checkout
     try:
         version = metadata.version("mixscope")
     except metadata.PackageNotFoundError:
@@ -229,7 +229,7 @@ _hashes_lock = threading.Lock()    # (download buttons build sidecars in Streaml
 def weights_sha256(path: Path) -> str:
     """The file's sha256, remembered while its size, modification time and inode stay the same: a page's export
     buttons ask on every rerun (SmolLM2's 538 MB took 0.5 s a time, three times on the Heads page)."""
-    from models.checkpoint import file_sha256
+    from models.files import file_sha256
     st = path.stat()
     # ctime too: a copy that keeps size and mtime (cp -p, rsync --inplace) still changes it
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
@@ -316,23 +316,24 @@ def write_bundle(fig: go.Figure, table: pd.DataFrame, out_dir: str | Path, name:
 
 def app_windows(tokens, context: int) -> dict:
     """The window of each page that analysis.export draws: the first one, as the page shows it before its slider moves
-    (app.common.window_picker at 0), of the page's size in analysis.budgets."""
-    from analysis import budgets
-    return {"attention": budgets.first_window(tokens, budgets.ATTENTION_VIEW, context),
-            "compare": budgets.first_window(tokens, budgets.COMPARE_VIEW, context),
-            "attribution": budgets.first_window(tokens, budgets.ATTRIBUTION_VIEW, context)}
+    (app.common.window_picker at 0), of the page's size in analysis.views."""
+    from analysis import views
+    return {"attention": views.first_window(tokens, views.ATTENTION_VIEW, context),
+            "compare": views.first_window(tokens, views.COMPARE_VIEW, context),
+            "attribution": views.first_window(tokens, views.ATTRIBUTION_VIEW, context)}
 
 
 def check_memory(cfg, weights: int) -> None:
     """Refuse (ExportError), before the model runs, a model whose figures at the app's windows would not fit the
-    memory budget. The windows do not grow with the text (at most analysis.budgets.MAX_CHARS characters), so only
+    memory budget. The windows do not grow with the text (at most analysis.views.MAX_CHARS characters), so only
     the model's size can pass it."""
-    from analysis import budgets
-    need, budget = budgets.export_bytes(cfg, weights), budgets.memory_budget()
+    from analysis import budgets, views
+    from models.memory import gb, memory_budget
+    need, budget = budgets.export_bytes(cfg, weights), memory_budget()
     if need > budget:
-        raise ExportError(f"this model's figures at the app's windows ({budgets.ATTENTION_VIEW}-token maps, "
-                          f"{budgets.ATTRIBUTION_VIEW}-token attribution) need about {budgets.gb(need)} with its "
-                          f"{budgets.gb(weights)} of weights, over the {budgets.gb(budget)} memory budget: raise "
+        raise ExportError(f"this model's figures at the app's windows ({views.ATTENTION_VIEW}-token maps, "
+                          f"{views.ATTRIBUTION_VIEW}-token attribution) need about {gb(need)} with its "
+                          f"{gb(weights)} of weights, over the {gb(budget)} memory budget: raise "
                           "MIXSCOPE_MEMORY_MB if this machine has the memory")
 
 
@@ -340,7 +341,9 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     """Every figure the app draws for one model and one text, with the app's default settings: each page's first
     window (app_windows: the Attention and Compare pages' 128 tokens, the Attribution page's 256), so a text of any
     accepted length costs what the app's first view costs."""
-    from analysis import attribution, budgets, heads, lags, maps, tokens
+    from analysis import attribution, heads, lags, maps, tokens
+    from analysis.views import attribution_default
+    from models.memory import weights_bytes
     from analysis.text import tokenize
 
     model, cfg = loaded.model, loaded.config
@@ -348,7 +351,7 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     views = app_windows(toks, cfg.context)
     if len(views["attention"].ids) < 2:
         raise ExportError("the text must have at least 2 tokens")
-    check_memory(cfg, budgets.weights_bytes(model))
+    check_memory(cfg, weights_bytes(model))
     out = []
     view = views["attention"]
     m, kind, title = maps.mixing_view(model, view.ids)   # (SHE: its lags' norms, as the Attention page)
@@ -367,7 +370,7 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     out.append(("surprisal", tokens.surprisal_figure(df, f"{cfg.mixer}: per-token surprisal"), df,
                 {"window_start": 0, "tokens": len(view.ids)}))
     view = views["attribution"]
-    method, steps = budgets.attribution_default(sum(p.numel() for p in model.parameters()))
+    method, steps = attribution_default(sum(p.numel() for p in model.parameters()))
     position = len(view.ids) - 1
     scores, target, _ = attribution.attribute(model, view.ids, position, method=method, steps=steps)
     df = attribution.attribution_table(scores, view.labels)
@@ -394,7 +397,7 @@ def bundle_paths(out_dir: str | Path, name: str) -> list[Path]:
 
 
 def command_inputs(text_file: str | Path, out_dir: str | Path) -> tuple[str, Path]:
-    """A command's --text (decoded as an upload is: at most analysis.budgets.MAX_CHARS characters) and its --out
+    """A command's --text (decoded as an upload is: at most analysis.views.MAX_CHARS characters) and its --out
     directory, or ExportError saying which is wrong."""
     from analysis.text import decode_upload
     out = Path(out_dir)
@@ -418,7 +421,8 @@ def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Pa
                  device: str = "cpu", dtype: str = "float32") -> list[Path]:
     """Every figure of model_figures as a bundle in out_dir. Existing files are refused (nothing is written)
     unless force."""
-    from analysis.budgets import config_of, planned_weights
+    from analysis.budgets import config_of
+    from models.memory import planned_weights
     from models.checkpoint import CheckpointError, load_model_dir
 
     text, out = command_inputs(text_file, out_dir)

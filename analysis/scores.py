@@ -13,7 +13,8 @@ import torch
 
 from analysis.views import SCORES_VIEW as VIEW  # queries x keys drawn at once, whatever the text's length
 from analysis.maps import layer_records
-from models.pruning.interaction import distance_term, gates, keep_from_gates, mean_sparsity
+from kernels.keep_rule import distance_term, gates, keep_from_gates
+from models.pruning.interaction import mean_sparsity
 
 
 def recorded(model, ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.views import MAX_CHARS, SERVE_MAX_CHARS, SERVE_MAX_NEW_TOKENS  # noqa: F401 - serve mode's defaults, re-exported
+from analysis.views import MAX_CHARS
 from analysis.zoo import REPO, models_root
 from kernels import settings
 

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     import triton
-    from models.checkpoint import code_version
+    from models.files import code_version
     result = {"benchmark": "train_launches", "commit": code_version(), "config": args.config, "batch": args.batch,
               "context": args.context,
               "vocab": args.vocab, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

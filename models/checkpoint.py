@@ -35,10 +35,10 @@ from models.transformer import DecoderLM
 
 # the file utilities (models.files) are part of this module's interface too: model-directory code names them here
 __all__ = ["CARD", "CONFIG", "FILES", "MEMBERS", "RENAMED", "STORAGE", "TOKENIZER", "WEIGHTS", "CheckpointError",
-           "LoadedModel", "ModelInfo", "check_card", "code_version", "expected_shapes", "file_sha256",
+           "LoadedModel", "ModelInfo", "check_card", "expected_shapes",
            "inspect_model_dir", "load_model_dir", "open_places", "place_problem", "read_card", "read_config",
            "read_json", "renamed", "rule_tensors", "save_delta_dir", "save_model_dir", "valid_sparsity",
-           "weights_cap", "write_atomic"]
+           "weights_cap"]
 
 CONFIG, WEIGHTS, TOKENIZER, CARD = "config.json", "model.safetensors", "tokenizer.json", "card.json"
 FILES = (CONFIG, WEIGHTS, TOKENIZER, CARD)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from models.checkpoint import file_sha256
+from models.files import file_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "test-output" / "screenshots"

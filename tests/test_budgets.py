@@ -36,21 +36,14 @@ def fake_tokens(n: int) -> Tokens:
 def test_pages_and_modules_take_their_limits_from_views():
     src = {p.stem: p.read_text(encoding="utf-8") for p in VIEWS.glob("*.py")}
     assert "from analysis.views import ATTENTION_VIEW as MAX_VIEW" in src["2_Attention"]
-    assert "MAX_VIEW = budgets.ATTRIBUTION_VIEW" in src["5_Attribution"]
-    assert "budgets.view(budgets.COMPARE_VIEW" in src["6_Compare"]
-    assert "MAX_VIEW = budgets.PRUNING_VIEW" in src["7_Pruning"]
+    assert "MAX_VIEW = views.ATTRIBUTION_VIEW" in src["5_Attribution"]
+    assert "views.view(views.COMPARE_VIEW" in src["6_Compare"]
+    assert "MAX_VIEW = views.PRUNING_VIEW" in src["7_Pruning"]
     # no page keeps a literal window of its own
     assert not [name for name, s in src.items() if "MAX_VIEW = 1" in s or "MAX_VIEW = 2" in s]
     from analysis import live, scores, text
-    from app import access
     assert text.MAX_CHARS is views.MAX_CHARS == 20_000
-    assert access.SERVE_MAX_CHARS == views.SERVE_MAX_CHARS
-    assert access.SERVE_MAX_NEW_TOKENS == views.SERVE_MAX_NEW_TOKENS
     assert scores.VIEW == views.SCORES_VIEW and live.MAX_STRIP == views.LIVE_STRIP   # (to import from views)
-    # the pages that reach the views as budgets.NAME read the same objects
-    for name in ("ATTENTION_VIEW", "ATTRIBUTION_VIEW", "COMPARE_VIEW", "PRUNING_VIEW", "MAX_SNAPSHOTS", "view",
-                 "first_window", "large_model", "attribution_default"):
-        assert getattr(budgets, name) is getattr(views, name)
 
 
 @pytest.mark.parametrize("n, context", [(5000, 8192), (600, 256), (100, 512), (40, 24)])
@@ -58,11 +51,11 @@ def test_export_draws_the_windows_the_pages_open_on(n, context):
     from app.common import window_picker   # (bare mode: its slider returns its default, the first window)
     toks = fake_tokens(n)
     got = export.app_windows(toks, context)
-    for page, size in (("attention", budgets.ATTENTION_VIEW), ("attribution", budgets.ATTRIBUTION_VIEW)):
+    for page, size in (("attention", views.ATTENTION_VIEW), ("attribution", views.ATTRIBUTION_VIEW)):
         want, start = window_picker(toks, context, f"test_{page}", size)
         assert start == 0 and got[page].ids == want.ids and got[page].labels == want.labels
     # Compare reads the first COMPARE_VIEW tokens of the text under both models' contexts
-    assert got["compare"].ids == window(toks, 0, min(context, budgets.COMPARE_VIEW)).ids
+    assert got["compare"].ids == window(toks, 0, min(context, views.COMPARE_VIEW)).ids
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +71,13 @@ def test_export_of_the_longest_accepted_text_draws_the_app_windows(tmp_path, mha
     assert len(text) == MAX_CHARS and len(tokenize(mha.tokenizer, text).ids) > mha.config.context
     figs = {name: (table, settings) for name, _, table, settings in export.model_figures(mha, text)}
     table, settings = figs["maps_overview"]
-    assert settings == {"window_start": 0, "tokens": budgets.ATTENTION_VIEW}
-    assert table["query_pos"].max() == budgets.ATTENTION_VIEW - 1
-    assert len(figs["surprisal"][0]) == budgets.COMPARE_VIEW - 1
+    assert settings == {"window_start": 0, "tokens": views.ATTENTION_VIEW}
+    assert table["query_pos"].max() == views.ATTENTION_VIEW - 1
+    assert len(figs["surprisal"][0]) == views.COMPARE_VIEW - 1
     attr_table, attr = figs["attribution_last"]
-    n_attr = min(budgets.ATTRIBUTION_VIEW, mha.config.context)
+    n_attr = min(views.ATTRIBUTION_VIEW, mha.config.context)
     assert attr["position"] == n_attr - 1 and len(attr_table) == n_attr
-    assert (attr["method"], attr["steps"]) == budgets.attribution_default(sum(p.numel() for p in
+    assert (attr["method"], attr["steps"]) == views.attribution_default(sum(p.numel() for p in
                                                                               mha.model.parameters()))
     with pytest.raises(Exception, match="limit is 20,000"):
         decode_upload(path.name, (words + "x").encode())
@@ -133,14 +126,14 @@ def smollm2_base(tmp_path_factory):
 def test_smollm2_export_plans_under_4_gb(smollm2_base):
     for path in (smollm2_base, models_root() / "smollm2-pruned-g1.0"):
         cfg = budgets.config_of(path)
-        assert budgets.export_bytes(cfg, budgets.planned_weights(cfg)) < 4 * 2 ** 30
+        assert budgets.export_bytes(cfg, memory.planned_weights(cfg)) < 4 * 2 ** 30
 
 
 def test_export_plans_from_the_parameters_whatever_the_weights_dtype(smollm2_base):
     """The Attribution method export plans for follows the parameter count, so bf16 weights change only the
     weights' own bytes (it read weights // 4 as parameters, halving a bf16 model's)."""
     cfg = budgets.config_of(smollm2_base)
-    w = budgets.planned_weights(cfg)
+    w = memory.planned_weights(cfg)
     assert budgets.export_bytes(cfg, w) - budgets.export_bytes(cfg, w // 2) == w - w // 2
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CheckpointError, file_sha256, inspect_model_dir, load_model_dir, save_model_dir
+from models.checkpoint import CheckpointError, inspect_model_dir, load_model_dir, save_model_dir
+from models.files import file_sha256
 from models.tokenizer import train_bpe
 from models.transformer import DecoderLM
 from tests.helpers import ALL_MIXERS, tiny_config

@@ -13,7 +13,8 @@ import pytest
 from analysis import export, maps
 from analysis.text import TextError, decode_upload, tokenize
 from analysis.zoo import models_root
-from models.checkpoint import file_sha256, load_model_dir
+from models.checkpoint import load_model_dir
+from models.files import file_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = "The bridge over the river was finished in the spring, and the town was glad of it."
@@ -85,12 +86,12 @@ def test_good_upload_keeps_text():
 
 
 def test_the_weights_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
-    from models import checkpoint
+    from models import files
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"first")
     calls = []
-    real = checkpoint.file_sha256
-    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: calls.append(p) or real(p))
+    real = files.file_sha256
+    monkeypatch.setattr(files, "file_sha256", lambda p: calls.append(p) or real(p))
     first = export.sidecar(tmp_path, None, {}, "x")["checkpoint_sha256"]
     assert export.sidecar(tmp_path, None, {}, "x")["checkpoint_sha256"] == first and len(calls) == 1
     f.write_bytes(b"second, longer")   # (a new size: a new key even where mtime does not move)

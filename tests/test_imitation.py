@@ -11,7 +11,8 @@ from kernels.alpha_sigmoid import alpha_sigmoid
 from models.checkpoint import load_model_dir
 from models.config import ConfigError
 from models.pruning import imitation
-from models.pruning.interaction import ContextPruning, keep_from_gates, mean_sparsity
+from kernels.keep_rule import keep_from_gates
+from models.pruning.interaction import ContextPruning, mean_sparsity
 from models.train import train
 from models.transformer import DecoderLM, evaluating
 from tests.helpers import randomize, tiny_config

@@ -7,7 +7,7 @@ import torch
 
 from models.pruning import intervene
 from models.pruning.intervene import Force
-from models.pruning.interaction import gates
+from kernels.keep_rule import gates
 from models.pruning.replay import replay
 from models.scoring import head_kl, target_logprobs
 from tests.test_compact_cache import model_for

@@ -10,7 +10,8 @@ import torch
 
 import kernels
 from kernels import reference
-from models.pruning.interaction import ContextPruning, below_diagonal
+from kernels.keep_rule import below_diagonal
+from models.pruning.interaction import ContextPruning
 
 # numpy under Triton's interpreter warns of log(0) and 0/0 in lanes the kernels mask out
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

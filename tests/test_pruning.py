@@ -271,7 +271,7 @@ def test_alpha_sigmoid_table_near_one_keeps_log_i(alpha):
     1/(alpha-1): inside, log sigma is within 1e-4 of the float64 value wherever sigma > 1e-12; past the ends both
     floor alike (the table holds sigma(-R) there, within 1 % of the floor, and exactly 1 at the top)."""
     from kernels.alpha_sigmoid import table_range
-    from models.pruning.interaction import LOG_FLOOR
+    from kernels.keep_rule import LOG_FLOOR
     r = table_range(alpha)
     assert r < 1 / (alpha - 1)
     x = torch.linspace(-2 * r, 2 * r, 40_001, dtype=torch.float32).double()

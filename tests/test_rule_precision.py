@@ -1,4 +1,4 @@
-"""Drop decisions in one precision (models.pruning.interaction.HALF): a bf16 / fp16 model keeps its learned rule's
+"""Drop decisions in one precision (kernels.keep_rule.HALF): a bf16 / fp16 model keeps its learned rule's
 parameters, the K_int its caches hold and its scores in float32, so every path decides on the same numbers.
 
 What this cannot promise: a bf16 model's hidden states themselves differ between a whole-text forward and a

@@ -98,8 +98,9 @@ def test_serve_mode_caps_text_and_new_tokens(serve, monkeypatch):
     """Every text box takes at most the serve cap (the browser stops there; uploads are checked against the same
     `access.max_chars()`), and Generate cannot ask for more new tokens than the cap; outside serve mode the usual
     limits hold."""
+    from analysis import views
     from analysis.text import MAX_CHARS
-    assert access.max_chars() == access.SERVE_MAX_CHARS < MAX_CHARS and access.max_new_tokens(2048) == 256
+    assert access.max_chars() == views.SERVE_MAX_CHARS < MAX_CHARS and access.max_new_tokens(2048) == 256
     monkeypatch.setenv("MIXSCOPE_SERVE_MAX_NEW_TOKENS", "16")
     monkeypatch.setenv("MIXSCOPE_SERVE_MAX_CHARS", "300")
     at = AppTest.from_file(str(APP / "views" / "1_Generate.py"), default_timeout=120).run()

@@ -32,8 +32,9 @@ import pandas as pd
 from tqdm import tqdm
 
 from analysis import budgets, corpus, pruning
+from models.memory import OverBudget
 from analysis.reports.matched import SOURCE_NAME, Windows, cut_windows, source_windows
-from models.checkpoint import write_atomic
+from models.files import write_atomic
 from models.data.corpus import DataError
 from models.pruning import policies
 
@@ -283,7 +284,7 @@ def main(argv=None) -> int:
     from analysis.export import ExportError
     try:
         return run(args)
-    except (CorpusError, budgets.OverBudget, DataError, ExportError, corpus.ReportError, ValueError) as e:
+    except (CorpusError, OverBudget, DataError, ExportError, corpus.ReportError, ValueError) as e:
         print(f"corpus: {e}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from analysis import budgets
+from analysis import budgets, views
+from models import memory
 from analysis import intervene as report
 from models.pruning import intervene
 
@@ -29,7 +30,7 @@ FILES = ("changed_drops.csv", "summary.json")
 
 def intervention_bytes(cfg, t: int) -> int:
     """One pruned forward over t tokens (its gates and keep structure a layer at a time) and both runs' final states."""
-    return budgets.forward_bytes(cfg, 1, t) + 4 * 4 * t * cfg.d_model
+    return memory.forward_bytes(cfg, 1, t) + 4 * 4 * t * cfg.d_model
 
 
 def run(args) -> dict:
@@ -42,8 +43,8 @@ def run(args) -> dict:
     cfg = budgets.config_of(args.model_dir)
     if not cfg.prune:
         raise ExportError(f"{args.model_dir} does not prune: an intervention forces the learned rule's decisions")
-    size = budgets.view(args.window or budgets.PRUNING_VIEW, cfg.context)
-    budgets.check_window([cfg], size, intervention_bytes)
+    size = views.view(args.window or views.PRUNING_VIEW, cfg.context)
+    memory.check_window([cfg], size, intervention_bytes)
     name = "intervention_effects"
     export.refuse_overwrite([*bundle_paths(out, name), *(out / f for f in FILES)], out, args.force)
     loaded = load_model_dir(args.model_dir, device=args.device, dtype=args.dtype)
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
                     help="with --patch: the residual stream entering the layer (default), or its token mixer's "
                          "output (the attention alone)")
     ap.add_argument("--from", dest="start", type=int, default=0, help="the window's first token in the text")
-    ap.add_argument("--window", type=int, default=None, help=f"tokens (default {budgets.PRUNING_VIEW}, at most the "
+    ap.add_argument("--window", type=int, default=None, help=f"tokens (default {views.PRUNING_VIEW}, at most the "
                                                              "model's context)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--force", action="store_true", help="overwrite files already in --out")
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         ap.error("--at goes with --drop")
     try:
         res = run(args)
-    except (CheckpointError, TextError, ExportError, budgets.OverBudget, OSError, ValueError) as e:
+    except (CheckpointError, TextError, ExportError, memory.OverBudget, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     s = res["summary"]

@@ -42,7 +42,8 @@ from tqdm import tqdm
 from analysis import bootstrap, pruning
 from analysis.budgets import check_dirs, report_window_bytes
 import kernels.settings  # (by its full name: `settings` here is the protocol's)
-from models.checkpoint import code_version, file_sha256, load_model_dir
+from models.checkpoint import load_model_dir
+from models.files import code_version, file_sha256
 from models.data.corpus import DataError, load_tokens
 from models.device import add_arguments as add_device_arguments
 from models.memory import OverBudget

@@ -1,14 +1,14 @@
 """Attribution: which earlier tokens drove one next-token prediction (captum)."""
 import streamlit as st
 
-from analysis import attribution, budgets
+from analysis import attribution, views
 from analysis.plain import plotly_text
 from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 from app.plain import md
 
 
-MAX_VIEW = budgets.ATTRIBUTION_VIEW  # tokens per attributed window (analysis.budgets says why)
+MAX_VIEW = views.ATTRIBUTION_VIEW  # tokens per attributed window (analysis.views says why)
 
 
 def cached_attr(path: str, ids: tuple[int, ...], position: int, target: int | None, method: str, steps: int, progress):
@@ -34,7 +34,7 @@ position = c1.slider("Prediction made after token #", 0, n - 1, n - 1, key="attr
 c1.caption(f"after {md(repr(view.labels[position]))}")
 n_params = sum(p.numel() for p in loaded.model.parameters())
 # a large model starts on the one-pass method (one gradient takes seconds on a CPU); analysis.export opens the same way
-opening, default_steps = budgets.attribution_default(n_params)
+opening, default_steps = views.attribution_default(n_params)
 big = opening != "integrated gradients"
 method = c2.selectbox("Method", attribution.METHODS, key="attr_method", index=attribution.METHODS.index(opening))
 steps = c3.slider("Integrated-gradients steps", 4, attribution.MAX_STEPS, default_steps, key="attr_steps",

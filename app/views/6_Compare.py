@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from analysis import budgets, maps, tokens
+from analysis import maps, tokens, views
 from analysis.plain import plotly_text
 from analysis.text import tokenize, window
 from app import heavy
@@ -44,7 +44,7 @@ if a is None or b is None:
 text = text_input()
 if text is None:
     st.stop()
-size = budgets.view(budgets.COMPARE_VIEW, min(a.config.context, b.config.context))
+size = views.view(views.COMPARE_VIEW, min(a.config.context, b.config.context))
 ta = window(tokenize(a.tokenizer, text), 0, size)
 tb = window(tokenize(b.tokenizer, text), 0, size)
 lpa, sa = timed_logprobs(str(a.path), tuple(ta.ids))

@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from analysis import budgets, live, pruning, scores, timeline, tokens
+from analysis import live, pruning, scores, timeline, tokens, views
 from analysis import intervene as change
 from analysis.pruning import LEARNED, NOTHING
 from analysis.plain import plotly_text
@@ -54,8 +54,8 @@ def first_pruned() -> str | None:
 
 
 # parameters: past this, a second forward or a second model waits to be asked for (MIXSCOPE_LARGE_MODEL overrides)
-LARGE = budgets.large_model()
-MAX_VIEW = budgets.PRUNING_VIEW  # tokens per analysed window (analysis.budgets says why)
+LARGE = views.large_model()
+MAX_VIEW = views.PRUNING_VIEW  # tokens per analysed window (analysis.views says why)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
@@ -237,7 +237,7 @@ def timeline_view() -> None:
     if not snaps:
         return
     st.subheader("How the rule came to be")
-    shown = snapshots.keep_evenly(snaps, budgets.MAX_SNAPSHOTS)
+    shown = snapshots.keep_evenly(snaps, views.MAX_SNAPSHOTS)
     more = f" ({len(shown)} of {len(snaps)}, spread evenly)" if len(snaps) > len(shown) else ""
     if not st.toggle(f"Replay the training run's {len(shown)} snapshots{more} on this window ({len(shown)} forwards)",
                      key="prune_timeline"):

@@ -42,7 +42,8 @@ import kernels
 from models.backends import LayerState, State
 from models.files import write_atomic
 from models.pruning import policies
-from models.pruning.interaction import LOG_FLOOR, mean_sparsity
+from kernels.keep_rule import LOG_FLOOR
+from models.pruning.interaction import mean_sparsity
 from models.pruning.replay import evict
 
 TARGETS = ("oracle", "attention")

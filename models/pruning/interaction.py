@@ -27,13 +27,9 @@ from torch import nn
 import kernels
 from kernels import settings
 # the rule's pure maths (its precision included) lives with the kernels, which restate it; this module keeps the
-# parameters and exports those functions too, for the callers that know the rule by this module
-from kernels.keep_rule import (HALF, LOG_FLOOR, below_diagonal, distance_term, gates, keep_from_gates, keep_mass,
-                               log_keep_from_gates, rule_dtype, state_dtype, survives, widen)
-
-__all__ = ["HALF", "LOG_FLOOR", "WINDOW_LAMBDA", "ContextPruning", "below_diagonal", "distance_term", "drop_records",
-           "gates", "keep_from_gates", "keep_mass", "log_keep_from_gates", "mean_sparsity", "pair_count",
-           "rule_dtype", "sparsity", "sparsity_loss", "state_dtype", "survives", "widen"]
+# parameters and the calls
+from kernels.keep_rule import (HALF, distance_term, gates, keep_mass, log_keep_from_gates, rule_dtype, survives,
+                               widen)
 
 # lambda of a window init: large enough that a content spread of 1 changes a key's life by a factor of e^(1/4)
 # (0.78-1.28x), not by e, so the start is close to the window; small enough that training can move it
