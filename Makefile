@@ -7,16 +7,23 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run serve test test-quick test-all lint install clean data zoo results chromium pruning smollm2 adapters ship gpu-check fetch
+.PHONY: run serve test test-quick test-all lint install lock clean data zoo results chromium pruning smollm2 adapters ship gpu-check fetch
 
 install: $(STAMP)
 
-# the package (pyproject.toml) in editable mode with its app, test and kernel extras: `mixscope` lands in .venv/bin
-$(STAMP): pyproject.toml
+# the package (pyproject.toml) in editable mode with its app, test and kernel extras, every package at the version
+# requirements.txt pins (a constraints file): `mixscope` lands in .venv/bin
+$(STAMP): pyproject.toml requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[app,test,gpu]"
+	$(PY) -m pip install --quiet -c requirements.txt -e ".[app,test,gpu]"
 	touch $(STAMP)
+
+# requirements.txt again from what .venv holds (after a change to pyproject.toml and `make install`)
+lock: $(STAMP)
+	@{ sed -n 1,2p requirements.txt; echo "torch==2.13.0"; \
+	  $(PY) -m pip freeze --exclude-editable | grep -v "^torch==" | grep -vi "^mixscope" | sort -f; } > requirements.txt.new
+	mv requirements.txt.new requirements.txt
 
 # Debian's chromium renders figure exports (kaleido) and runs the browser tests.
 CHROMIUM := /usr/bin/chromium
