@@ -55,8 +55,8 @@ def method_run_bytes(cfg, t: int) -> int:
     times over (the oracle's masked copy, softmax, flipped suffix sums) with the additive mask per group, the visible
     masks [layers, groups, t, t] as bool and as uint8, and one layer's float copies the reports' sparsity reads; a
     pruned model's own rule keeps every layer's float32 keep mask instead, which is less. Measured on SmolLM2 with a
-    second copy held, at 1,697 tokens (the largest two models then took): 4,055 MiB against 4,096 planned, with the
-    reports' sparsity reading every layer in float at once (now one layer at a time)."""
+    second copy held, at 1,697 tokens: 4,055 MiB against 4,096 planned, with every layer's keep mask read in float at
+    once (the reports' sparsity reads one layer at a time, so this is an upper bound)."""
     groups = most_groups(cfg)
     masks = cfg.n_layers * groups * t * t * (1 + 1) + groups * t * t * 8
     scores = 5 * 4 * cfg.n_heads * t * t + 4 * groups * t * t

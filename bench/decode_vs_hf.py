@@ -123,8 +123,8 @@ def cuda_rows(args, pair: Pair) -> dict:
             "ours_eager": lambda n: time_ours(ours, ids, n, graphs=False),
             "hf_dynamic": lambda n: time_hf(hf, ids, n)}
     # transformers' own best path: with a static cache, generate() compiles the decoding step itself
-    # (generation_config.compile_config, mode reduce-overhead). Wrapping forward in torch.compile as well, as older
-    # guides do, made its CUDA-graph outputs be overwritten under transformers 5.17 on an H200 (2026-11-27)
+    # (generation_config.compile_config, mode reduce-overhead). Wrapping forward in torch.compile as well, as some
+    # guides do, lets its CUDA-graph outputs be overwritten (transformers 5.17 on an H200)
     compiled = pair.hf(dtype)
     runs["hf_static_compiled"] = lambda n: time_hf(compiled, ids, n, cache_implementation="static")
     times, tokens, errors = {k: [] for k in runs}, {}, {}

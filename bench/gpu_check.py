@@ -398,7 +398,7 @@ def _run_part(call: _Call, part: str, trained: list[str], shipped: list[str]) ->
 def _profile_part(report: dict, results: Path, name: str) -> None:
     """The profile part's rows, each run into report["train_profile<tag>"]."""
     # where a pruned training step's time goes, beside its dense twin's in the same run (vs_dense >= 0.5);
-    # alpha 1.02 again last: the second H200 run's first row was 8.8 ms over alpha 2's with the same kernels,
+    # alpha 1.02 again last: a first row can read 8.8 ms over alpha 2's with the same kernels (an H200),
     # and a repeat after the others tells the row's place from its alpha; alpha 2 once more with
     # kernels.efficient off, in kernels.triton_causal_bias, then on again (the A/B). At batch 8 (both steps
     # waited on the host in the second run) and at the config's own 32, the batch models.train runs and the

@@ -60,7 +60,7 @@ def timeit_graph(make, nbytes: int, dev, reps: int, max_copies: int = 512) -> fl
     fns = [make(i) for i in range(n)]
     # do_bench_cudagraph warms up on a stream of its own that does not wait for this one: the copies' inputs
     # (lengths, merge counters) must be written first, or a warm-up call reads recycled memory as a length and runs
-    # off its buffers (an illegal address on the H200, 2026-11-27, after the decode section had freed its copies)
+    # off its buffers (an illegal memory access on an H200 once the decode section had freed its copies)
     torch.cuda.synchronize(dev)
 
     def every():
@@ -218,7 +218,7 @@ def bench_decode(dev, dtype, contexts, batches, fl, reps, budget_bytes, h=16, d=
 
 # split counts timed beside the decode's own where batch x groups is small: fewer splits mean longer loops over
 # the cache but fewer partials for the last split to merge, which it loads one group of splits after another (MQA
-# at batch 1 and 16k on an H200, 2026-11-28: 128 splits, 0.076 ms a call from a graph against SDPA's 0.013)
+# at batch 1 and 16k on an H200: 128 splits, 0.076 ms a call from a graph against SDPA's 0.013)
 DECODE_FEWER_SPLITS = (8, 16, 32, 64)
 
 
@@ -409,8 +409,8 @@ def bench_train_attention(dev, dtype, fl, reps, b=4, h=9, g=3, d=64, lengths=(10
 
 
 # Launch shapes (block_m, block_n, num_warps, num_stages) to try for kernels.triton_causal_bias in half types at
-# d <= 64, the table's own first: each compiled for sm_90 on the CPU under Triton 3.6 and 3.9 without spilling
-# (2026-11-28; a shape the sweep picks goes into LAUNCH, where tests/test_kernels_compile.py holds it to that)
+# d <= 64, the table's own first: each compiles for sm_90 on the CPU under Triton 3.6 and 3.9 without spilling
+# (a shape the sweep picks goes into LAUNCH, where tests/test_kernels_compile.py holds it to that)
 TRAIN_LAUNCH_CANDIDATES = {"forward": [(64, 64, 8, 3), (64, 32, 4, 3)],
                            "kv": [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
                            "q": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)]}
@@ -420,7 +420,7 @@ def tune_train_attention(dev, dtype, reps, b=4, h=9, g=3, d=64, t=1024, rounds: 
     """Forward + backward ms of our pruned-step attention (kernels.triton_causal_bias) with each kernel's candidate
     launch shapes, one kernel varied at a time, the others at the table's: {kernel: [{launch, ms, ms_rounds,
     vs_table}, ...]}. Each shape is timed once a round, the rounds interleaved, and ms is the median: two H200 calls
-    of one timing each disagreed by up to 40 % on one shape (2026-11-28). vs_table: the median over rounds of the
+    of one timing each can disagree by up to 40 % on one shape. vs_table: the median over rounds of the
     shape's time over the table's own shape's (each kernel's first candidate) in the same round. Half types at
     d <= 64 (SmolLM2's and the GPU config's heads); the table is put back afterwards."""
     from kernels import triton_causal_bias as cb
@@ -465,8 +465,7 @@ def bench_keep(dev, fl, reps, b, t, alpha=2.5) -> list[dict]:
     """Context pruning's training chain (scores -> log I, I, and the gradient back), forward + backward of one
     layer: the Triton kernels (kernels.triton_keep) against the PyTorch reference."""
     x = torch.randn(b, t, t, device=dev) * 2
-    # what a training step hands back: I feeds only the mass, whose gradient is one number (rows before 2026-11-28
-    # timed the gradients of log I and I, nine passes, under the name without "and mass")
+    # what a training step hands back: I feeds only the mass, whose gradient is one number
     g_log, g_mass = torch.randn_like(x), torch.ones((), device=dev)
     name = f"log I chain fwd+bwd, gradients of log I and mass t={t} b={b} alpha={alpha}"
     nbytes = 8 * 4 * x.numel()  # forward reads x and writes log I, I, ratio; backward reads three, writes one

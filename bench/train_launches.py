@@ -1,14 +1,14 @@
 """How many kernels one training step launches, and how many aten calls it makes, for a run config's model beside
 its dense twin: on a GPU a pruned step of configs/gpu/mha-pruned.json waits on the host (an H200 was busy 24 of its
-42-51 ms, 2026-11-27), so what the step dispatches is what it is won or lost by, and it can be counted on any
+42-51 ms), so what the step dispatches is what it is won or lost by, and it can be counted on any
 machine.
 
     python -m bench.train_launches --config configs/gpu/mha-pruned.json [--alphas 1.02,2] [--json FILE]
 
 Counted on the CPU at a toy shape (the config's layers, width and heads; --batch x --context tokens, vocabulary
---vocab), forward + backward + a foreach AdamW (models.train, and bench.train_step_profile since 2026-11-28, clip
-the gradient first and use the fused AdamW on a GPU, one kernel for every parameter: kept foreach here, so the counts
-stay comparable with those committed before), under bf16 autocast as models.train runs on a GPU, with the Triton
+--vocab), forward + backward + a foreach AdamW (models.train and bench.train_step_profile clip
+the gradient first and use the fused AdamW on a GPU, one kernel for every parameter: foreach here, so the counts
+stay comparable across results files), under bf16 autocast as models.train runs on a GPU, with the Triton
 kernels under the interpreter (bench.step_launches's counting: views and allocations launch nothing; aten_calls
 counts every call but SDPA's own inner ones). Two things are counted as a GPU runs them rather than as the CPU
 does: attention (SDPA: one kernel forward and one backward, one more to sum a broadcast bias's gradient over the

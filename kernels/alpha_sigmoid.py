@@ -1,4 +1,4 @@
-"""The alpha-sigmoid of adaptively sparse attention (papers.md section 3) and its alpha schedule.
+"""The alpha-sigmoid of context pruning and its alpha schedule (docs/methods.md#the-alpha-sigmoid-and-its-schedule).
 
 sigma_alpha(x) = argmax_{p in [0,1]} p x + H_alpha(p) (Tsallis entropy) = alpha-entmax([x, 0])[0]:
 the ordinary sigmoid at alpha = 1, clip((x + 1)/2, 0, 1) at alpha = 2, saturating at +-1/(alpha - 1) for
@@ -85,7 +85,7 @@ def derivative(q: torch.Tensor, x: torch.Tensor, alpha) -> torch.Tensor:
 
 TABLE_POINTS = 8193
 TABLE_STEP = 0.005  # widest grid spacing; linear interpolation errs by at most ~2e-6, next to saturation
-P_FLOOR = 1e-40     # log I's floor (papers.md; keep_rule.LOG_FLOOR): below it a value changes nothing
+P_FLOOR = 1e-40     # log I's floor (docs/methods.md; keep_rule.LOG_FLOOR): below it a value changes nothing
 
 
 def table_range(alpha: float) -> float:

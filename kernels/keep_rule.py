@@ -1,4 +1,4 @@
-"""The learned rule of context pruning as pure functions (papers.md section 3; Anagnostidis et al., arXiv
+"""The learned rule of context pruning as pure functions (docs/methods.md; Anagnostidis et al., arXiv
 2305.15805): the survival rule, the distance term, the gates, the keep structure I and log I, the sparsity mass,
 and the precision the rule runs in. The kernels restate these and their references call them; the model's layer
 (models.pruning.interaction.ContextPruning) holds the parameters and calls the same functions, so every path
@@ -18,7 +18,7 @@ from kernels.alpha_sigmoid import P_FLOOR, alpha_sigmoid
 # forward and its decode paths compare the same numbers (a drop is permanent: one near-zero score rounded two ways
 # cascades). 2dr+2 parameters and r-wide products a layer: cheap next to attention.
 HALF = (torch.bfloat16, torch.float16)
-LOG_FLOOR = P_FLOOR  # log(I) is taken of max(I, 1e-40) (papers.md): finite, never NaN
+LOG_FLOOR = P_FLOOR  # log(I) is taken of max(I, 1e-40) (docs/methods.md#the-keep-structure-i): finite, never NaN
 
 
 def survives(x: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, valid: torch.Tensor | None = None,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kernels.alpha_sigmoid import alpha_sigmoid_slope
 from kernels.keep_rule import (LOG_FLOOR, below_diagonal, distance_term, keep_mass, log_keep_from_gates,
-                               survives)  # the one survival rule (papers.md section 3)
+                               survives)  # the one survival rule (docs/methods.md#the-survival-rule)
 
 
 def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:

@@ -319,7 +319,7 @@ def _merge_group(PO, PL, O, OM, OA, b, g, H, R, D, n_split, sob, soh,
     """The split partials of group g's R heads of sequence b combined by their log2-sum-exp weights: the decode
     kernel's last split (MERGE) and _merge_kernel both call it (the same bits in the interpreter). Two passes: each
     head's largest log-sum-exp first (BLOCK_L splits a load: one float a split and head), then the weighted sum,
-    BLOCK_S splits a load, nothing rescaled between loads. One split a load, as before, was 128 loads one after
+    BLOCK_S splits a load, nothing rescaled between loads. One split a load would be 128 loads one after
     another for MQA at batch 1 (the cache cut into 128 splits), each an L2 round trip: nothing pipelines them."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)

@@ -1,5 +1,5 @@
 """Adapters for parameter-efficient fine-tuning (COMPACTER, Karimi Mahabadi et al., arXiv 2106.04647),
-papers.md section 4.
+docs/methods.md#adapters-and-compacter.
 
 Adapter (Houlsby): A(x) = U(GeLU(D(x))) + x, D: k -> d, U: d -> k, after the mixer and after the
 feed-forward sub-layer, before the residual add. A PHM layer's weight is W = sum_i A_i (x) B_i with

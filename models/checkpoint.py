@@ -146,9 +146,10 @@ def valid_sparsity(card: dict) -> float | None:
 
 
 # ---- card.json: the fields the pages and reports read, checked by type before use ---------------------------------
-CARD_NUMBERS = ("test_perplexity", "test_perplexity_float32", "test_perplexity_at_training_end", "train_tokens_per_s",
-                "wall_time_s")                        # finite numbers
-CARD_LOSSES = ("final_train_loss", "final_valid_loss")  # numbers (a diverged run's may be NaN)
+CARD_NUMBERS = ("train_tokens_per_s", "wall_time_s")   # finite numbers
+# numbers that may be NaN: a diverged or interrupted run writes its losses and test perplexity so
+CARD_LOSSES = ("final_train_loss", "final_valid_loss", "test_perplexity", "test_perplexity_float32",
+               "test_perplexity_at_training_end")
 CARD_COUNTS = ("steps", "tokens_seen", "params", "trainable_params", "test_tokens", "eval_stride", "seed")
 CARD_SHARES = ("final_valid_sparsity", "final_valid_query_sparsity")   # in [0, 1]
 CARD_TEXTS = ("status", "mixer", "base", "code_version", "delta_of", "shrunk_from", "device", "torch")
@@ -333,7 +334,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# tensor names that older model directories use -> today's (COMPACTER's shared A_i were once "adapter_rule")
+# tensor names some model directories use -> the names the model has (COMPACTER's shared A_i as "adapter_rule")
 RENAMED = {"adapter_rule": "adapter_A"}
 
 

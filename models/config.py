@@ -98,7 +98,7 @@ def parse_json(data: bytes | str, error=ValueError):
 @dataclass
 class ModelConfig:
     # --- the papers' settings -------------------------------------------------------------------
-    mixer: str = "mha"          # registry name, see models.mixers.MIXERS (papers.md sections 1-2)
+    mixer: str = "mha"          # registry name, see models.mixers.MIXERS (docs/methods.md)
     vocab_size: int = 8192
     context: int = 256          # l: max positions, and the Extractors' number of lag weights
     d_model: int = 128          # d_m
@@ -112,7 +112,7 @@ class ModelConfig:
     extractor_init_std: float = 0.01  # Extractor paper: all weights N(0, 0.01)
     head_embed_std: float = 0.02      # MHE head embeddings: small random, heads must differ
     extractor_out: bool = True  # the Extractors' optional output projection W^out
-    # context pruning, papers.md section 3 (softmax mixers only)
+    # context pruning, docs/methods.md#adaptively-sparse-attention (softmax mixers only)
     prune: bool = False         # adaptively sparse attention
     prune_r: int = 64           # width r of the interaction projections W^Qint, W^Kint
     prune_beta: float = 2.0     # initial beta: positive, so nothing is dropped at first
@@ -121,7 +121,7 @@ class ModelConfig:
     prune_sinks: int = 0        # the first S positions of a text are never dropped (attention sinks)
     pattern: str = "dense"      # fixed sparse baselines: "local" (window of pattern_k) or "strided" (Child et al.)
     pattern_k: int = 64
-    # adapters, papers.md section 4
+    # adapters, docs/methods.md#adapters-and-compacter
     adapter: str | None = None  # None | adapter | phm | compacter | compacter++
     adapter_reduction: int = 32  # bottleneck d = d_model / reduction
     phm_n: int = 4              # n of the PHM layers (A_i are n x n)

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from models.checkpoint import load_model_dir
+from models.checkpoint import load_model_dir, read_card
 from models.decode import Decoder
-from models.files import CheckpointError, file_sha256, read_json
+from models.files import CheckpointError, file_sha256
 from models.pruning import sparsity
 from models import memory
 from models.memory import forward_bytes, record_bytes, weights_bytes
@@ -201,7 +201,7 @@ def zoo_references(root: str | Path) -> dict[str, tuple[float, int]]:
     for name in REFERENCES:
         folder = Path(root) / name
         try:
-            card = read_json(folder / "card.json")
+            card = read_card(folder / "card.json")
             with torch.device("meta"):
                 attn = count_parameters(DecoderLM(ModelConfig.from_dict(card["config"])))["mixer"]
         except (OSError, CheckpointError, ConfigError, KeyError, TypeError):
@@ -248,7 +248,7 @@ def check_cards(model_dirs: list[str], rtol: float = CARD_RTOL, evaluate=None, *
     for d in tqdm(model_dirs, desc="cards", file=sys.stderr):
         row = {"model_dir": str(d), "card": None, "measured": None, "rel_error": None, "ok": None}
         try:  # one directory that cannot be read or evaluated is a row, not the end of the check
-            card = read_json(Path(d) / "card.json")
+            card = read_card(Path(d) / "card.json")
             row["card"] = want = card.get("test_perplexity")
             if card.get("status", "ok") == "ok" and isinstance(want, (int, float)) and math.isfinite(want) and want > 0:
                 got = evaluate(d, "test", card.get("eval_stride", 256), progress=True, **dev)

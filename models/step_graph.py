@@ -1,7 +1,7 @@
 """A training step's forward and backward replayed from CUDA graphs (train.cuda_graph).
 
-On a GPU a step of configs/gpu/mha-pruned.json at batch 8 waited on the host: an H200 was busy 24 of the pruned
-step's 42-51 ms and 13 of its dense twin's 24, so what the host dispatches decided the ratio. Replayed
+On a GPU a step of configs/gpu/mha-pruned.json at batch 8 waits on the host: an H200 is busy 24 of the pruned
+step's 42-51 ms and 13 of its dense twin's 24, so what the host dispatches decides the ratio. Replayed
 from a graph, the forward and the backward are one launch each, whatever they hold.
 
 GraphedLoss captures the model's loss (and the pruned model's sparsity mass) with

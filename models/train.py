@@ -41,7 +41,8 @@ from models.data import DataError, load_documents, load_tokens, manifest_sha256
 from models.evaluate import encode_documents, score_documents
 from models.files import file_sha256
 from models.params import components, count_trainable
-from models.pruning import alpha_schedule, imitation, mean_sparsity, pair_count, sparsity_loss
+from kernels.alpha_sigmoid import alpha_schedule
+from models.pruning import imitation, mean_sparsity, pair_count, sparsity_loss
 from kernels.alpha_sigmoid import prefetch_schedule
 from models.step_graph import GraphedLoss, schedule_alphas
 from models.transformer import DecoderLM
@@ -538,7 +539,7 @@ def _trainer(run: _Run, model: DecoderLM, opt: torch.optim.Optimizer, trainable:
     if tc.compile and dev.type == "cuda":
         fwd = torch.compile(model)
     graphed = graphed_loss(model, tc, dev, world, start) if tc.cuda_graph else None
-    if world > 1:  # MHE-ADD's e^K gets no gradient by construction (papers.md), hence unused parameters
+    if world > 1:  # MHE-ADD's e^K gets no gradient by construction (docs/methods.md), hence unused parameters
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=model_cfg.mixer == "mhe-add")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
                 else torch.autocast("cpu", enabled=False))

@@ -1,4 +1,4 @@
-"""Naive implementations written straight from the papers' equations (papers.md), with Python loops
+"""Naive implementations written straight from the papers' equations (docs/methods.md), with Python loops
 over batch, heads and positions. Deliberately slow and literal: the mixers are tested against these."""
 from __future__ import annotations
 

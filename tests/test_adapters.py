@@ -1,4 +1,4 @@
-"""COMPACTER and friends (papers.md section 4) against materialised Kronecker sums and the paper's counts."""
+"""COMPACTER and friends (docs/methods.md) against materialised Kronecker sums and the paper's counts."""
 import pytest
 import torch
 

@@ -20,7 +20,7 @@ def model_for(mixer: str, seed: int = 0, **overrides) -> DecoderLM:
 
 
 def naive_circuits(mixer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each head's QK circuit W_Q^i W_K^iT and OV circuit W_V^i W_O^i [d_m, d_m], read from papers.md section 1."""
+    """Each head's QK circuit W_Q^i W_K^iT and OV circuit W_V^i W_O^i [d_m, d_m], read from docs/methods.md."""
     n, d_h, name = mixer.n_heads, mixer.d_head, mixer.name
     d_m = mixer.W_Q.shape[0]
     qk, ov = [], []

@@ -59,7 +59,7 @@ def test_bf16_autocast_training_step(mixer, variant, monkeypatch):
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     assert trained
     missing = [n for n, p in trained if p.grad is None]
-    # MHE-ADD's e^K cancels in the softmax (papers.md): no gradient by construction, nothing else may lack one
+    # MHE-ADD's e^K cancels in the softmax (docs/methods.md): no gradient by construction, nothing else may lack one
     assert all("mhe-add" == mixer and "e_k" in n.lower() for n in missing), missing
     assert all(torch.isfinite(p.grad).all() for _, p in trained if p.grad is not None)
 

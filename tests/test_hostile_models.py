@@ -124,7 +124,7 @@ CARD_CASES = [  # (id, edit of card.json's dict, the field the message must name
     ("data a list", {"data": ["d"]}, "data"),
     ("data.dir a number", {"data": {"dir": 7}}, "data.dir"),
     ("perplexity a string", {"test_perplexity": "low"}, "test_perplexity"),
-    ("perplexity infinite", {"test_perplexity": float("inf")}, "test_perplexity"),
+    ("speed infinite", {"train_tokens_per_s": float("inf")}, "train_tokens_per_s"),
     ("steps negative", {"steps": -1}, "steps"),
     ("steps a float", {"steps": 1.5}, "steps"),
     ("sparsity over 1", {"final_valid_sparsity": 2.0}, "final_valid_sparsity"),

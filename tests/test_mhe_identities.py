@@ -1,4 +1,4 @@
-"""papers.md identities for head embeddings, checked numerically."""
+"""The head-embedding identities of docs/methods.md#head-embeddings, checked numerically."""
 import torch
 
 from models.config import ModelConfig

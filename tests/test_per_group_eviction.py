@@ -1,4 +1,4 @@
-"""Per-KV-group eviction (papers.md section 5) against the original papers' per-head definitions, written here as
+"""Per-KV-group eviction (docs/methods.md) against the original papers' per-head definitions, written here as
 plain Python over each layer's own queries and keys in float64, on fresh random MHA and GQA models: every row
 (KV group) of every layer holds what the paper's rule says at every step; the attention a group's heads pay
 is softmax over what that group holds; the hindsight oracle evicts what later queries attend to least; with

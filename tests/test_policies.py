@@ -1,4 +1,4 @@
-"""The eviction policies of papers.md section 5 against brute-force simulations written straight from each rule:
+"""The eviction policies of docs/methods.md against brute-force simulations written straight from each rule:
 which positions a layer holds after every step, for random attention, several budgets and rows; the budget is
 never exceeded and the current token is always kept."""
 import pytest

@@ -1,4 +1,4 @@
-"""Context pruning (papers.md section 3) against brute force and literal loops."""
+"""Context pruning (docs/methods.md#adaptively-sparse-attention) against brute force and literal loops."""
 import math
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 
 from models.config import ConfigError, ModelConfig
 from models.mixers import build_mixer
-from models.pruning import alpha_schedule, alpha_sigmoid, sparsity
+from kernels.alpha_sigmoid import alpha_schedule, alpha_sigmoid
+from models.pruning import sparsity
 from models.transformer import DecoderLM
 from tests.helpers import ATTENTION, cached_logits, randomize, tiny_config
 

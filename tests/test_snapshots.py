@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 from analysis import pruning, timeline
 from models import snapshots
 from models.checkpoint import load_model_dir
-from models.pruning import alpha_schedule
+from kernels.alpha_sigmoid import alpha_schedule
 from models.train import train
 from tests.test_train_eval import data_dir, write_config  # noqa: F401 (a fixture)
 

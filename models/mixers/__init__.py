@@ -1,4 +1,4 @@
-"""Token mixers by registry name (papers.md sections 1-2):
+"""Token mixers by registry name (docs/methods.md: attention variants, head embeddings, Extractors):
 
 attention.py   mha sha mqa skv el-att, and gqa for imported models
 mhe.py         mhe-add mhe-mul (head embeddings)

@@ -1,4 +1,4 @@
-"""Causal softmax attention variants (Xue & Aletras, arXiv 2310.07911), papers.md section 1: MHA, SHA, MQA,
+"""Causal softmax attention variants (Xue & Aletras, arXiv 2310.07911; docs/methods.md): MHA, SHA, MQA,
 SKV, EL-ATT (the head-embedding variants are in mhe.py), and GQA for imported models.
 
 Projection weights are stored as [d_m, heads, d_h], so W_Q[:, i] is the paper's W_i^Q.

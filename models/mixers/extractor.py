@@ -1,4 +1,4 @@
-"""Extractors (Zhe Chen, arXiv 2308.07661), papers.md section 2: drop-in replacements for attention.
+"""Extractors (Zhe Chen, arXiv 2308.07661; docs/methods.md#extractors): drop-in replacements for attention.
 
 Weights are indexed by lag i - j; w_ext[0] is the paper's w^ext_1 (lag 0, the token itself).
   SHE: x_ext_i = sum_{j<=i} x_j W^ext_{i-j+1}          (a d x d matrix per lag)

@@ -1,7 +1,7 @@
-"""Head embeddings, MHE-ADD and MHE-MUL (Xue & Aletras, arXiv 2310.07911), papers.md section 1.
+"""Head embeddings, MHE-ADD and MHE-MUL (Xue & Aletras, arXiv 2310.07911; docs/methods.md#head-embeddings).
 
 One shared W^Q, W^K, W^V in R^{d_m x d_h}; head i attends with psi(Q, e_i^Q), psi(K, e_i^K), psi(V, e_i^V).
-Both are computed exactly from the single shared K and V (the identities in papers.md), so their decode
+Both are computed exactly from the single shared K and V (the identities in docs/methods.md), so their decode
 cache is one head wide, and the kernels apply each head's query and output maps.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from models.mixers.base import register
 class MHE(Attention):
     """Head embeddings: one shared W^Q, W^K, W^V; head i sees psi(Q, e_i^Q), psi(K, e_i^K), psi(V, e_i^V).
 
-    Computed exactly from the single shared K and V (papers.md identities), so the cache is one head.
+    Computed exactly from the single shared K and V (docs/methods.md#head-embeddings), so the cache is one head.
     """
 
     n_groups = property(lambda self: 1)

@@ -12,11 +12,9 @@ eviction.py        the one engine that drives a policy, for the decode step and 
 intervene.py       the rule with forced decisions
 imitation.py       train.imitate: the rule fitted to a keep target from cached inputs of the dense model
 """
-from kernels.alpha_sigmoid import alpha_schedule, alpha_sigmoid
-from kernels.keep_rule import survives
 from models.pruning.interaction import (ContextPruning, drop_records, mean_sparsity, pair_count, sparsity,
                                         sparsity_loss)
 from models.pruning.patterns import PATTERNS, pattern_allows, pattern_mask
 
-__all__ = ["alpha_schedule", "alpha_sigmoid", "ContextPruning", "drop_records", "mean_sparsity", "pair_count",
-           "sparsity", "sparsity_loss", "survives", "PATTERNS", "pattern_allows", "pattern_mask"]
+__all__ = ["ContextPruning", "drop_records", "mean_sparsity", "pair_count", "sparsity", "sparsity_loss", "PATTERNS",
+           "pattern_allows", "pattern_mask"]

@@ -1,4 +1,4 @@
-"""The compacted decode cache of context pruning (papers.md section 3, "inference data structure"): one layer's
+"""The compacted decode cache of context pruning (docs/methods.md#the-compacted-cache): one layer's
 state over its slots (models.pruning.slots), and the whole model's.
 
 The layer state is what attention asks (models.backends.compacted): where this call's tokens sit (`q_pos`,
@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from models.backends import LayerState, State, Step, check_fits, compacted
+from models.pruning import eviction
 from models.pruning.slots import ALIGN, Slots
 
 
@@ -77,15 +78,13 @@ class CompactCache(Slots, LayerState):
         """keep_last [B, end]: what each row keeps after its newest token; trigger [B, end]: the position of the
         query that dropped each slot. Notes the drops on the device."""
         was = self.live[:, :self.end]
-        gone = was & ~keep_last
-        self.trig[:, :self.end] = torch.where(gone, trigger, self.trig[:, :self.end])
+        self.trig[:, :self.end] = eviction.drops(self.trig[:, :self.end], was, keep_last, trigger)
         self.live[:, :self.end] = was & keep_last
 
-    def update_live(self, keep_last: torch.Tensor, trigger: torch.Tensor, every: int = 1) -> None:
-        """note_drops, then compacts if worth it, asking only every `every` calls (the question waits for the
-        device)."""
+    def update_live(self, keep_last: torch.Tensor, trigger: torch.Tensor) -> None:
+        """note_drops, then compacts if worth it."""
         self.note_drops(keep_last, trigger)
-        self._check_every(every)
+        self._check_every(1)
 
     def count_seen(self, attended: torch.Tensor) -> None:
         """attended [B, end]: the slots this decode query attended over, itself included (evaluation only).
@@ -96,7 +95,8 @@ class CompactCache(Slots, LayerState):
 
     def update_kept(self, keep: torch.Tensor, q_pos: torch.Tensor, every: int = 1) -> None:
         """update_live for a decode step whose keep [B, end] is already within the live slots and whose
-        queries q_pos [B, 1] dropped whatever went (two fewer operations per layer and step)."""
+        queries q_pos [B, 1] dropped whatever went: eviction.drops' rule, where with keep within live the slots that
+        went are live ^ keep (two fewer operations per layer and step)."""
         used = slice(0, self.end)
         trig = self.trig[:, used]
         trig.copy_(torch.where(self.live[:, used] ^ keep, q_pos, trig))

@@ -52,7 +52,7 @@ class FixedCompactCache(CompactCache):
         if self.cursor is not None:
             self.set_cursor(most)
 
-    def update_live(self, keep_last: torch.Tensor, trigger: torch.Tensor, every: int = 1) -> None:
+    def update_live(self, keep_last: torch.Tensor, trigger: torch.Tensor) -> None:
         """note_drops alone: compaction is in place, so never while the calling step still reads the buffers (its
         caller asks between steps: make_room)."""
         self.note_drops(keep_last, trigger)

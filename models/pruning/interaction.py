@@ -1,4 +1,4 @@
-"""Interaction scores, the keep structure I, the survival rule and the sparsity loss (papers.md section 3;
+"""Interaction scores, the keep structure I, the survival rule and the sparsity loss (docs/methods.md;
 Anagnostidis et al., arXiv 2305.15805).
 
 Per layer: W^Qint, W^Kint in R^{d_m x r} and a scalar beta, shared by all heads.

@@ -1,4 +1,4 @@
-"""Interventions on the learned rule (papers.md section 3) and activation patching, over a whole text in one forward.
+"""Interventions on the learned rule (docs/methods.md) and activation patching, over a whole text in one forward.
 
 Forcing a decision edits the gates sigma(x_{n,j}) of one layer before the keep structure I is formed from them:
 kept, token j's gate is 1 at every later query; dropped from query a, its gate is 0 there (and so, I being a product,

@@ -1,4 +1,4 @@
-"""The fixed sparse baselines that context pruning is compared with (papers.md section 3)."""
+"""The fixed sparse baselines that context pruning is compared with (docs/methods.md#fixed-sparse-baselines)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""KV-cache eviction policies (papers.md section 5), the baselines context pruning is compared with, and the
+"""KV-cache eviction policies (docs/methods.md), the baselines context pruning is compared with, and the
 interface a new one plugs into (a worked example: docs/policies.md).
 
 A policy sees a cache as rows of slots. A row is one (batch row, KV group) for a policy that decides per KV group

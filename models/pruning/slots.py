@@ -1,4 +1,4 @@
-"""One layer's slots in the compacted decode cache (papers.md section 3, "inference data structure"): where each
+"""One layer's slots in the compacted decode cache (docs/methods.md#the-compacted-cache): where each
 token's entries sit, how the slots grow, and how they are compacted.
 
 K, V and K_int sit in padded buffers [batch, *lead, capacity, width], with a live-slot mask, each slot's position
