@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one device call of a GPU session with 15 minutes of device time (docs/gpu.md, "With 15 minutes of device
-# time"): `bash bench/gpu_call.sh` with the `run` tool's timeout_s 600, after moving all models but mha and
+# The one device call of a GPU session with 15 minutes of device time (docs/gpu.md, "`make gpu-check`"):
+# `bash bench/gpu_call.sh` with the `run` tool's timeout_s 600, after moving all models but mha and
 # mha-1024-pruned out of the tree. Each part has a time limit of its own, so one slow part leaves time for the others;
 # the limits sum to 945 s, so the call's own 600 s may cut the last parts short. After each part, everything written
 # under bench/results since the call began is packed into $OUT/results.tgz (replaced whole, never half-written), so

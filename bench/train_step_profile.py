@@ -45,7 +45,8 @@ import kernels
 from bench import env
 from kernels import efficient
 from models.adapters import set_trainable_params, trainable_params
-from models.pruning import alpha_schedule, pair_count, sparsity_loss
+from kernels.alpha_sigmoid import alpha_schedule
+from models.pruning import pair_count, sparsity_loss
 from kernels.alpha_sigmoid import AHEAD, clear_tables, needs_table, prepare_tables
 from models.device import describe as device_name
 from models.step_graph import GraphedLoss, eager_loss, form

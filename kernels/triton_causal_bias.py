@@ -4,7 +4,7 @@ causal mask, where bias [B,1,T,T] (the layer's log I) is shared by the heads and
 Why a kernel of our own: given a bias with a gradient, SDPA runs PyTorch's memory-efficient kernel. Handed log I
 alone, every block computed (before kernels.efficient gave it the causal mask too, which is not yet timed), it took
 5.9 ms of a pruned step's device time on an H200 against 2.0 ms of cuDNN flash for the dense twin
-(bench/results/train_step_profile_mha-pruned_h200.json). It writes the bias's gradient once per head, [B,H,T,T],
+(bench/results/archive/train_step_profile_mha-pruned_h200.json). It writes the bias's gradient once per head, [B,H,T,T],
 which autograd then sums over the heads (aten::sum had 1.0 ms of that step, every sum of the step counted), and
 kernels.efficient repeats grouped K/V to every head for it. Here:
 
