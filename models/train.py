@@ -745,6 +745,9 @@ def _conclude(run: _Run, t: _Trainer, counts: _Counters, status: str, recent: li
         extra = {"final_valid_query_sparsity": _valid_sparsity(run, t)} if pruned_ok else {}
         if t.calibration is not None:
             extra["prune_calibration_rms"] = t.calibration
+        if t.imitation is not None:  # what the rule was fitted to: tokens_seen counts every pass over the cache
+            extra["imitation"] = t.imitation.meta | {"windows": t.imitation.windows,
+                                                     "distinct_tokens": t.imitation.windows * run.model_cfg.context}
         if t.graphed is not None:  # which forms of the step this run (since its last resume) replayed from graphs
             extra["cuda_graph"] = {"captured": sorted(t.graphed.graphs), "failed": t.graphed.failed}
         card = finish(t.model, run.tokenizer, run.out, run.model_cfg, run.tc, run.raw, counts.step, counts.tokens_seen,

@@ -206,6 +206,7 @@ def test_an_imitation_run_trains_the_rule_alone_from_its_cache(tmp_path, data_di
     state = tuned.model.state_dict()
     assert all(torch.equal(dense[k], state[k]) for k in dense)
     assert card["train"]["imitate"] == "oracle" and (tmp_path / "p" / "imitation_cache" / "meta.json").exists()
+    assert card["imitation"]["target"] == "oracle" and card["imitation"]["distinct_tokens"] == 6 * 16
     losses = [e["loss"] for e in curve(tmp_path / "p") if e["kind"] == "train"]
     assert len(losses) == 4 and all(math.isfinite(v) and v > 0 for v in losses)
     for bad, match in (({"imitate": "future"}, "must be one of"), ({"imitate_sparsity": 1.5}, r"in \(0, 1\)"),
