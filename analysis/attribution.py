@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 import torch
 from captum.attr import InputXGradient, IntegratedGradients, Saliency
 
+from analysis.plain import plotly_text, plotly_texts
 from kernels import settings
 from models.memory import largest
 from models.transformer import evaluating
@@ -102,11 +103,14 @@ def attribution_table(scores: np.ndarray, labels: list[str]) -> pd.DataFrame:
 
 
 def attribution_figure(df: pd.DataFrame, title: str) -> go.Figure:
+    """Bars of each position's attribution. The tokens and the title (which names the target token) are plain
+    text: drawn as their characters (analysis.plain.plotly_text), never as plotly's HTML."""
     lim = float(np.abs(df["attribution"]).max()) or 1.0
+    shown = plotly_texts(df["token"])
     fig = go.Figure(go.Bar(x=df["position"], y=df["attribution"],
                            marker={"color": df["attribution"], "colorscale": "RdBu", "cmin": -lim, "cmax": lim},
-                           customdata=df["token"], hovertemplate="%{customdata} (pos %{x}): %{y:.4f}<extra></extra>"))
+                           customdata=shown, hovertemplate="%{customdata} (pos %{x}): %{y:.4f}<extra></extra>"))
     step = max(1, len(df) // 60)
-    fig.update_xaxes(tickvals=df["position"][::step], ticktext=df["token"][::step], tickangle=-60)
-    fig.update_layout(title=title, yaxis_title="attribution", height=420)
+    fig.update_xaxes(tickvals=df["position"][::step], ticktext=shown[::step], tickangle=-60)
+    fig.update_layout(title=plotly_text(title), yaxis_title="attribution", height=420)
     return fig

@@ -159,7 +159,7 @@ def pos_layer_figure(stats: pd.DataFrame, title: str, min_tokens: int = 50) -> g
                                colorscale="Reds", zmin=0, zmax=1, customdata=text.to_numpy(),
                                colorbar={"title": "dropped"},
                                hovertemplate="%{y}, %{x}: %{customdata}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="layer", yaxis_title="part of speech",
+    fig.update_layout(title=plotly_text(title), xaxis_title="layer", yaxis_title="part of speech",
                       height=max(320, 24 * len(pivot) + 140))
     return fig
 
@@ -178,8 +178,8 @@ def _lines(stats: dict[str, pd.DataFrame], x: str, title: str, xaxis: str, categ
                                  customdata=[_interval(*v) for v in zip(s["drop_rate"], s["lo"], s["hi"],
                                                                        s["occurrences"], s["windows"])],
                                  hovertemplate="%{x}: %{customdata}<extra>" + name + "</extra>"))
-    fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title="share dropped by the end", yaxis_range=[0, 1],
-                      height=360, xaxis_type="category" if category else None)
+    fig.update_layout(title=plotly_text(title), xaxis_title=xaxis, yaxis_title="share dropped by the end",
+                      yaxis_range=[0, 1], height=360, xaxis_type="category" if category else None)
     return fig
 
 
@@ -204,8 +204,8 @@ def token_figure(stats: pd.DataFrame, title: str, top: int = TOP_TOKENS) -> go.F
                            customdata=[_interval(*v) for v in zip(s["drop_rate"], s["lo"], s["hi"],
                                                                  s["occurrences"], s["windows"])],
                            hovertemplate="%{y}: %{customdata}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="share dropped by the end (95 % interval)", xaxis_range=[0, 1],
-                      height=max(320, 16 * len(s) + 120), showlegend=False)
+    fig.update_layout(title=plotly_text(title), xaxis_title="share dropped by the end (95 % interval)",
+                      xaxis_range=[0, 1], height=max(320, 16 * len(s) + 120), showlegend=False)
     return fig
 
 
@@ -224,7 +224,7 @@ def curve_figure(curves: pd.DataFrame, title: str) -> go.Figure:
                                  textposition="top left", marker_size=10 if learned else 6,
                                  hovertemplate="%{text}: sparsity %{x:.1%}, cost %{y:+.2%}<extra>" + family
                                                + "</extra>"))
-    fig.update_layout(title=title, xaxis_title="sparsity (share of earlier tokens a query cannot see)",
+    fig.update_layout(title=plotly_text(title), xaxis_title="sparsity (share of earlier tokens a query cannot see)",
                       yaxis_title="perplexity cost vs dense", xaxis_tickformat=".0%", yaxis_tickformat="+.0%",
                       xaxis_range=[-0.03, 1.03], height=420)
     return fig
@@ -256,21 +256,20 @@ def page_figures(report: dict, source: str, run: str, others: list[str] | None =
 
     spec = {"source": source, "run": run}
     lay, pos = pick("layer", shown), pick("position", shown)
-    src, name = plotly_text(source), plotly_text(run)   # (in titles: a report's names as text)
     return [
-        (f"corpus_curve_{source}", curve_figure(c, f"{src}: sparsity against perplexity cost"), c,
+        (f"corpus_curve_{source}", curve_figure(c, f"{source}: sparsity against perplexity cost"), c,
          {"source": source}),
         (f"corpus_pos_layer_{run}_{source}",
-         pos_layer_figure(pick("pos_layer", [run]), f"{name} on {src}: share of each part of speech dropped, per "
+         pos_layer_figure(pick("pos_layer", [run]), f"{run} on {source}: share of each part of speech dropped, per "
                                                     "layer", min_tokens),
          pick("pos_layer", [run]), spec | {"min_tokens": min_tokens}),
-        (f"corpus_layers_{run}_{source}", layer_figure(by_run(lay), f"{src}: share dropped by each layer"), lay,
+        (f"corpus_layers_{run}_{source}", layer_figure(by_run(lay), f"{source}: share dropped by each layer"), lay,
          spec | {"runs": shown}),
         (f"corpus_position_{run}_{source}",
-         position_figure(by_run(pos), f"{src}: share dropped by position in the window"), pos,
+         position_figure(by_run(pos), f"{source}: share dropped by position in the window"), pos,
          spec | {"runs": shown}),
         (f"corpus_tokens_{run}_{source}",
-         token_figure(pick("token", [run]), f"{name} on {src}: the {top} most frequent tokens", top),
+         token_figure(pick("token", [run]), f"{run} on {source}: the {top} most frequent tokens", top),
          pick("token", [run]), spec | {"top": top}),
     ]
 

@@ -34,6 +34,7 @@ import plotly.graph_objects as go
 import torch
 
 from analysis.budgets import HEADS_BLOCK, HEADS_FLAT_BYTES
+from analysis.plain import plotly_text
 from models.mixers.attention import Attention
 from models.mixers.mhe import MHE, MHEMul
 
@@ -250,10 +251,11 @@ def pca_figure(df: pd.DataFrame, var: np.ndarray, title: str) -> go.Figure:
         style["text"] = "label"
     hover = ["layer", "head", "norm"]
     if "pc3" in df:
-        fig = px.scatter_3d(df, x="pc1", y="pc2", z="pc3", color="layer", labels=axes, title=title,
+        fig = px.scatter_3d(df, x="pc1", y="pc2", z="pc3", color="layer", labels=axes, title=plotly_text(title),
                             hover_data=hover, **style)
     else:
-        fig = px.scatter(df, x="pc1", y="pc2", color="layer", labels=axes, title=title, hover_data=hover, **style)
+        fig = px.scatter(df, x="pc1", y="pc2", color="layer", labels=axes, title=plotly_text(title), hover_data=hover,
+                         **style)
         fig.update_traces(textposition="top center", marker={"size": 10 if "text" in style else 8})
     fig.update_layout(legend_title_text="layer", height=520)
     return fig
@@ -275,7 +277,7 @@ def similarity_figure(sim: np.ndarray, n_heads: int, title: str, layer: int | No
         fig.update_xaxes(**ticks)
         fig.update_yaxes(**ticks)
     fig.update_yaxes(autorange="reversed")
-    fig.update_layout(title=title, height=460 if layer is not None else 640)
+    fig.update_layout(title=plotly_text(title), height=460 if layer is not None else 640)
     return fig
 
 
@@ -285,6 +287,6 @@ def cosine_figure(vectors: np.ndarray, layer: int, title: str) -> go.Figure:
 
 def norms_figure(df: pd.DataFrame, title: str) -> go.Figure:
     fig = px.line(df, x="layer", y="norm", color="kind", line_group=df["kind"] + df["head"].astype(str),
-                  markers=True, hover_data=["head"], title=title)
+                  markers=True, hover_data=["head"], title=plotly_text(title))
     fig.update_layout(height=420)
     return fig

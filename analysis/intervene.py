@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis.plain import plotly_text
 from models.pruning.intervene import Force, Run
 
 
@@ -68,15 +69,16 @@ def changes_by_layer(changed: pd.DataFrame, n_layers: int) -> pd.DataFrame:
 
 def effect_figure(table: pd.DataFrame, start: int, title: str) -> go.Figure:
     """Per position: the change in log p of the next token (bars) and the KL of the next-token distribution (line,
-    right axis), with a rule where the change starts to reach."""
+    right axis), with a rule where the change starts to reach. The tokens and the title (a model's name, a token)
+    are raw text, drawn as their characters."""
     fig = go.Figure()
-    hover = [f"{t!r} -> {n!r}" for t, n in zip(table["token"], table["next_token"])]
+    hover = [plotly_text(f"{t!r} -> {n!r}") for t, n in zip(table["token"], table["next_token"])]
     fig.add_trace(go.Bar(x=table["position"], y=table["delta_logp"], name="change in log p(next token)",
                          hovertext=hover, marker_color="#0072B2"))
     fig.add_trace(go.Scatter(x=table["position"], y=table["kl"], name="KL(before || after), nats", yaxis="y2",
                              mode="lines", hovertext=hover, line={"color": "#D55E00"}))
     fig.add_vline(x=start - 0.5, line_dash="dot", line_color="grey")
-    fig.update_layout(title=title, xaxis_title="position (predicting the next token)",
+    fig.update_layout(title=plotly_text(title), xaxis_title="position (predicting the next token)",
                       yaxis_title="change in log p", yaxis2={"title": "KL (nats)", "overlaying": "y", "side": "right",
                                                             "rangemode": "tozero"},
                       legend={"orientation": "h", "y": -0.2}, height=420, bargap=0)

@@ -12,6 +12,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from analysis.plain import plotly_text
 from models.mixers.extractor import Extractor
 
 
@@ -81,7 +82,7 @@ def mass_in_first(table: pd.DataFrame, k: int) -> pd.DataFrame:
 
 def profile_figure(table: pd.DataFrame, value: str, title: str, log_x: bool = True) -> go.Figure:
     df = table.assign(lag1=table["lag"] + 1, layer=table["layer"].astype(str))
-    fig = px.line(df, x="lag1", y=value, color="layer", log_x=log_x, title=title,
+    fig = px.line(df, x="lag1", y=value, color="layer", log_x=log_x, title=plotly_text(title),
                   labels={"lag1": "lag + 1 (the paper's index k of w_k)", value: SUMMARIES.get(value, value)})
     if value == "mean":
         fig.add_hline(y=0, line_dash="dot", line_color="grey")
@@ -96,7 +97,8 @@ def mean_rms_figure(table: pd.DataFrame, title: str, log_x: bool = True) -> go.F
     df = df.assign(lag1=df["lag"] + 1, layer=df["layer"].astype(str),
                    summary=df["summary"].map({"mean": "signed mean", "rms": "RMS"}))
     fig = px.line(df, x="lag1", y="weight", color="layer", facet_col="summary", facet_col_spacing=0.07, log_x=log_x,
-                  title=title, labels={"lag1": "lag + 1 (the paper's index k of w_k)", "weight": "over channels"})
+                  title=plotly_text(title), labels={"lag1": "lag + 1 (the paper's index k of w_k)",
+                                                    "weight": "over channels"})
     fig.update_yaxes(matches=None, showticklabels=True)   # the two summaries have their own scales
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
     fig.add_hline(y=0, line_dash="dot", line_color="grey", col=1)
@@ -109,7 +111,7 @@ def lag_channel_figure(m: np.ndarray, title: str, max_lags: int | None = None) -
     lim = float(np.abs(z).max()) or 1.0
     fig = go.Figure(go.Heatmap(z=z.T, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim,
                                hovertemplate="lag %{x}, channel %{y}: %{z:.4f}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="lag", yaxis_title="channel", height=460)
+    fig.update_layout(title=plotly_text(title), xaxis_title="lag", yaxis_title="channel", height=460)
     return fig
 
 
@@ -117,7 +119,7 @@ def cumulative_figure(table: pd.DataFrame, title: str) -> go.Figure:
     t = table.assign(sq=table["rms"] ** 2).sort_values(["layer", "lag"])
     t["share"] = t.groupby("layer")["sq"].cumsum() / t.groupby("layer")["sq"].transform("sum")
     t = t.assign(lag1=t["lag"] + 1, layer=t["layer"].astype(str))
-    fig = px.line(t, x="lag1", y="share", color="layer", log_x=True, title=title,
+    fig = px.line(t, x="lag1", y="share", color="layer", log_x=True, title=plotly_text(title),
                   labels={"lag1": "first k lags", "share": "share of squared weight"})
     fig.update_layout(height=380, yaxis_range=[0, 1.02])
     return fig

@@ -66,7 +66,7 @@ def strip_figure(trace: dict, step: int, labels: list[str], title: str) -> go.Fi
     fig.add_vline(x=len(trace["prompt_ids"]) - 0.5, line_dash="dot", line_color="#555")
     fig.update_xaxes(title=f"position (prompt | generated){' — the last %d' % MAX_STRIP if start else ''}")
     fig.update_yaxes(title="layer", autorange="reversed")
-    fig.update_layout(title=title, height=120 + max(160, 14 * trace["n_layers"]), plot_bgcolor="#f4f4f4")
+    fig.update_layout(title=plotly_text(title), height=120 + max(160, 14 * trace["n_layers"]), plot_bgcolor="#f4f4f4")
     return fig
 
 
@@ -84,7 +84,8 @@ def cache_curve_figure(traces: dict[str, dict], title: str) -> go.Figure:
     df = steps_frame(first)
     fig.add_trace(go.Scatter(x=df["step"], y=df["dense_bytes"] / 2**20, mode="lines",
                              line=dict(color="#777", dash="dash"), name="dense cache (K, V of every token)"))
-    fig.update_layout(title=title, xaxis_title="step (generated tokens)", yaxis_title="cache (MiB)", height=340)
+    fig.update_layout(title=plotly_text(title), xaxis_title="step (generated tokens)", yaxis_title="cache (MiB)",
+                      height=340)
     return fig
 
 
@@ -95,7 +96,7 @@ def latency_curve_figure(traces: dict[str, dict], title: str) -> go.Figure:
         fig.add_trace(go.Scatter(x=df["step"][1:], y=df["model_ms"][1:], mode="lines", name=plotly_text(name),
                                  customdata=df["token"][1:].map(plotly_text),
                                  hovertemplate="%{customdata}: %{y:.2f} ms<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="step (the first, with the prefill, left out)",
+    fig.update_layout(title=plotly_text(title), xaxis_title="step (the first, with the prefill, left out)",
                       yaxis_title="model ms per token", height=320)
     return fig
 

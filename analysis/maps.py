@@ -129,7 +129,7 @@ def overview_figure(maps: np.ndarray, kind: str, title: str = "", cells: int = 6
                      ticktext=[f"L{i}" for i in range(L)], tickfont={"size": 10})
     fig.update_xaxes(tickvals=[cols[j * (s + 1) + centre] for j in range(H)] if H > 1 else [],
                      ticktext=[f"H{j}" for j in range(H)] if H > 1 else [], side="top")
-    fig.update_layout(height=max(320, min(1600, 48 * L + 120)), title=title or
+    fig.update_layout(height=max(320, min(1600, 48 * L + 120)), title=plotly_text(title) or
                       ("attention probabilities, layers x heads" if kind == "attention"
                        else "Extractor mixing weights per layer"),
                       margin={"l": 50, "r": 20, "t": 90, "b": 20})
@@ -139,16 +139,17 @@ def overview_figure(maps: np.ndarray, kind: str, title: str = "", cells: int = 6
 def map_figure(m: np.ndarray, labels: list[str], title: str, colorscale: str = "Viridis",
                zmid: float | None = None) -> go.Figure:
     """One map with readable token labels on both axes (one category per position, so repeated tokens stay
-    apart; hovering a cell names its query and key)."""
+    apart; hovering a cell names its query and key). The tokens and the title are raw text, drawn as their
+    characters (the axis names escape the tokens, analysis.axes)."""
     T = len(labels)
-    labels = [plotly_text(t) for t in labels]   # tokens: text, never plotly's HTML
     names = position_names(labels)
     fig = go.Figure(go.Heatmap(z=_masked(m).astype(np.float32), x=names, y=names, colorscale=colorscale, zmid=zmid,
                                hoverongaps=False,
                                hovertemplate="query %{y}<br>key %{x}<br>%{z:.4f}<extra></extra>"))
     fig.update_xaxes(**position_axis(labels, names), tickangle=-60, title="key (attended to)")
     fig.update_yaxes(**position_axis(labels, names), autorange="reversed", title="query")
-    fig.update_layout(title=title, height=max(420, min(900, 14 * T + 200)), margin={"l": 80, "r": 20, "t": 60, "b": 80})
+    fig.update_layout(title=plotly_text(title), height=max(420, min(900, 14 * T + 200)),
+                      margin={"l": 80, "r": 20, "t": 60, "b": 80})
     return fig
 
 

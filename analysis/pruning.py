@@ -175,10 +175,11 @@ WHO_COLOURS = {"neither": "#e8f1fb", "both": "#7f8c8d", "a only": "#c0392b", "b 
 
 
 def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> go.Figure:
-    """Tokens x layers coloured by who dropped the token by the end of the text."""
+    """Tokens x layers coloured by who dropped the token by the end of the text. Tokens, the methods' names and the
+    title are raw text, drawn as their characters."""
     codes = {w: i for i, w in enumerate(WHO_COLOURS)}
     pivot = d.assign(code=d["who"].map(codes)).pivot(index="layer", columns="position", values="code")
-    labels = [plotly_text(t) for t in d[d["layer"] == d["layer"].min()].sort_values("position")["token"]]
+    labels = list(d[d["layer"] == d["layer"].min()].sort_values("position")["token"])   # (escaped by the axis)
     n = len(WHO_COLOURS)
     scale = []
     for i, colour in enumerate(WHO_COLOURS.values()):  # a discrete scale: one flat band per category
@@ -193,7 +194,7 @@ def disagreement_figure(d: pd.DataFrame, names: tuple[str, str], title: str) -> 
                                hovertemplate="%{x}, layer %{y}: %{customdata}<extra></extra>"))
     fig.update_xaxes(**position_axis(labels, axis), tickangle=-60)
     fig.update_yaxes(title="layer", autorange="reversed")
-    fig.update_layout(title=title, height=140 + 40 * len(pivot))
+    fig.update_layout(title=plotly_text(title), height=140 + 40 * len(pivot))
     return fig
 
 
@@ -209,13 +210,14 @@ def pos_profile(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(rows, ignore_index=True)[["method", "pos", "token_layers", "hidden_share", "drop_rate"]]
 
 
-def pos_profile_figure(profile: pd.DataFrame, title: str, min_count: int = 1) -> go.Figure:
+def pos_profile_figure(profile: pd.DataFrame, title: str, min_count: int = 1, subtitle: str = "") -> go.Figure:
     """Grouped bars: per POS tag (seen at least min_count times), each method's mean share of later queries that
-    cannot see such a token."""
+    cannot see such a token. The title and subtitle (a smaller second line: the models' names) are raw text."""
     p = profile[profile["token_layers"] >= min_count]
     p = p.assign(method=p["method"].map(plotly_text), pos=p["pos"].map(plotly_text))   # (legend and axis names)
     order = p.groupby("pos")["token_layers"].max().sort_values(ascending=False).index.tolist()
-    fig = px.bar(p, x="pos", y="hidden_share", color="method", barmode="group", title=title,
+    heading = plotly_text(title) + (f"<br><sup>{plotly_text(subtitle)}</sup>" if subtitle else "")
+    fig = px.bar(p, x="pos", y="hidden_share", color="method", barmode="group", title=heading,
                  category_orders={"pos": order},
                  labels={"pos": "part of speech", "hidden_share": "later queries that cannot see it"},
                  hover_data=["token_layers", "drop_rate"])
@@ -255,29 +257,30 @@ def pos_heatmap(rates: pd.DataFrame, title: str) -> go.Figure:
                                y=[plotly_text(p) for p in pivot.index],
                                colorscale="Reds", zmin=0, zmax=1, customdata=counts.values,
                                hovertemplate="%{y}, %{x}: %{z:.0%} dropped of %{customdata} tokens<extra></extra>"))
-    fig.update_layout(title=title, height=max(320, 26 * len(pivot) + 120))
+    fig.update_layout(title=plotly_text(title), height=max(320, 26 * len(pivot) + 120))
     return fig
 
 
 def token_layer_figure(table: pd.DataFrame, title: str) -> go.Figure:
     """Tokens x layers: the share of the layer's rows (KV groups under per-group eviction) that dropped the token
-    by the end of the text (1: dropped, 0: kept)."""
+    by the end of the text (1: dropped, 0: kept). Tokens and the title are raw text, drawn as their characters."""
     pivot = table.pivot(index="layer", columns="position", values="drop_share").astype(float)
-    labels = [plotly_text(t) for t in table[table["layer"] == 0].sort_values("position")["token"]]
+    labels = list(table[table["layer"] == 0].sort_values("position")["token"])   # (escaped by the axis)
     names = position_names(labels)
     fig = go.Figure(go.Heatmap(z=pivot.values.astype(np.float32), x=names, colorscale=[[0, "#e8f1fb"], [1, "#c0392b"]],
                                zmin=0, zmax=1, showscale=False,
                                hovertemplate="%{x}, layer %{y}: %{z:.2f}<extra>1 = dropped (by every group)</extra>"))
     fig.update_xaxes(**position_axis(labels, names), tickangle=-60)
     fig.update_yaxes(title="layer", autorange="reversed")
-    fig.update_layout(title=title, height=140 + 40 * len(pivot))
+    fig.update_layout(title=plotly_text(title), height=140 + 40 * len(pivot))
     return fig
 
 
 def triggers_figure(counts: pd.DataFrame, title: str) -> go.Figure:
     fig = px.bar(counts.assign(layer=counts["layer"].astype(str), trigger_pos=counts["trigger_pos"].map(plotly_text)),
                  x="trigger_pos", y="drops", color="layer",
-                 barmode="group", title=title, labels={"trigger_pos": "POS of the token whose query dropped others"})
+                 barmode="group", title=plotly_text(title),
+                 labels={"trigger_pos": "POS of the token whose query dropped others"})
     fig.update_layout(height=380)
     return fig
 

@@ -1,6 +1,6 @@
 """Why the learned rule dropped what it dropped, one layer at a time: the interaction scores x_{n,j}, how close
 each token's fate came to the threshold, one score split over the r interaction dimensions, and the soft keep
-structure the alpha-sigmoid gave while training (papers.md section 3). Inputs are a layer's recorded q_int, k_int
+structure the alpha-sigmoid gave while training (docs/methods.md). Inputs are a layer's recorded q_int, k_int
 (models.mixers.LayerRecord, in the precision the rule decided in); figures are pure functions of them."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from analysis.plain import plotly_text
 from analysis.views import SCORES_VIEW as VIEW  # queries x keys drawn at once, whatever the text's length
 from analysis.maps import layer_records
 from kernels.keep_rule import distance_term, gates, keep_from_gates
@@ -78,12 +79,13 @@ def score_figure(x: torch.Tensor, table: pd.DataFrame, start: int, labels: list[
     trig[table["position"].to_numpy()] = np.where(table["dropped_at"] >= 0, table["dropped_at"], t)
     z[(j >= n) | (n > trig[start:stop][None, :]) | (j < sinks)] = np.nan
     lim = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
-    tick = [f"{p} {labels[p]}" for p in range(start, stop)]
+    tick = [f"{p} {plotly_text(labels[p])}" for p in range(start, stop)]   # (tokens: drawn as their characters)
     fig = go.Figure(go.Heatmap(z=z.astype(np.float32), x=tick, y=tick, zmid=0, zmin=-lim, zmax=lim,
                                colorscale="RdBu", colorbar={"title": "x<sub>n,j</sub>"},
                                hovertemplate="query %{y}<br>key %{x}<br>x = %{z:.3f}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="key j", yaxis_title="query n", yaxis_autorange="reversed",
-                      height=640, xaxis_showticklabels=stop - start <= 64, yaxis_showticklabels=stop - start <= 64)
+    fig.update_layout(title=plotly_text(title), xaxis_title="key j", yaxis_title="query n",
+                      yaxis_autorange="reversed", height=640, xaxis_showticklabels=stop - start <= 64,
+                      yaxis_showticklabels=stop - start <= 64)
     return fig
 
 
@@ -112,7 +114,7 @@ def split_figure(terms: pd.DataFrame, top: int, title: str) -> go.Figure:
                        if len(rest) else None, terms[~terms["term"].str.startswith("dim ")]])
     fig = go.Figure(go.Bar(x=shown["term"], y=shown["value"],
                            marker_color=["#d62728" if v < 0 else "#1f77b4" for v in shown["value"]]))
-    fig.update_layout(title=title, yaxis_title="contribution to x<sub>n,j</sub>", height=380)
+    fig.update_layout(title=plotly_text(title), yaxis_title="contribution to x<sub>n,j</sub>", height=380)
     return fig
 
 
@@ -142,10 +144,11 @@ def soft_figure(keep: torch.Tensor, start: int, labels: list[str], title: str) -
     stop = min(keep.shape[0], start + VIEW)
     z = keep.detach().double().cpu().numpy()[start:stop, start:stop].copy()
     z[np.arange(start, stop)[None, :] > np.arange(start, stop)[:, None]] = np.nan
-    tick = [f"{p} {labels[p]}" for p in range(start, stop)]
+    tick = [f"{p} {plotly_text(labels[p])}" for p in range(start, stop)]
     fig = go.Figure(go.Heatmap(z=z.astype(np.float32), x=tick, y=tick, zmin=0, zmax=1, colorscale="Viridis",
                                colorbar={"title": "I<sub>k,j</sub>"},
                                hovertemplate="query %{y}<br>key %{x}<br>I = %{z:.3f}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="key j", yaxis_title="query k", yaxis_autorange="reversed",
-                      height=640, xaxis_showticklabels=stop - start <= 64, yaxis_showticklabels=stop - start <= 64)
+    fig.update_layout(title=plotly_text(title), xaxis_title="key j", yaxis_title="query k",
+                      yaxis_autorange="reversed", height=640, xaxis_showticklabels=stop - start <= 64,
+                      yaxis_showticklabels=stop - start <= 64)
     return fig

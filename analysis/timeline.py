@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from analysis import pruning
+from analysis.plain import plotly_text
 from models import snapshots
 
 SINK_TOKENS = 4   # "the sinks": how much of the text's first tokens the later queries still see
@@ -63,7 +64,7 @@ def steps_figure(steps: pd.DataFrame, at: int, title: str) -> go.Figure:
     fig.add_trace(go.Scatter(x=steps["step"], y=steps["sink_share"], mode="lines+markers", line_dash="dot",
                              name=f"first {SINK_TOKENS} tokens still seen"))
     fig.add_vline(x=at, line_dash="dash", line_color="#777")
-    fig.update_layout(title=title, xaxis_title="training step", yaxis_title="share", yaxis_range=[0, 1],
+    fig.update_layout(title=plotly_text(title), xaxis_title="training step", yaxis_title="share", yaxis_range=[0, 1],
                       yaxis_tickformat=".0%", height=340)
     return fig
 
@@ -75,6 +76,6 @@ def layers_figure(layers: pd.DataFrame, step: int, title: str) -> go.Figure:
     for s, name in ((last, f"step {last} (the last snapshot)"), (step, f"step {step}"))[:1 if step == last else 2]:
         d = layers[layers["step"] == s]
         fig.add_trace(go.Bar(x=d["layer"], y=d["sparsity"], name=name))
-    fig.update_layout(title=title, xaxis_title="layer", yaxis_title="sparsity", yaxis_range=[0, 1],
+    fig.update_layout(title=plotly_text(title), xaxis_title="layer", yaxis_title="sparsity", yaxis_range=[0, 1],
                       yaxis_tickformat=".0%", barmode="group", height=320)
     return fig

@@ -42,7 +42,7 @@ def surprisal_figure(df: pd.DataFrame, title: str) -> go.Figure:
         fig.add_trace(go.Scatter(x=part["position"], y=part["surprisal_bits"], mode="lines+markers",
                                  name=plotly_text(name), customdata=part["token"].map(plotly_text),
                                  hovertemplate="%{customdata}: %{y:.2f} bits<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="position", yaxis_title="surprisal (bits)", height=400)
+    fig.update_layout(title=plotly_text(title), xaxis_title="position", yaxis_title="surprisal (bits)", height=400)
     return fig
 
 
@@ -60,7 +60,7 @@ def latency_figure(df: pd.DataFrame, title: str) -> go.Figure:
     fig = go.Figure(go.Scatter(x=df["index"], y=df["latency_ms"], mode="lines+markers",
                                customdata=df["token"].map(plotly_text),
                                hovertemplate="%{customdata}: %{y:.2f} ms<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="generated token", yaxis_title="latency (ms)", height=320)
+    fig.update_layout(title=plotly_text(title), xaxis_title="generated token", yaxis_title="latency (ms)", height=320)
     return fig
 
 

@@ -107,8 +107,8 @@ def describe(path: Path, loaded=None) -> dict:
 
 
 def with_paper_metrics(table: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
-    """PRR vs the zoo's `mha` directory and PEoP vs its `sha` directory (papers.md; models.evaluate.zoo_references),
-    where those exist. root: the zoo (default: models_root())."""
+    """PRR vs the zoo's `mha` directory and PEoP vs its `sha` directory (docs/methods.md;
+    models.evaluate.zoo_references), where those exist. root: the zoo (default: models_root())."""
     if table.empty or "mixer" not in table:
         return table.assign(PRR=None, PEoP=None)
     root = models_root() if root is None else root
@@ -154,7 +154,8 @@ def efficiency_figure(table: pd.DataFrame) -> go.Figure:
         ok = ok[ok["error"].isna()]
     if "data" in ok and ok["data"].notna().any():  # one test set only: the most common one (the zoo's)
         ok = ok[ok["data"] == ok["data"].mode().iloc[0]]
-    ok = ok.assign(model=ok["model"].map(plotly_text))   # names of directories: text, never plotly's HTML
+    # names of directories (and what a config names its mixer): text, never plotly's HTML
+    ok = ok.assign(model=ok["model"].map(plotly_text), mixer=ok["mixer"].map(plotly_text))
     fig = px.scatter(ok, x="attention params", y="test ppl", text="model", color="mixer", log_x=True,
                      title="test perplexity vs attention parameters (lower left is better)",
                      hover_data=["total params", "KV-cache bytes/token"])

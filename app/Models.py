@@ -3,10 +3,10 @@ import pandas as pd
 import streamlit as st
 
 from app import access
-from app.common import MAX_PATH, add_path, export_buttons, model_paths, public, setup, shown_path
+from app.common import MAX_PATH, add_path, export_buttons, listing, model_paths, public, setup, shown_path
 from app.plain import md
 
-from analysis.zoo import efficiency_figure, models_root, zoo_table
+from analysis.zoo import efficiency_figure, models_root
 
 setup("Models")
 st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SKV, EL-ATT, MHE-ADD, MHE-MUL "
@@ -42,7 +42,7 @@ if not paths:
             + " Train one (see README), or add a model directory by path above.")
     st.stop()
 
-table = zoo_table(paths)  # configs, cards and weight headers only: no model is loaded to list it
+table = listing(paths)  # configs, cards and weight headers only, in a slot: no model is loaded to list it
 for col in table.columns.drop("path"):  # what the browser sees names server directories by label (cards' too)
     if table[col].dtype == object or pd.api.types.is_string_dtype(table[col]):
         table[col] = table[col].map(lambda v: public(v) if isinstance(v, str) else v)
@@ -59,7 +59,7 @@ if len(good):
     st.dataframe(good, hide_index=True, width="stretch",
                  column_config={"model": st.column_config.TextColumn("model", width=name_px, pinned=True)})
     st.caption("attention params: the token mixer without its output projection. PRR vs the MHA model, PEoP vs the SHA "
-               "model (papers.md). KV-cache bytes/token: decode state each new token adds, all layers, float32. "
+               "model (docs/methods.md). KV-cache bytes/token: decode state each new token adds, all layers, float32. "
                "PRR, PEoP and the figure cover the models scored on the zoo's test set (column data): a model scored "
                "in another tokenizer (SmolLM2's) has its own perplexity scale. Listed from configs, cards and weight "
                "headers: weight values (NaN, a base's checksum) are checked when a page opens the model.")

@@ -3,19 +3,22 @@ UI only: the numbers and figures come from analysis/ and models/."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path, PurePath
 
+import pandas as pd
 import streamlit as st
 import torch
 
 from analysis import export
 from app import access, heavy, model_cache, slots
 from analysis.text import TextError, check_text, decode_upload, tokenize, window
-from analysis.zoo import find_model_dirs, model_labels, models_root
+from analysis.zoo import find_model_dirs, model_labels, models_root, zoo_table
 import kernels.settings  # (by its full name: `settings` here is a figure's)
 from app.loading import app_precision, load_for_app
 from app.plain import md
+from models.checkpoint import MEMBERS
 from models.files import CheckpointError, read_json
 from models.pruning import policies
 
@@ -78,17 +81,60 @@ def shown_path(path) -> str:
     return public(real)
 
 
-def load(path: str):
+def _cached(path: str):
+    """The loaded model (models.checkpoint.LoadedModel) from the server's model cache, loaded in a slot if it is not
+    there."""
     def fresh():
         problem = access.model_dir_problem(path)  # serve mode: the roots, checked again when the model is opened
         if problem:
             raise CheckpointError(f"{shown_path(path)}: {problem}")
+        # a load holds twice its model for a moment: the cache first lets go of what this model would push past its
+        # budget, and what earlier loads let go is handed back to the system (the idle trim, app/slots.py, may not
+        # have come between two pages opened one after the other)
+        MODELS.make_room(_expected_bytes(path))
+        slots.give_back_memory()
         return load_for_app(path, access.max_weight_bytes())  # on the GPU when there is one, in float32 by default
     ready = MODELS.peek(path)
     if ready is not None:
         return ready
     with heavy.slot():   # the slot before the cache's per-model gate, always in this order: no two waits cross
         return MODELS.get(path, fresh)
+
+
+def _expected_bytes(path: str) -> int:
+    """The bytes a model's parameters will take where the app runs them, from its config alone (0 when the config
+    cannot be read: the load then says why)."""
+    from models.config import ConfigError, ModelConfig
+    try:
+        params = ModelConfig.load(Path(path) / "config.json").param_count()
+    except (ConfigError, OSError, ValueError):
+        return 0
+    return params * torch.empty(0, dtype=getattr(torch, app_precision()["dtype"])).element_size()
+
+
+class PageModel:
+    """A loaded model as a page holds it: its path, config, tokenizer and card; the weights stay the model cache's
+    alone (app/model_cache.py), and `.model` takes them from it each time it is read (loading them again, in a
+    slot, if the cache has let them go).
+
+    A page's globals outlive its run: Streamlit keeps them, through the page's fragments and the callables of its
+    lazy download buttons, while the session is open and for server.disconnectedSessionTTL (120 s) after its tab
+    closes. A page holding the model itself would keep every model it has shown, however far past the cache's
+    budget (docs/deployment.md, "Memory")."""
+    __slots__ = ("path", "tokenizer", "card", "config")
+
+    def __init__(self, loaded):
+        self.path, self.tokenizer, self.card, self.config = loaded.path, loaded.tokenizer, loaded.card, loaded.config
+
+    @property
+    def model(self):
+        """The model itself: for the computation at hand, never to keep in a page's globals or session state."""
+        return _cached(str(self.path)).model
+
+
+def load(path: str) -> PageModel:
+    """The model at `path`, opened through the server's model cache (checked, in a slot, when it is not there)."""
+    return PageModel(_cached(path))
 
 
 MAX_PATH = 1024  # characters of a path typed on the Models page
@@ -127,6 +173,38 @@ def model_paths() -> list[Path]:
         except (OSError, ValueError, RuntimeError):  # an unusable path lists nothing, on any page
             continue
     return paths
+
+
+# how long a listing of model directories is reused: what it reads outside them (a delta's registry base arriving
+# in the base cache) shows within this; a change inside them (a file written, added or removed) shows at once
+LISTING_TTL_S = 60
+
+
+def directory_stamp(paths) -> tuple:
+    """What a listing of these model directories reads, cheaply: each directory's and each member file's
+    (models.checkpoint.MEMBERS) size and modification time, None where there is none. A few stat calls a model,
+    however large its config says it is."""
+    def stat(p):
+        try:
+            s = os.stat(p)
+            return s.st_size, s.st_mtime_ns
+        except (OSError, ValueError):
+            return None
+    return tuple((str(d), stat(d), *(stat(Path(d) / m) for m in MEMBERS)) for d in paths)
+
+
+@st.cache_data(max_entries=16, ttl=LISTING_TTL_S, show_spinner="Reading the models' configs and cards…")
+def _listing(paths: tuple[str, ...], stamp: tuple, root: str) -> pd.DataFrame:
+    """zoo_table of these directories, computed in a slot (it reads every config, card and weights header);
+    reused while their files are unchanged (stamp) and the models folder is the same (root)."""
+    with heavy.slot():
+        return zoo_table([Path(p) for p in paths], root=Path(root))
+
+
+def listing(paths: list[Path]) -> pd.DataFrame:
+    """The Models page's table of these directories (analysis.zoo.zoo_table): configs, cards and weight headers
+    only, no model loaded; read once while their files are unchanged, each reading counted by the server's queue."""
+    return _listing(tuple(str(p) for p in paths), directory_stamp(paths), str(models_root()))
 
 
 def pick_model(label: str = "Model", key: str = "model", where=st.sidebar, accept=None, default: str | None = None):

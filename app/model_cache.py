@@ -4,7 +4,12 @@ Streamlit's cache_resource bounds entries by number: 16 models of 500 MB each wo
 recently used models are let go once the total passes the budget (MIXSCOPE_MODEL_CACHE_MB, default 4,096), and
 any model unused for MIXSCOPE_MODEL_IDLE_S seconds (default 1,800) is let go at the next request. A model just
 loaded is kept even when it alone passes the budget (a page needs it); one that a running computation still
-holds stays in memory until that computation ends, as Python frees it.
+holds stays in memory until that computation ends, as Python frees it. Before a load, make_room lets go of what the
+new model would push past the budget, so that the cache and the load together hold the budget and one model more
+(a load briefly holds twice its model) rather than the budget and two.
+
+The cache is the one owner of the models: pages hold app.common.PageModel, which takes its model from here each
+time (docs/deployment.md, "Memory").
 """
 from __future__ import annotations
 
@@ -50,6 +55,13 @@ class ModelCache:
                 self._loading.pop(key, None)
                 self._drop_over_budget(keep=key)
             return value
+
+    def make_room(self, nbytes: int) -> None:
+        """Let the least recently used models go until `nbytes` more would stay within the budget (all of them, if
+        nbytes alone passes it): called before a load whose size is known from its config."""
+        with self._lock:
+            while self._items and self.total() + nbytes > self.budget:
+                self._items.popitem(last=False)
 
     def peek(self, key: str):
         """The value if loaded (marked used), else None; never loads."""

@@ -241,3 +241,309 @@ def test_the_paper_style_keeps_what_a_colour_per_bar_says():
     assert list(attr.data[0].marker.color) == [-1.0, 0.5, 2.0]
     import plotly.colors
     assert [c for _, c in attr.data[0].marker.colorscale] == [c for _, c in plotly.colors.get_colorscale("RdBu")]
+
+
+# ---- every figure builder draws text it did not write as text -----------------------------------------------------
+
+# what a token, a model's directory, a card field or a report's run could hold: a CSS url() in a tag's style, MathJax,
+# a Markdown image naming a URL
+HOSTILE = ['<span style="background:url(http://x)">', "$x$", "![a](http://x/y.png)"]
+# functions that return figures but build none from strings: they restyle, draw or read back a figure already built
+NOT_BUILDERS = {"analysis.style.paper": "restyles a built figure (its strings are the builder's)",
+                "analysis.export.figure_bytes": "draws a built figure, refusing its spec (spec_refusal) first"}
+
+
+def figure_builders() -> set[str]:
+    """Every function in analysis/ that builds a plotly figure: it returns one (its annotation says Figure) or its
+    source makes one (go.Figure(, px.*(, make_subplots()."""
+    import importlib
+    import inspect
+    import re
+
+    import analysis
+    root = Path(analysis.__file__).parent
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        module = importlib.import_module(".".join(path.relative_to(root.parent).with_suffix("").parts))
+        for name, fn in vars(module).items():
+            if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                made = re.search(r"\bgo\.Figure\(|\bpx\.\w+\(|make_subplots\(", inspect.getsource(fn))
+                if made or "Figure" in str(fn.__annotations__.get("return", "")):
+                    found.add(f"{module.__name__}.{name}")
+    return found - set(NOT_BUILDERS)
+
+
+def hostile_tokens(n: int) -> list[str]:
+    return [HOSTILE[i % len(HOSTILE)] + f" {i}" for i in range(n)]
+
+
+HEADING = " ".join(HOSTILE)   # a title that names all three (as a model's name in a page's title would)
+
+
+def token_table(n_layers: int = 2, t: int = 6, seed: int = 0):
+    """analysis.pruning.token_table of random keep masks over hostile tokens, tagged with hostile parts of speech."""
+    import numpy as np
+
+    from analysis import pruning
+    keeps = np.tril(np.random.default_rng(seed).random((n_layers, t, t)) > 0.4)
+    keeps[:, np.arange(t), np.arange(t)] = True
+    return pruning.token_table(keeps, hostile_tokens(t), [HOSTILE[i % 3] for i in range(t)])
+
+
+def corpus_report():
+    """A report as analysis.corpus.page_figures reads it, with hostile sources, runs and tokens."""
+    import pandas as pd
+    src, runs = HOSTILE[0], [HOSTILE[1], HOSTILE[2]]
+    interval = {"drop_rate": 0.3, "lo": 0.2, "hi": 0.4, "occurrences": 60, "windows": 3, "source": src}
+    stats = {"pos_layer": pd.DataFrame([{"run": r, "pos": p, "layer": layer, **interval}
+                                        for r in runs for p in HOSTILE for layer in (0, 1)]),
+             "layer": pd.DataFrame([{"run": r, "layer": layer, **interval} for r in runs for layer in (0, 1)]),
+             "position": pd.DataFrame([{"run": r, "bucket": b, "positions": f"{2 ** b}-{2 ** (b + 1) - 1}",
+                                        **interval} for r in runs for b in (0, 1)]),
+             "token": pd.DataFrame([{"run": r, "token": h, "token_id": i, **interval}
+                                    for r in runs for i, h in enumerate(HOSTILE)])}
+    curves = pd.DataFrame([{"source": src, "run": runs[0], "family": "learned", "sparsity": 0.5, "cost": 0.1,
+                            "cost_lo": 0.05, "cost_hi": 0.15, "budget": None},
+                           {"source": src, "run": runs[1], "family": HOSTILE[0], "sparsity": 0.4, "cost": 0.2,
+                            "cost_lo": 0.1, "cost_hi": 0.3, "budget": 8}])
+    return {"curves": curves, "stats": stats}
+
+
+def trace(n_layers: int = 2):
+    """A generation trace (models.trace.build's shape): 3 prompt tokens, 3 generated, two drops."""
+    steps = [{"step": s, "token": HOSTILE[s % 3], "held_bytes": 10 - s, "alloc_bytes": 16, "dense_bytes": 10 + s,
+              "model_ms": 1.0 + s, "live_per_layer": [3] * n_layers} for s in range(3)]
+    return {"prompt_ids": [1, 2, 3], "new_ids": [4, 5, 6], "n_layers": n_layers, "steps": steps,
+            "drops": [{"layer": 0, "position": 0, "trigger": 3, "step": 1}, {"layer": 1, "position": 1, "trigger": 4,
+                                                                            "step": 2}]}
+
+
+def _maps_and_tokens():
+    import numpy as np
+    return np.random.default_rng(0).random((2, 2, 6, 6)), hostile_tokens(6)
+
+
+def _corpus_cases():
+    from analysis import corpus
+    report = corpus_report()
+    stats, runs = report["stats"], list(report["stats"]["layer"]["run"].unique())
+    by_run = {t: {r: stats[t][stats[t]["run"] == r] for r in runs} for t in ("layer", "position")}
+    return {
+        "analysis.corpus.pos_layer_figure": lambda: [corpus.pos_layer_figure(
+            stats["pos_layer"][stats["pos_layer"]["run"] == runs[0]], HEADING)],
+        "analysis.corpus._lines": lambda: [corpus._lines(by_run["layer"], "layer", HEADING, "layer")],
+        "analysis.corpus.layer_figure": lambda: [corpus.layer_figure(by_run["layer"], HEADING)],
+        "analysis.corpus.position_figure": lambda: [corpus.position_figure(by_run["position"], HEADING)],
+        "analysis.corpus.token_figure": lambda: [corpus.token_figure(stats["token"], HEADING)],
+        "analysis.corpus.curve_figure": lambda: [corpus.curve_figure(report["curves"], HEADING)],
+        "analysis.corpus.page_figures": lambda: [f for _, f, *_ in corpus.page_figures(report, HOSTILE[0],
+                                                                                          runs[0], [runs[1]])],
+    }
+
+
+def _heads_cases():
+    import numpy as np
+    import pandas as pd
+
+    from analysis import heads
+    rng = np.random.default_rng(0)
+    geo = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "norm": rng.random(4), "pc1": rng.random(4),
+                        "pc2": rng.random(4)})
+    norms = pd.DataFrame({"kind": ["QK"] * 4, "layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "norm": rng.random(4)})
+    return {
+        "analysis.heads.pca_figure": lambda: [heads.pca_figure(geo, np.array([0.6, 0.3]), HEADING),
+                                              heads.pca_figure(geo.assign(pc3=rng.random(4)),
+                                                               np.array([0.5, 0.3, 0.1]), HEADING)],
+        "analysis.heads.similarity_figure": lambda: [heads.similarity_figure(rng.random((4, 4)), 2, HEADING)],
+        "analysis.heads.cosine_figure": lambda: [heads.cosine_figure(rng.random((2, 2, 8)), 1, HEADING)],
+        "analysis.heads.norms_figure": lambda: [heads.norms_figure(norms, HEADING)],
+    }
+
+
+def _lags_cases():
+    import numpy as np
+    import pandas as pd
+
+    from analysis import lags
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame([{"layer": layer, "lag": k, "rms": rng.random(), "mean": rng.random() - 0.5,
+                           "fro": rng.random()} for layer in (0, 1) for k in range(4)])
+    return {
+        "analysis.lags.profile_view": lambda: [lags.profile_view(table, mixer)[0] for mixer in ("we", "me", HEADING)],
+        "analysis.lags.profile_figure": lambda: [lags.profile_figure(table, "fro", HEADING)],
+        "analysis.lags.mean_rms_figure": lambda: [lags.mean_rms_figure(table, HEADING)],
+        "analysis.lags.lag_channel_figure": lambda: [lags.lag_channel_figure(rng.random((4, 3)), HEADING)],
+        "analysis.lags.cumulative_figure": lambda: [lags.cumulative_figure(table, HEADING)],
+    }
+
+
+def _pruning_cases():
+    from types import SimpleNamespace
+
+    from analysis import lab, pruning
+    a, b = token_table(seed=0), token_table(seed=1)
+    d = pruning.disagreement(a, b)
+    runs = [SimpleNamespace(loaded=SimpleNamespace(config=SimpleNamespace(mixer="mha")), name=n, table=t,
+                            pos_rates=pruning.pos_drop_rates(t), triggers=pruning.trigger_counts(t))
+            for n, t in ((HOSTILE[0], a), (HOSTILE[1], b))]
+    return {
+        "analysis.pruning.disagreement_figure": lambda: [pruning.disagreement_figure(d, HOSTILE[:2], HEADING)],
+        "analysis.pruning.pos_profile_figure": lambda: [pruning.pos_profile_figure(
+            pruning.pos_profile({HOSTILE[0]: a, HOSTILE[2]: b}), HEADING, subtitle=HEADING)],
+        "analysis.pruning.pos_heatmap": lambda: [pruning.pos_heatmap(pruning.pos_drop_rates(a), HEADING)],
+        "analysis.pruning.token_layer_figure": lambda: [pruning.token_layer_figure(a, HEADING)],
+        "analysis.pruning.triggers_figure": lambda: [pruning.triggers_figure(pruning.trigger_counts(a), HEADING)],
+        "analysis.lab._figure": lambda: [lab._figure(kind, runs)[0] for kind in lab.FIGURES],
+    }
+
+
+def _token_cases():
+    import numpy as np
+    import pandas as pd
+    import torch
+
+    from analysis import attribution, intervene, live, maps, scores, timeline, tokens
+    m, labels = _maps_and_tokens()
+    x = torch.randn(6, 6)
+    fates = scores.fates(x, 0)
+    terms = pd.DataFrame({"term": ["dim 0", "dim 1", "beta"], "value": [-0.5, 0.25, 1.0]})
+    effects = pd.DataFrame({"position": range(5), "token": labels[:5], "next_token": labels[1:], "delta_logp": 0.1,
+                            "kl": 0.2})
+    surprisal = pd.concat([tokens.surprisal_table(labels, -np.random.default_rng(0).random(5), name)
+                           for name in HOSTILE[:2]])
+    generated = pd.DataFrame({"index": range(6), "latency_ms": 1.0, "token": labels})
+    traces = {HOSTILE[0]: trace(), HOSTILE[2]: trace()}
+    steps = pd.DataFrame({"step": [0, 10], "sparsity": [0.1, 0.5], "alpha": [1.0, 2.0], "sink_share": [1.0, 0.9]})
+    layers = pd.DataFrame({"step": [0, 0, 10, 10], "layer": [0, 1, 0, 1], "sparsity": [0.1, 0.2, 0.4, 0.5]})
+    return {
+        "analysis.attribution.attribution_figure": lambda: [attribution.attribution_figure(
+            attribution.attribution_table(np.linspace(-1, 1, 6), labels), HEADING)],
+        "analysis.intervene.effect_figure": lambda: [intervene.effect_figure(effects, 2, HEADING)],
+        "analysis.live.strip_figure": lambda: [live.strip_figure(trace(), 3, labels, HEADING)],
+        "analysis.live.cache_curve_figure": lambda: [live.cache_curve_figure(traces, HEADING)],
+        "analysis.live.latency_curve_figure": lambda: [live.latency_curve_figure(traces, HEADING)],
+        "analysis.maps.overview_figure": lambda: [maps.overview_figure(m, "attention", HEADING)],
+        "analysis.maps.map_figure": lambda: [maps.map_figure(m[0, 0], labels, HEADING)],
+        "analysis.maps.difference_figure": lambda: [maps.difference_figure(m[0, 0], m[1, 1], labels, HEADING)],
+        "analysis.scores.score_figure": lambda: [scores.score_figure(x, fates, 0, labels, HEADING)],
+        "analysis.scores.split_figure": lambda: [scores.split_figure(terms, 12, HEADING)],
+        "analysis.scores.soft_figure": lambda: [scores.soft_figure(scores.soft_keep(x, 2.0, 0), 0, labels, HEADING)],
+        "analysis.timeline.steps_figure": lambda: [timeline.steps_figure(steps, 10, HEADING)],
+        "analysis.timeline.layers_figure": lambda: [timeline.layers_figure(layers, 0, HEADING)],
+        "analysis.tokens.surprisal_figure": lambda: [tokens.surprisal_figure(surprisal, HEADING)],
+        "analysis.tokens.latency_figure": lambda: [tokens.latency_figure(generated, HEADING)],
+    }
+
+
+def _report_cases():
+    import pandas as pd
+
+    from analysis.reports import eviction, pruning as pruning_report
+    whole = pd.DataFrame({"method": [HOSTILE[0], HOSTILE[2], HOSTILE[1]], "sparsity": [0.2, 0.5, 0.4],
+                          "perplexity": [10.0, 12.0, 11.0]})
+    buckets = pd.DataFrame({"method": [f"{HOSTILE[2]} 8", f"{HOSTILE[2]} 16"], "model": HOSTILE[:2],
+                            "sparsity": [0.3, 0.6], "perplexity": [9.0, 9.5], "bucket": ["0-63", "64-127"]})
+
+    def eviction_figures():
+        """The report's two figures, caught where they would be drawn (dense and pruned models named hostilely)."""
+        import tempfile
+        from types import SimpleNamespace
+
+        from analysis import export
+        drawn, real = [], export.figure_bytes
+        export.figure_bytes = lambda fig, fmt, scale=2.0: drawn.append(fig) or b""
+        try:
+            with tempfile.TemporaryDirectory() as out:
+                args = SimpleNamespace(figure=f"{out}/curve.png", pos_figure=f"{out}/pos.png")
+                eviction._figures(args, whole, pruning_profile(), 9.0, 0.5, HOSTILE[0], HOSTILE[1])
+        finally:
+            export.figure_bytes = real
+        return drawn
+
+    return {
+        "analysis.reports.eviction.figure": lambda: [eviction.figure(whole, HEADING, dense=9.0)],
+        "analysis.reports.eviction._figures": eviction_figures,
+        "analysis.reports.pruning.figure": lambda: [pruning_report.figure(buckets)],
+    }
+
+
+def pruning_profile():
+    from analysis import pruning
+    return pruning.pos_profile({HOSTILE[0]: token_table(seed=0), HOSTILE[1]: token_table(seed=1)})
+
+
+def _zoo_and_export_cases():
+    import dataclasses
+
+    import pandas as pd
+
+    from analysis import export, text as text_module, zoo
+    table = pd.DataFrame({"model": HOSTILE, "mixer": ["mha"] * 3, "attention params": [1e4, 2e4, 3e4],
+                          "test ppl": [10.0, 11.0, 12.0], "total params": [1e5] * 3, "KV-cache bytes/token": [64] * 3,
+                          "error": [None] * 3, "data": ["d"] * 3})
+
+    def model_figures():
+        """The command's figures of the zoo's MHA, with hostile tokens and a hostile decoded target."""
+        from models.checkpoint import load_model_dir
+        loaded = load_model_dir(zoo.models_root() / "mha")
+        ids = text_module.tokenize(loaded.tokenizer, "The river rose over the old stone bridge.").ids
+        hostile = text_module.Tokens(ids, hostile_tokens(len(ids)), [(0, 0)] * len(ids))
+
+        class Decodes:   # the tokenizer, whose target token decodes to hostile text
+            def __getattr__(self, name):
+                return getattr(loaded.tokenizer, name)
+
+            def decode(self, ids):
+                return HEADING
+
+        real = text_module.tokenize
+        text_module.tokenize = lambda tok, text: hostile
+        try:
+            return [f for _, f, *_ in export.model_figures(dataclasses.replace(loaded, tokenizer=Decodes()), "x")]
+        finally:
+            text_module.tokenize = real
+
+    return {"analysis.zoo.efficiency_figure": lambda: [zoo.efficiency_figure(table)],
+            "analysis.export.model_figures": model_figures}
+
+
+def builder_cases() -> dict:
+    return {**_corpus_cases(), **_heads_cases(), **_lags_cases(), **_pruning_cases(), **_token_cases(),
+            **_report_cases(), **_zoo_and_export_cases()}
+
+
+def spec_strings(fig) -> list[str]:
+    out, stack = [], [json.loads(fig.to_json())]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, str):
+            out.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list):
+            stack.extend(obj)
+    return out
+
+
+def test_every_figure_builder_in_analysis_has_a_hostile_case():
+    """A new figure builder comes with a case below (or a reason in NOT_BUILDERS)."""
+    builders, cases = figure_builders(), builder_cases()
+    assert builders <= set(cases), sorted(builders - set(cases))
+
+
+@pytest.mark.parametrize("builder", sorted(builder_cases()))
+def test_each_figure_builder_draws_hostile_labels_as_text_once(builder):
+    """Tokens, names, titles holding a CSS url() in a tag's style, MathJax and a Markdown image: the builder's spec
+    passes analysis.plain.spec_refusal, shows each of them (as plotly_text writes it: drawn as its characters), and
+    escapes none twice (no '&amp;': none of them holds an '&')."""
+    from analysis.plain import plotly_text, spec_refusal, without_inert_template_parts
+    figures = builder_cases()[builder]()
+    assert figures, builder
+    shown = []
+    for fig in figures:
+        assert spec_refusal(without_inert_template_parts(json.loads(fig.to_json()))) is None, builder
+        strings = spec_strings(fig)
+        assert not [s for s in strings if "&amp;" in s], (builder, [s for s in strings if "&amp;" in s][:3])
+        shown += strings
+    for h in HOSTILE:
+        assert any(plotly_text(h) in s for s in shown), (builder, h)

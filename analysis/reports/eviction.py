@@ -1,4 +1,4 @@
-"""Learned context pruning against heuristic KV-cache eviction (papers.md sections 3 and 5): docs/eviction.md.
+"""Learned context pruning against heuristic KV-cache eviction (docs/methods.md): docs/eviction.md.
 
     python -m analysis.reports.eviction --dense DIR --pruned DIR [--data data] [--window 512] [--windows 8]
         [--policies METHOD,...] [--targets 0.5,0.8] [--prompt-share 0.75]
@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from analysis import pruning
 from analysis.budgets import check_dirs, report_window_bytes
+from analysis.plain import plotly_text
 from analysis.text import from_ids
 from kernels import settings
 from models.checkpoint import load_model_dir
@@ -68,13 +69,16 @@ class Pool:
 
 
 def figure(table: pd.DataFrame, title: str, dense: float | None = None) -> go.Figure:
+    """Perplexity against sparsity, a line per method. The title (a model's name) and the methods' names (an
+    operator's policies may be named anything) are raw text, drawn as their characters."""
     fig = go.Figure()
     for name, part in table.groupby("method", sort=False):
-        fig.add_trace(go.Scatter(x=part["sparsity"], y=part["perplexity"], mode="lines+markers", name=str(name)))
+        fig.add_trace(go.Scatter(x=part["sparsity"], y=part["perplexity"], mode="lines+markers",
+                                 name=plotly_text(name)))
     if dense is not None:
         fig.add_hline(y=dense, line_dash="dot", annotation_text=f"dense {dense:.2f}",
                       annotation_position="bottom right")
-    fig.update_layout(title=title, xaxis_title="sparsity (share of earlier tokens a query cannot see)",
+    fig.update_layout(title=plotly_text(title), xaxis_title="sparsity (share of earlier tokens a query cannot see)",
                       yaxis_title="perplexity", height=420)
     return fig
 
@@ -294,9 +298,8 @@ def _figures(args, whole: pd.DataFrame, profile: pd.DataFrame, dense_perplexity:
     if args.pos_figure:
         Path(args.pos_figure).parent.mkdir(parents=True, exist_ok=True)
         fig = pruning.pos_profile_figure(profile, "hidden from later queries, by part of speech, "
-                                         f"at {learned_whole:.0%} sparsity<br><sup>{pruned_name}; "
-                                         f"policies on {dense_name}</sup>",
-                                         min_count=50)
+                                         f"at {learned_whole:.0%} sparsity", min_count=50,
+                                         subtitle=f"{pruned_name}; policies on {dense_name}")
         Path(args.pos_figure).write_bytes(figure_bytes(fig, "png"))
         figs["pos"] = Path(args.pos_figure).name
     return figs

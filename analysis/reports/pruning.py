@@ -20,6 +20,7 @@ import pandas as pd
 import plotly.express as px
 
 from analysis.budgets import check_dirs
+from analysis.plain import plotly_text
 from models.checkpoint import CheckpointError, load_model_dir
 from models.data import load_documents
 from models.device import add_arguments as add_device_arguments
@@ -53,7 +54,10 @@ def evaluate_models(dirs: list[str], window: int, data: str | None = None, max_w
 
 
 def figure(table: pd.DataFrame):
+    """Perplexity against sparsity per context-size bucket, a line per method family. The models' and methods' names
+    (legend, hover) are raw text, drawn as their characters."""
     t = table.assign(family=table["method"].str.split(" ").str[0])
+    t = t.assign(**{c: t[c].map(plotly_text) for c in ("model", "method", "family")})
     fig = px.line(t.sort_values("sparsity"), x="sparsity", y="perplexity", color="family", facet_col="bucket",
                   markers=True, hover_data=["model", "method"], title="perplexity vs sparsity by context size")
     fig.update_xaxes(tickformat=".0%")

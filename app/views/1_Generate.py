@@ -13,7 +13,6 @@ import streamlit as st
 from analysis import live, twin as twins
 from analysis.tokens import colored_tokens_html, generation_table, latency_figure
 from app import access, heavy
-from analysis.plain import plotly_text
 from app.common import (METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, public, setup,
                         shown_path)
 from app.plain import md
@@ -310,8 +309,7 @@ if saved and saved["model"] == str(loaded.path):
         st.caption(("The more layers have dropped a token by this step, the fainter it is" if which == "all layers"
                     else f"Faded: dropped by layer {which} by this step") + "; generated tokens are underlined, the "
                    "one sampled at this step dashed (it enters the cache at the next).")
-        strip = live.strip_figure(tr, step, labels,
-                                  f"{plotly_text(path.name)}: what each layer holds after step {step}")
+        strip = live.strip_figure(tr, step, labels, f"{path.name}: what each layer holds after step {step}")
         st.plotly_chart(strip, width="stretch")
         settings = {"step": step, **tr["settings"]}
         export_buttons(strip, lambda: live.steps_frame(tr), "generation_strip", path, used_prompt, settings,

@@ -17,8 +17,8 @@ st.caption("Weights are indexed by lag i - j (0 = the token itself). ME: one sca
 loaded = pick_model(accept=only_extractors, default="me")
 if loaded is None:
     st.stop()
-cfg, model = loaded.config, loaded.model
-table = lags.lag_table(model)
+cfg = loaded.config
+table = lags.lag_table(loaded.model)   # (the page keeps the table, never the model: app.common.PageModel)
 
 log_x = st.checkbox("Log lag axis", value=True, key="ext_logx")
 fig, value = lags.profile_view(table, cfg.mixer, log_x)
@@ -35,7 +35,7 @@ export_buttons(cum, share, f"lags_cumulative_{cfg.mixer}", loaded.path, None, {"
 if cfg.mixer in ("we", "he", "she"):
     layer = st.selectbox("Layer", range(cfg.n_layers), key="ext_layer")
     max_lags = st.slider("Lags shown", 8, cfg.context, min(64, cfg.context), key="ext_maxlags")
-    mat = lags.lag_channel(model, layer)
+    mat = lags.lag_channel(loaded.model, layer)
     title = (f"{cfg.mixer}: lag x channel weights, layer {layer}" if cfg.mixer != "she"
              else f"she: Frobenius norm of W_k per lag, layer {layer}")
     heat = lags.lag_channel_figure(mat, title, max_lags)

@@ -2,7 +2,6 @@
 import streamlit as st
 
 from analysis import attribution, views
-from analysis.plain import plotly_text
 from app import heavy
 from app.common import export_buttons, load, model_text_tokens, setup, window_picker
 from app.plain import md
@@ -58,9 +57,7 @@ bar.empty()
 df = attribution.attribution_table(scores, view.labels)
 name = tok.decode([target])
 st.markdown(f"Explaining **{md(repr(name))}** after position {position} (log p = {logprob:.3f}).")
-# tokens are the text's: plotly draws them as text, never its HTML (the table keeps them as they are)
-fig = attribution.attribution_figure(df.assign(token=df["token"].map(plotly_text)),
-                                     f"{cfg.mixer}: {method} for next token {plotly_text(repr(name))}")
+fig = attribution.attribution_figure(df, f"{cfg.mixer}: {method} for next token {name!r}")
 st.plotly_chart(fig, width="stretch")
 export_buttons(fig, df, "attribution", loaded.path, text, {"method": method, "steps": int(steps), "position": position,
                                                           "target": target, "window_start": start})

@@ -6,7 +6,6 @@ import pandas as pd
 import streamlit as st
 
 from analysis import maps, tokens, views
-from analysis.plain import plotly_text
 from analysis.text import tokenize, window
 from app import heavy
 from app.common import export_buttons, load, pick_model, setup, text_input
@@ -78,7 +77,7 @@ def maps_view(a, b, ta, tb) -> None:
     left, right = st.columns(2)
     for col, name, loaded, m, toks in ((left, "A", a, ma, ta), (right, "B", b, mb, tb)):
         h = min(head, m.shape[1] - 1)
-        fig = maps.map_figure(m[layer, h], toks.labels, f"{name} {plotly_text(loaded.path.name)}: layer {layer}")
+        fig = maps.map_figure(m[layer, h], toks.labels, f"{name} {loaded.path.name}: layer {layer}")
         with col:
             st.plotly_chart(fig, width="stretch", key=f"cmp_{name.lower()}")
             export_buttons(fig, lambda m=m, labels=toks.labels, h=h: maps.maps_table(m[layer:layer + 1, h:h + 1],

@@ -9,10 +9,9 @@ import streamlit as st
 from analysis import live, pruning, scores, timeline, tokens, views
 from analysis import intervene as change
 from analysis.pruning import LEARNED, NOTHING
-from analysis.plain import plotly_text
 from app import heavy
-from app.common import (dense_base_path, export_buttons, load, method_title, model_paths,
-                        model_text_tokens, public, setup, shown_path, window_picker)
+from app.common import (LISTING_TTL_S, dense_base_path, directory_stamp, export_buttons, load, method_title,
+                        model_paths, model_text_tokens, public, setup, shown_path, window_picker)
 from app.plain import md
 from models.checkpoint import CheckpointError, read_json, valid_sparsity
 from models.delta import unfetched_base
@@ -37,19 +36,28 @@ def prunable(loaded):
 def first_pruned() -> str | None:
     """The page opens on the largest pruned model that opens without a download (configs only, nothing loaded):
     the real pruned SmolLM2 once its base is fetched (`make run` does it), else the small pruned model."""
+    paths = model_paths()
+    return largest_pruned(tuple(str(p) for p in paths), directory_stamp(paths))
+
+
+@st.cache_data(max_entries=16, ttl=LISTING_TTL_S, show_spinner=False)
+def largest_pruned(paths: tuple[str, ...], stamp: tuple) -> str | None:
+    """first_pruned's choice among these directories: every config and card read in a slot (the server's queue
+    counts it), once while their files are unchanged (stamp: app.common.directory_stamp)."""
     best = None
-    for path in model_paths():
-        try:
-            cfg = read_json(path / "config.json")
-            if not cfg.get("prune") or unfetched_base(path):
+    with heavy.slot():
+        for path in map(Path, paths):
+            try:
+                cfg = read_json(path / "config.json")
+                if not cfg.get("prune") or unfetched_base(path):
+                    continue
+                card = read_json(path / "card.json") if (path / "card.json").is_file() else {}
+                # the largest model; among equals, the one that drops most (its card's validation sparsity)
+                size = (cfg.get("n_layers", 0) * cfg.get("d_model", 0), valid_sparsity(card) or 0.0)
+                if best is None or size > best[0]:
+                    best = (size, path.name)
+            except (OSError, CheckpointError):
                 continue
-            card = read_json(path / "card.json") if (path / "card.json").is_file() else {}
-            # the largest model; among equals, the one that drops most (its card's validation sparsity)
-            size = (cfg.get("n_layers", 0) * cfg.get("d_model", 0), valid_sparsity(card) or 0.0)
-            if best is None or size > best[0]:
-                best = (size, path.name)
-        except (OSError, CheckpointError):
-            continue
     return best[1] if best else None
 
 
@@ -106,8 +114,8 @@ def score_view(layer: int) -> None:
     if n > scores.VIEW:
         at = int(st.slider("Drawn from token", 0, n - scores.VIEW, 0, key="prune_scores_at",
                            help=f"{scores.VIEW} queries x {scores.VIEW} keys at a time"))
-    fig = scores.score_figure(x, fate, at, shown_labels, f"layer {layer}: x_n,j (a token is dropped at the first "
-                                                         "query whose score is not positive)", rule.sinks)
+    fig = scores.score_figure(x, fate, at, view.labels, f"layer {layer}: x_n,j (a token is dropped at the first "
+                                                        "query whose score is not positive)", rule.sinks)
     st.plotly_chart(fig, width="stretch")
     export_buttons(fig, fate, "pruning_scores", loaded.path, text, settings | {"layer": layer, "from": at},
                    key="scores")
@@ -134,7 +142,7 @@ def score_view(layer: int) -> None:
     soft, hard = scores.soft_keep(x, alpha, rule.sinks), scores.soft_keep(x, float("inf"), rule.sinks)
     c2.metric(f"sparsity of this layer at alpha {alpha:g}", f"{scores.soft_sparsity(soft):.1%}",
               f"{scores.soft_sparsity(hard):.1%} at inference (the step)", delta_color="off")
-    soft_fig = scores.soft_figure(soft, at, shown_labels, f"I_k,j under sigma_alpha, alpha {alpha:g}")
+    soft_fig = scores.soft_figure(soft, at, view.labels, f"I_k,j under sigma_alpha, alpha {alpha:g}")
     with c2:
         st.plotly_chart(soft_fig, width="stretch")
         export_buttons(soft_fig, lambda: scores.soft_table(soft, at, view.labels), "pruning_soft_keep", loaded.path,
@@ -208,9 +216,7 @@ def what_if(layer: int) -> None:
     free = int((~res["changed"]["forced"]).sum())
     m[3].metric("later decisions changed", f"{free}", help="Drops in any layer that moved or appeared or vanished "
                 "as a consequence (the forced ones not counted)")
-    effects = res["effects"].assign(token=res["effects"]["token"].map(plotly_text),   # (drawn as text)
-                                    next_token=res["effects"]["next_token"].map(plotly_text))
-    fig = change.effect_figure(effects, s["from"], f"{cfg.mixer}: {plotly_text(what)}")
+    fig = change.effect_figure(res["effects"], s["from"], f"{cfg.mixer}: {what}")
     st.plotly_chart(fig, width="stretch")
     export_buttons(fig, res["effects"], "pruning_what_if", loaded.path, text,
                    settings | {"layer": layer, **iv_settings}, key="iv")
@@ -324,7 +330,6 @@ loaded, text, toks = model_text_tokens(default=first_pruned(), accept=prunable)
 cfg, path = loaded.config, str(loaded.path)
 view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
 ids, n = tuple(view.ids), len(view.ids)
-shown_labels = [plotly_text(t) for t in view.labels]   # the tokens as figures draw them: text, never plotly's HTML
 # spaCy tags the window's own text, so offsets are taken relative to it
 a, b = view.offsets[0][0], view.offsets[-1][1]
 tags = cached_tags(text[a:b], tuple((x - a, y - a) for x, y in view.offsets))
