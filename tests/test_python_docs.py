@@ -76,6 +76,11 @@ def test_the_quickstart_is_short_and_the_docs_have_their_blocks():
     assert "from analysis import lab" in code and "lab.load(\"mha-1024-pruned\")" in code
 
 
+def test_the_readme_shows_this_quickstart():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert [code for _, code in python_blocks(readme)] == [quickstart()]
+
+
 @pytest.mark.full
 def test_the_quickstart_runs(tmp_path):
     res = run_script(quickstart(), tmp_path)
