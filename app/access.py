@@ -92,11 +92,13 @@ def public(message: str) -> str:
     (serve mode; `make run`'s one local user sees the paths)."""
     if not serving():
         return message
-    places = [(models_root().resolve(), "<models>"), (REPO.resolve(), "<app>"), (Path.home().resolve(), "~")]
+    named = [(models_root(), "<models>"), (REPO, "<app>"), (Path.home(), "~")]
     if settings.is_set("MIXSCOPE_CACHE"):
-        places.append((settings.get("MIXSCOPE_CACHE").expanduser().resolve(), "$MIXSCOPE_CACHE"))
-    places += [(r, f"<root {i + 1}>") for i, r in enumerate(path_roots())]
-    for place, label in sorted(places, key=lambda p: -len(str(p[0]))):   # the most specific first
-        if str(place) not in ("/", ""):
-            message = message.replace(str(place), label)
+        named.append((settings.get("MIXSCOPE_CACHE").expanduser(), "$MIXSCOPE_CACHE"))
+    named += [(r.expanduser(), f"<root {i + 1}>") for i, r in enumerate(settings.get("MIXSCOPE_PATH_ROOTS"))]
+    # each place as it is written and as it resolves (a message may carry either: a link in the path shows both)
+    places = {(str(form), label) for place, label in named for form in (place, place.resolve())}
+    for place, label in sorted(places, key=lambda p: -len(p[0])):   # the most specific first
+        if place not in ("/", "", "."):
+            message = message.replace(place, label)
     return message

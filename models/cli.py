@@ -40,6 +40,10 @@ def app_command(host: str, port: int, serve: bool) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), *STREAMLIT_FLAGS,
            "--server.address", host, "--server.port", str(port), *(SERVE_FLAGS if serve else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # the server (uvicorn) would otherwise let an X-Forwarded-For header from this machine replace the connection's
+    # address, so anyone on the box could name themselves anew per tab; who a proxy's user is comes from
+    # MIXSCOPE_USER_HEADER, believed only from MIXSCOPE_TRUSTED_PROXIES (app/heavy.py)
+    env["FORWARDED_ALLOW_IPS"] = ""
     if serve:
         env["MIXSCOPE_SERVE"] = "1"
     return cmd, env

@@ -160,3 +160,32 @@ def test_trusted_proxies_setting_parses_networks_and_refuses_junk(monkeypatch):
     monkeypatch.setenv("MIXSCOPE_TRUSTED_PROXIES", "my-proxy")
     with pytest.raises(ValueError, match="MIXSCOPE_TRUSTED_PROXIES must be comma-separated IP addresses"):
         settings.get("MIXSCOPE_TRUSTED_PROXIES")
+
+
+def test_a_forwarded_for_header_never_replaces_the_connections_address(monkeypatch):
+    """Streamlit serves through uvicorn, whose proxy-header middleware by default believes X-Forwarded-For from the
+    loopback: a user on the server's own machine could then claim a new address per tab (or a trusted proxy's).
+    The app's command turns that off."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from models import cli
+
+    def address_seen(trusted) -> str:
+        seen = {}
+
+        async def app(scope, receive, send):
+            seen["client"] = scope["client"]
+        scope = {"type": "websocket", "client": ("127.0.0.1", 5000), "scheme": "ws",
+                 "headers": [(b"x-forwarded-for", b"203.0.113.7")]}
+        asyncio.run(ProxyHeadersMiddleware(app, trusted_hosts=trusted)(scope, None, None))
+        return seen["client"][0]
+
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS", raising=False)
+    assert address_seen(uvicorn.Config(app=None).forwarded_allow_ips) == "203.0.113.7"   # uvicorn's default
+    for serve in (False, True):
+        _, env = cli.app_command("127.0.0.1", 8501, serve=serve)
+        monkeypatch.setenv("FORWARDED_ALLOW_IPS", env["FORWARDED_ALLOW_IPS"])
+        assert address_seen(uvicorn.Config(app=None).forwarded_allow_ips) == "127.0.0.1"

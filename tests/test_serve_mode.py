@@ -135,3 +135,21 @@ def test_an_exported_sidecar_hides_server_paths_and_keeps_the_figure_spec_whole(
                                                                           if k != "plotly"})
     assert meta["plotly"] == json.loads(fig.to_json()) and meta["checkpoint_sha256"]
     assert root in meta["plotly"]["layout"]["title"]["text"]
+
+
+def test_server_places_are_labelled_as_written_and_as_resolved(tmp_path, monkeypatch):
+    """A message may carry a server directory as it was written (a base cache under a linked home) or resolved:
+    serve mode labels both forms."""
+    real, link = tmp_path / "real_cache", tmp_path / "linked_cache"
+    real.mkdir()
+    link.symlink_to(real)
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root_link").symlink_to(tmp_path / "root")
+    monkeypatch.setenv("MIXSCOPE_SERVE", "1")
+    monkeypatch.setenv("MIXSCOPE_CACHE", str(link))
+    monkeypatch.setenv("MIXSCOPE_PATH_ROOTS", str(tmp_path / "root_link"))
+    for written in (link / "bases" / "b", real / "bases" / "b"):
+        assert access.public(f"not at {written}") == "not at $MIXSCOPE_CACHE/bases/b"
+    for written in (tmp_path / "root_link" / "m", tmp_path / "root" / "m"):
+        assert access.public(f"{written}: bad") == "<root 1>/m: bad"
+    assert str(tmp_path) not in access.public(f"{link} {real} {tmp_path / 'root_link'} {tmp_path / 'root'}")
