@@ -17,7 +17,6 @@ import dataclasses
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +26,11 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from models import delta, snapshots
-from models.config import MAX_CONFIG_BYTES, ConfigError, ModelConfig, parse_json, read_bounded
+from models.config import MAX_CONFIG_BYTES, ConfigError, ModelConfig
 from models.delta import OUTSIDE, inside, open_places, real_path, weights_cap
 from models.device import inference_dtype, resolve
-from models.files import CheckpointError, code_version, file_sha256, write_atomic
+from models.files import (CheckpointError, NotRegularFile, code_version, file_sha256, parse_json, read_bounded,
+                          regular_file, write_atomic)
 from models.transformer import DecoderLM
 
 # the file utilities (models.files) are part of this module's interface too: model-directory code names them here
@@ -298,18 +298,12 @@ def weights_file_bytes(path: Path) -> int:
     refused without blocking on it."""
     bad = f"{path} is not a readable safetensors file (corrupt or truncated?)"
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with regular_file(path) as (fd, info):
+            head = os.read(fd, 8)
+    except NotRegularFile:
+        raise CheckpointError(f"{bad}: not a regular file") from None
     except OSError as e:
         raise CheckpointError(f"{bad}: {e.strerror or type(e).__name__}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{bad}: not a regular file")
-        head = os.read(fd, 8)
-    except OSError as e:
-        raise CheckpointError(f"{bad}: {e.strerror or type(e).__name__}") from None
-    finally:
-        os.close(fd)
     if len(head) < 8:
         raise CheckpointError(f"{bad}: {info.st_size} bytes")
     n = int.from_bytes(head, "little")

@@ -13,17 +13,16 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from kernels import settings
 from models.adapters import KINDS
 from models.errors import ConfigError
+from models.files import parse_json, read_bounded
 from models.mixers import MIXERS
 
-__all__ = ["ConfigError", "LIMITS", "MAX_CONFIG_BYTES", "ModelConfig", "read_bounded"]
+__all__ = ["ConfigError", "LIMITS", "MAX_CONFIG_BYTES", "ModelConfig"]
 
 # The largest value each whole-number field takes (and every one is >= 1, prune_sinks >= 0). Generous for the models
 # this app opens (SmolLM2: 30 layers, d_model 576, vocabulary 49,152; the largest open decoders have ~126 layers,
@@ -50,49 +49,6 @@ def _show(value) -> str:
     except ValueError:   # an int past Python's digit limit for str()
         return "a number too large to print"
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def read_bounded(path: str | Path, limit: int, error=ValueError) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes, else error(message): a FIFO, a device or a directory is
-    refused without blocking on it, a larger file before it is read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise error(f"{path} could not be read: {e.strerror or type(e).__name__}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise error(f"{path} is not a regular file")
-        if info.st_size > limit:
-            raise error(f"{path} is {info.st_size:,} bytes; at most {limit:,} are read")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > limit:
-            raise error(f"{path} is over {limit:,} bytes; at most {limit:,} are read")
-        return b"".join(chunks)
-    except OSError as e:
-        raise error(f"{path} could not be read: {e.strerror or type(e).__name__}") from None
-    finally:
-        os.close(fd)
-
-
-def parse_json(data: bytes | str, error=ValueError):
-    """JSON text, with every way it can fail (bad UTF-8, bad syntax, nesting too deep, a number past the digit
-    limit) as error("not valid JSON: ...")."""
-    try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"not valid JSON: {e}") from None
-    except RecursionError:
-        raise error("not valid JSON: nested too deeply") from None
-    except ValueError as e:   # an integer past Python's digit limit
-        raise error(f"not valid JSON: {str(e)[:80]}") from None
 
 
 @dataclass

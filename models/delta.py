@@ -34,8 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kernels import settings
-from models.config import parse_json, read_bounded
-from models.files import CheckpointError, file_sha256
+from models.files import CheckpointError, file_sha256, parse_json, read_bounded
 from models.wheels import WheelError, parse_spec
 
 BASE = "base.json"

@@ -1,5 +1,6 @@
 """File utilities that model directories, deltas, registry wheels and training runs share: the one error a model
-directory raises, hashing, JSON objects read with that error, atomic writes, and the code version cards record.
+directory raises, regular files opened without blocking and read within a size bound, JSON parsed with every failure
+as one error, hashing, atomic writes, and the code version cards record.
 
 A leaf module (standard library only): everything under models/ may import it, and it imports nothing of ours.
 """
@@ -8,10 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["CheckpointError", "code_version", "file_sha256", "read_json", "spreadsheet_safe", "write_atomic"]
+__all__ = ["CheckpointError", "NotRegularFile", "code_version", "file_sha256", "parse_json", "read_bounded",
+           "read_json", "regular_file", "spreadsheet_safe", "write_atomic"]
 
 
 class CheckpointError(ValueError):
@@ -44,6 +49,61 @@ def file_sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+@contextmanager
+def regular_file(path: str | Path) -> Iterator[tuple[int, os.stat_result]]:
+    """An open descriptor of a regular file, with its stat; NotRegularFile for a FIFO, a device or a directory,
+    found without blocking on it (opened non-blocking, checked before any read). Other failures: OSError."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+        yield fd, info
+    finally:
+        os.close(fd)
+
+
+class NotRegularFile(OSError):
+    pass
+
+
+def read_bounded(path: str | Path, limit: int, error=ValueError) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, else error(message): a FIFO, a device or a directory is
+    refused without blocking on it, a larger file before it is read."""
+    try:
+        with regular_file(path) as (fd, info):
+            if info.st_size > limit:
+                raise error(f"{path} is {info.st_size:,} bytes; at most {limit:,} are read")
+            chunks, size = [], 0
+            while size <= limit:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+    except NotRegularFile as e:
+        raise error(str(e)) from None
+    except OSError as e:
+        raise error(f"{path} could not be read: {e.strerror or type(e).__name__}") from None
+    if size > limit:
+        raise error(f"{path} is over {limit:,} bytes; at most {limit:,} are read")
+    return b"".join(chunks)
+
+
+def parse_json(data: bytes | str, error=ValueError):
+    """JSON text, with every way it can fail (bad UTF-8, bad syntax, nesting too deep, a number past the digit
+    limit) as error("not valid JSON: ...")."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        return json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise error("not valid JSON: nested too deeply") from None
+    except ValueError as e:   # an integer past Python's digit limit
+        raise error(f"not valid JSON: {str(e)[:80]}") from None
 
 
 def write_atomic(path: Path, write) -> None:
