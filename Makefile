@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c requirements.txt -e ".[app,test,gpu]"
+	$(PY) -m pip install --quiet -c requirements.txt -e ".[app,test,gpu,cluster]"
 	touch $(STAMP)
 
 # requirements.txt again from what .venv holds (after a change to pyproject.toml and `make install`)

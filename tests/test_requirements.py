@@ -10,7 +10,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("app", "test", "gpu")
+EXTRAS = ("app", "test", "gpu", "cluster")
 
 
 def _pins() -> list[tuple[str, Version]]:
@@ -59,3 +59,5 @@ def test_make_installs_with_the_lock():
     torch_at = next(i for i, ln in enumerate(lines) if "torch==2.13.0" in ln)
     lock_at = next(i for i, ln in enumerate(lines) if "-c requirements.txt" in ln)
     assert torch_at < lock_at
+    installed = re.search(r'-e "\.\[([^\]]*)\]"', lines[lock_at])
+    assert installed and set(installed.group(1).split(",")) == set(EXTRAS), "make installs other extras than these"

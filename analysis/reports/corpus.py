@@ -4,6 +4,7 @@ position and layer, and sparsity against perplexity, with bootstrap intervals ov
     python -m analysis.reports.corpus PRUNED_DIR [PRUNED_DIR ...] --base DIR --source NAME=SPEC [--source ...]
         [--window 512] [--windows N] [--policies streamingllm,tova,h2o] [--budgets 32,64,128,256] --out DIR
         [--parts DIR] [--resamples 1000] [--formats png,svg,pdf] [--figures RUN,...] [--force]
+        [--ray [ADDRESS] [--ray-workers N] [--ray-threads T]]
 
 SPEC is DIR:SPLIT or DIR:all (a prepared data directory: a split, or every split of a source no run trained on), or
 a .txt/.md file or a directory of them (your own corpus, tokenized with the base's tokenizer, documents joined by its
@@ -19,6 +20,10 @@ run's windows.jsonl), and a rerun of the same protocol skips what is there; a di
 Written to --out: corpus.json (the protocol, models with their weights' sha256, code version), stats_*.parquet
 (per run and source: layer, pos_layer, pos, position, token), curves.parquet, report.md and the figures as bundles
 (PNG, SVG, PDF, CSV, JSON spec for `python -m analysis.render`). Files already in --out are refused unless --force.
+
+--ray computes the windows on Ray workers (analysis.reports.cluster; pip install mixscope[cluster]): a Ray instance
+of its own on this machine, or the cluster at ADDRESS (HEAD:6379). The parts, and so the report, are the same; a
+window that fails is named, the rest go on, and the command exits 1 saying what to rerun (docs/cluster.md).
 """
 from __future__ import annotations
 
@@ -124,15 +129,15 @@ def done_windows(part_dir: Path) -> dict[int, dict]:
     return out
 
 
-def write_window(part_dir: Path, w: int, rows: pd.DataFrame, metrics: dict) -> None:
+def write_window(part_dir: Path, w: int, rows: pd.DataFrame, metrics: dict, commit: str | None = None) -> None:
     """The rows first (written whole, then renamed), then the line that says the window is done (and which code
-    computed it)."""
+    computed it: `commit`, a Ray worker's, or this process's)."""
     part_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(part_dir / f"{w:05d}.parquet", lambda p: rows.to_parquet(p, index=False))
     log = part_dir / "windows.jsonl"
     cut = log.is_file() and log.stat().st_size and not log.read_bytes().endswith(b"\n")   # a line a stop cut short
     with open(log, "a", encoding="utf-8") as f:
-        f.write(("\n" if cut else "") + json.dumps({"window": w, **metrics, "commit": commit_now()}) + "\n")
+        f.write(("\n" if cut else "") + json.dumps({"window": w, **metrics, "commit": commit or commit_now()}) + "\n")
 
 
 def commit_now() -> str:
@@ -278,6 +283,13 @@ def main(argv=None) -> int:
     ap.add_argument("--figures", default=None,
                     help="the runs whose figures are written, comma-separated (default: every pruned model's)")
     ap.add_argument("--force", action="store_true", help="write over the report files already in --out")
+    ap.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="compute the windows on Ray workers: a local Ray instance, or the cluster at ADDRESS "
+                         "(HEAD:6379); give it after the model directories (docs/cluster.md)")
+    ap.add_argument("--ray-workers", type=int, default=None,
+                    help="Ray workers, each holding one model (default: one a CPU, or a GPU with --device cuda)")
+    ap.add_argument("--ray-threads", type=int, default=None,
+                    help="torch threads (Ray CPUs) a worker holds (default: its share of the cores, at least 1)")
     from models.device import add_arguments as add_device_arguments
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
@@ -299,7 +311,6 @@ def run(args) -> int:
     from analysis import export
     from analysis.export import model_entry
     from models.checkpoint import load_model_dir
-    from models.device import resolve
 
     started = export.code_version()   # (read now, before this run writes anything into the checkout)
     formats, names, sizes, drawn = _check_arguments(args)
@@ -311,12 +322,19 @@ def run(args) -> int:
     sources, specs = _sources(args, tokenizer)
     plan = run_plan(args.pruned, names, sizes)
     models = {"base": model_entry(args.base)} | {Path(d).name: model_entry(d) for d in args.pruned}
-    precision = {"device": resolve(args.device).type, "dtype": "float32"}   # (load_model_dir's, as run_all loads)
-    protocol = {"window": args.window, "sources": specs, "runs": [r["run"] for r in plan], "precision": precision,
-                "models": {k: v["checkpoint_sha256"] for k, v in models.items()}}
     parts = Path(args.parts) if args.parts else out / "parts"
-    check_protocol(parts, protocol)
-    run_all(args, sources, plan, parts)
+
+    def protocol_on(device: str) -> dict:   # (float32: load_model_dir's, as run_all and the Ray workers load)
+        return {"window": args.window, "sources": specs, "runs": [r["run"] for r in plan],
+                "precision": {"device": device, "dtype": "float32"},
+                "models": {k: v["checkpoint_sha256"] for k, v in models.items()}}
+
+    protocol, failed = _compute(args, sources, plan, parts, protocol_on)
+    if failed:
+        from analysis.reports.cluster import failure_report
+        print(failure_report(failed, parts), file=sys.stderr)
+        return 1
+    precision = protocol["precision"]
     stats, curves, commits = collect(parts, sources, plan, args.resamples)
     names_of = {i: tokenizer.decode([i]) for i in {int(t) for t in stats["token"]["token_id"]}}
     stats["token"]["token"] = [names_of[int(t)] for t in stats["token"]["token_id"]]
@@ -337,6 +355,24 @@ def run(args) -> int:
         export.write_bundle(fig, table, out, name, meta, formats)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _compute(args, sources: dict[str, list[list[int]]], plan: list[dict], parts: Path,
+             protocol_on) -> tuple[dict, list]:
+    """What --parts lacks, in this process or (--ray) on Ray workers, after the protocol (protocol_on(the device type
+    the windows run on)) is checked against --parts; returns the protocol and the windows that failed."""
+    if args.ray is None:
+        from models.device import resolve
+        protocol = protocol_on(resolve(args.device).type)
+        check_protocol(parts, protocol)
+        run_all(args, sources, plan, parts)
+        return protocol, []
+    from analysis.reports import cluster
+    with cluster.connected(args.ray) as ray:
+        lay = cluster.layout(ray, args.device, args.ray_workers, args.ray_threads)
+        protocol = protocol_on(lay.device)
+        check_protocol(parts, protocol)
+        return protocol, cluster.run_windows(args, sources, plan, parts, protocol, ray, lay)
 
 
 def _check_arguments(args) -> tuple[list[str], list[str], list[int], list[str] | None]:
@@ -366,11 +402,26 @@ def _check_arguments(args) -> tuple[list[str], list[str], list[int], list[str] |
     unknown = [r for r in drawn or [] if r not in {Path(d).name for d in args.pruned}]
     if unknown:
         raise CorpusError(f"--figures {', '.join(unknown)}: name pruned models given (by directory name)")
+    _check_ray(args)
     trained = [s for s in args.source if s.endswith(":train")]
     if trained:
         raise CorpusError(f"--source {trained[0]}: the models trained on that split, so its numbers would flatter "
                           "them; use test, valid or a source no run trained on (DIR:all)")
     return formats, names, sizes, drawn
+
+
+def _check_ray(args) -> None:
+    """--ray's: Ray installed (before any model loads), an address that is not a model directory argparse took for
+    it, and the worker options only with it."""
+    if args.ray is None:
+        if args.ray_workers is not None or args.ray_threads is not None:
+            raise CorpusError("--ray-workers and --ray-threads go with --ray")
+        return
+    if args.ray != "local" and Path(args.ray).exists():
+        raise CorpusError(f"--ray {args.ray}: that is a path, not a Ray address; give --ray after the model "
+                          "directories, or --ray=ADDRESS")
+    from analysis.reports.cluster import import_ray
+    import_ray()
 
 
 def _check_models(args) -> None:
