@@ -1,9 +1,11 @@
 """Figure export: PNG, SVG and PDF (kaleido, driving Debian chromium), the data as CSV, and a JSON sidecar
 saying exactly what was drawn. The app's buttons and the command line write the same files, and the command line
 draws the windows the pages open on (analysis.views), so a text of up to 20,000 characters costs what the
-app's first views cost.
+app's first views cost. The Pruning, Generate and Corpus pages' figures come from the functions those pages call
+(analysis.pruning_figures, generation_figures, corpus_figures), with the pages' settings as options.
 
-    python -m analysis.export MODEL_DIR --text FILE --out DIR
+    python -m analysis.export MODEL_DIR --text FILE --out DIR [--figures model,pruning,generate] [--report DIR]
+    python -m analysis.export --report DIR --out DIR          (a corpus report's figures alone)
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis.bundle import Bundle
 from models.files import spreadsheet_safe
 
 FORMATS = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf"}
@@ -323,18 +326,40 @@ def app_windows(tokens, context: int) -> dict:
             "attribution": views.first_window(tokens, views.ATTRIBUTION_VIEW, context)}
 
 
-def check_memory(cfg, weights: int) -> None:
-    """Refuse (ExportError), before the model runs, a model whose figures at the app's windows would not fit the
-    memory budget. The windows do not grow with the text (at most analysis.views.MAX_CHARS characters), so only
-    the model's size can pass it."""
+def check_memory(cfg, weights: int, groups=("model",), twin: bool = False, tokens: int | None = None) -> None:
+    """Refuse (ExportError), before the model runs, a model whose figures in `groups` (GROUPS) would not fit the
+    memory budget: at the app's windows, the Pruning page's costliest method over its window, a generation of
+    `tokens` in all (prompt and new; default the model's context) beside the dense twin's when `twin`. The windows
+    do not grow with the text (at most analysis.views.MAX_CHARS characters), so only the model's size can pass
+    them."""
     from analysis import budgets, views
-    from models.memory import gb, memory_budget
-    need, budget = budgets.export_bytes(cfg, weights), memory_budget()
-    if need > budget:
-        raise ExportError(f"this model's figures at the app's windows ({views.ATTENTION_VIEW}-token maps, "
-                          f"{views.ATTRIBUTION_VIEW}-token attribution) need about {gb(need)} with its "
-                          f"{gb(weights)} of weights, over the {gb(budget)} memory budget: raise "
-                          "MIXSCOPE_MEMORY_MB if this machine has the memory")
+    from models.memory import RUNTIME_BYTES, forward_bytes, gb, memory_budget
+    budget = memory_budget()
+    advice = f"over the {gb(budget)} memory budget: raise MIXSCOPE_MEMORY_MB if this machine has the memory"
+    if "model" in groups:
+        need = budgets.export_bytes(cfg, weights)
+        if need > budget:
+            raise ExportError(f"this model's figures at the app's windows ({views.ATTENTION_VIEW}-token maps, "
+                              f"{views.ATTRIBUTION_VIEW}-token attribution) need about {gb(need)} with its "
+                              f"{gb(weights)} of weights, {advice}")
+    # the maps' long table stays until every figure is written, beside the later groups' work
+    kept = budgets.maps_table_bytes(cfg, views.view(views.ATTENTION_VIEW, cfg.context)) if "model" in groups else 0
+    if "pruning" in groups:
+        t = views.view(views.PRUNING_VIEW, cfg.context)
+        need = weights + RUNTIME_BYTES + kept + budgets.method_run_bytes(cfg, t)
+        if need > budget:
+            raise ExportError(f"the Pruning page's figures over its {t}-token window need about {gb(need)} with the "
+                              f"model's {gb(weights)} of weights, {advice} (or leave pruning out of --figures)")
+    if "generate" in groups:
+        t = min(cfg.context, tokens or cfg.context)
+        runs = 2 if twin else 1
+        cache = runs * 2 * cfg.n_layers * cfg.n_heads * cfg.d_head * 4 * t   # K and V of every token, every head
+        held = weights * runs
+        need = held + RUNTIME_BYTES + kept + forward_bytes(cfg, 1, t) + cache
+        if need > budget:
+            raise ExportError(f"a generation of {t} tokens (prompt and new) needs about {gb(need)} with "
+                              f"{gb(held)} of weights{' (its dense twin beside it)' if twin else ''}, {advice} (or "
+                              "pass --no-twin, or leave generate out of --figures)")
 
 
 def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame, dict]]:
@@ -392,17 +417,19 @@ def model_figures(loaded, text: str) -> list[tuple[str, go.Figure, pd.DataFrame,
     return out
 
 
-def bundle_paths(out_dir: str | Path, name: str) -> list[Path]:
-    return [Path(out_dir) / f"{name}.{ext}" for ext in (*FORMATS, "csv", "json")]
+def bundle_paths(out_dir: str | Path, name: str, formats=tuple(FORMATS)) -> list[Path]:
+    return [Path(out_dir) / f"{name}.{ext}" for ext in (*formats, "csv", "json")]
 
 
-def command_inputs(text_file: str | Path, out_dir: str | Path) -> tuple[str, Path]:
-    """A command's --text (decoded as an upload is: at most analysis.views.MAX_CHARS characters) and its --out
-    directory, or ExportError saying which is wrong."""
+def command_inputs(text_file: str | Path | None, out_dir: str | Path) -> tuple[str | None, Path]:
+    """A command's --text (decoded as an upload is: at most analysis.views.MAX_CHARS characters; None when not
+    given) and its --out directory, or ExportError saying which is wrong."""
     from analysis.text import decode_upload
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file, not a directory")
+    if text_file is None:
+        return None, out
     path = Path(text_file)
     if not path.is_file():
         raise ExportError(f"--text {path} is not a file")
@@ -417,48 +444,208 @@ def refuse_overwrite(paths: list[Path], out: Path, force: bool) -> None:
                           f"{' ...' if len(clash) > 4 else ''}): choose another --out, or pass --force")
 
 
-def export_model(model_dir: str | Path, text_file: str | Path, out_dir: str | Path, force: bool = False,
-                 device: str = "cpu", dtype: str = "float32") -> list[Path]:
-    """Every figure of model_figures as a bundle in out_dir. Existing files are refused (nothing is written)
-    unless force."""
+# what the command draws, by page: --figures names some of them (default: all that apply)
+GROUPS = {
+    "model": "the Attention, Compare, Attribution, Heads and Extractors pages' first views (model_figures)",
+    "pruning": "the Pruning page (analysis.pruning_figures), for a pruned or a dense softmax model",
+    "generate": "the Generate page after one generation (analysis.generation_figures)",
+    "corpus": "the Corpus page of a report of analysis.reports.corpus (--report; analysis.corpus_figures)",
+}
+
+
+def chosen_groups(figures, model_dir, report) -> tuple[list[str], bool]:
+    """(the groups to draw, whether they were named) from --figures (a list, or None: every group that applies)."""
+    if model_dir is None and report is None:
+        raise ExportError("nothing to draw: give a model directory, a corpus report (--report), or both")
+    if figures is None:
+        model = [] if model_dir is None else ["model", "pruning", "generate"]
+        return model + ([] if report is None else ["corpus"]), False
+    unknown = [g for g in figures if g not in GROUPS]
+    if unknown or not figures:
+        raise ExportError(f"--figures {','.join(figures)}: choose from {', '.join(GROUPS)}")
+    if "corpus" in figures and report is None:
+        raise ExportError("--figures corpus draws a corpus report: name it with --report DIR")
+    if model_dir is None and set(figures) - {"corpus"}:
+        raise ExportError(f"--figures {','.join(figures)} draws a model's figures: give its directory")
+    return [g for g in GROUPS if g in figures], True
+
+
+def export_model(model_dir: str | Path | None, text_file: str | Path | None, out_dir: str | Path,
+                 force: bool = False, device: str = "cpu", dtype: str = "float32", *, figures=None,
+                 pruning: dict | None = None, generate: dict | None = None, report: str | Path | None = None,
+                 corpus: dict | None = None, formats=tuple(FORMATS)) -> list[Path]:
+    """The figures of every page in `figures` (GROUPS; default every one that applies: the model's pages, the
+    Pruning page for a model it can show, the Generate page, and the Corpus page when `report` is given) as
+    bundles in out_dir, the images in `formats`. pruning, generate and corpus: the keyword settings of
+    pruning_figures.page_figures, generation_figures.page_figures and corpus_figures.page_figures (each the page's
+    default when not given). Existing files are refused (nothing is written) unless force."""
+    from analysis import corpus_figures, generation_figures, pruning_figures
     from analysis.budgets import config_of
+    from analysis.corpus import read_report
     from models.memory import planned_weights
     from models.checkpoint import CheckpointError, load_model_dir
 
+    groups, named = chosen_groups(figures, model_dir, report)
     text, out = command_inputs(text_file, out_dir)
-    try:
-        cfg = config_of(model_dir)
-    except CheckpointError:
-        cfg = None   # (load_model_dir says what is wrong with the directory)
-    if cfg is not None:
-        check_memory(cfg, planned_weights(cfg))   # before the weights are read
-    loaded = load_model_dir(model_dir, device=device, dtype=dtype)
-    figures = model_figures(loaded, text)
-    refuse_overwrite([p for name, *_ in figures for p in bundle_paths(out, name)], out, force)
+    if text is None and {"model", "pruning"} & set(groups):
+        raise ExportError("--text names the text the model's and the Pruning page's figures read (or --figures "
+                          "generate,corpus, which need none)")
+    pruning, generate, corpus = pruning or {}, generate or {}, corpus or {}
+    drawn = []   # (bundle, its model unless it names its own, the text it hashes, precision)
+    if model_dir is not None:
+        try:
+            cfg = config_of(model_dir)
+        except CheckpointError:
+            cfg = None   # (load_model_dir says what is wrong with the directory)
+        if cfg is not None:   # before the weights are read (a twin: a pruned model's dense base, the same size)
+            twin = bool(cfg.prune) and generate.get("twin", True) and generate.get("evict") in (None, "learned")
+            # a byte-level BPE token is at least one byte: the prompt's UTF-8 bytes bound its tokens
+            tokens = len(generate.get("prompt", generation_figures.PROMPT).encode("utf-8")) + 1 + generate.get(
+                "max_new_tokens", generation_figures.NEW_TOKENS)
+            check_memory(cfg, planned_weights(cfg), groups, twin, tokens)
+        loaded = load_model_dir(model_dir, device=device, dtype=dtype)
+        precision = precision_of(loaded.model)
+        if {"pruning", "generate"} & set(groups):
+            from kernels import settings
+            from models.pruning import policies
+            policies.load_plugins(settings.get("MIXSCOPE_POLICIES"))   # the operator's own policies, as in the app
+        why = pruning_figures.prunable(loaded) if "pruning" in groups else None
+        if why and named:
+            raise ExportError(f"no Pruning figures for {Path(model_dir).name}: {why}")
+        if why:
+            log.info("no Pruning figures: %s", why)
+            groups.remove("pruning")
+        if "model" in groups:
+            drawn += [(Bundle(*figure), model_dir, text, precision) for figure in model_figures(loaded, text)]
+        if "pruning" in groups:
+            drawn += [(b, model_dir, text, precision) for b in pruning_figures.page_figures(loaded, text, **pruning)]
+        if "generate" in groups:   # (its sidecars hash the prompt, as the page's do)
+            prompt = generate.get("prompt", generation_figures.PROMPT)
+            bundles = generation_figures.page_figures(loaded, device=device, dtype=dtype, **generate)
+            drawn += [(b, model_dir, prompt, precision) for b in bundles]
+    if "corpus" in groups:
+        rep = read_report(Path(report))
+        bundles = corpus_figures.page_figures(rep, str(report), **corpus)
+        drawn += [(b, b.models, None, rep["manifest"].get("precision")) for b in bundles]
+    refuse_overwrite([p for b, *_ in drawn for p in bundle_paths(out, b.name, formats)], out, force)
+    return [p for b, models, hashed, precision in drawn
+            for p in write_figures([b], out, models, hashed, precision, formats)]
+
+
+def write_figures(bundles: list[Bundle], out_dir: str | Path, model_dir, text: str | None,
+                  precision: dict | None = None, formats=tuple(FORMATS)) -> list[Path]:
+    """A page's figures (Bundles: analysis.pruning_figures, generation_figures, corpus_figures) as its export buttons
+    write them: NAME.{png,svg,pdf,csv,json} in out_dir, the images in `formats` only, each sidecar naming the
+    bundle's own models or else model_dir, the text's hash (the prompt's, for a generation's figures) and where the
+    model ran (precision_of). Files already there are replaced."""
     written = []
-    for name, fig, table, settings in figures:
-        written += write_bundle(fig, table, out, name, sidecar(model_dir, text, settings, name, fig,
-                                                                    precision_of(loaded.model)))
+    for b in bundles:
+        table = b.table() if callable(b.table) else b.table
+        meta = sidecar(b.models or model_dir, text, b.settings, b.name, b.fig, precision)
+        written += write_bundle(b.fig, table, out_dir, b.name, meta, formats)
     return written
 
 
+def comma_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
+    from analysis.corpus import TOP_TOKENS
+    from analysis.generation_figures import NEW_TOKENS, PROMPT
+    from analysis.pruning_figures import SHARE
     from analysis.text import TextError
     from models.checkpoint import CheckpointError
     from models.device import add_arguments as add_device_arguments
+    from models.pruning.intervene import SITES
 
-    ap = argparse.ArgumentParser(prog="python -m analysis.export",
-                                 description="Write every figure for a model and a text.")
-    ap.add_argument("model_dir")
-    ap.add_argument("--text", required=True, help="a UTF-8 .txt or .md file")
+    ap = argparse.ArgumentParser(
+        prog="python -m analysis.export",
+        description="Write the app's figures for a model and a text, and a corpus report's, as the pages' export "
+                    "buttons write them. Each page's settings default to what the page opens on.")
+    ap.add_argument("model_dir", nargs="?", help="a model directory (leave it out to draw a --report alone)")
+    ap.add_argument("--text", help="a UTF-8 .txt or .md file (the model's pages and the Pruning page read it)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--force", action="store_true", help="overwrite files already in --out")
+    ap.add_argument("--figures", type=comma_list, metavar="GROUP,...",
+                    help="; ".join(f"{g}: {what}" for g, what in GROUPS.items())
+                         + " (default: every one that applies)")
+    ap.add_argument("--format", nargs="+", choices=tuple(FORMATS), default=list(FORMATS),
+                    help="the images written beside each figure's CSV and JSON sidecar (default: all three)")
     add_device_arguments(ap, dtype="float32")
+    pr = ap.add_argument_group("the Pruning page")
+    pr.add_argument("--window-start", type=int, default=0, help="the window's first token, for a text longer than "
+                    "the page's window (1,024 tokens, or the model's context)")
+    pr.add_argument("--method", help="'learned' (a pruned model's rule, its default) or a policy's method id "
+                                     "(streamingllm, tova, h2o:prompt, ...; a dense model's default: streamingllm)")
+    budget = pr.add_mutually_exclusive_group()
+    budget.add_argument("--budget", type=int, help="a policy's tokens held per layer")
+    budget.add_argument("--share", type=float, default=SHARE, help=f"... or share of the window (default {SHARE})")
+    pr.add_argument("--prompt-end", type=int, help="a policy in prompt mode: the prompt ends after this token "
+                                                   "(default three quarters of the window)")
+    pr.add_argument("--layer", type=int, default=0, help="the layer of the why and what-if views (default 0)")
+    pr.add_argument("--scores", action="store_true", help="the why view: the layer's interaction scores, a closest "
+                                                          "call's terms, the soft rule")
+    pr.add_argument("--scores-from", type=int, default=0, help="the scores drawn from this token (256 at a time)")
+    pr.add_argument("--closest", type=int, default=0, help="the closest call split into its terms (0: the closest)")
+    pr.add_argument("--alpha", type=float, default=1.0, help="the soft rule's alpha, 1-8 (default 1)")
+    change = pr.add_mutually_exclusive_group()
+    change.add_argument("--keep", type=int, metavar="J", help="what if: keep token J at every later query")
+    change.add_argument("--drop", type=int, metavar="J", help="what if: drop token J (from query --at, default J+1)")
+    change.add_argument("--patch", type=int, nargs="+", metavar="P", help="what if: patch the dense twin's states "
+                                                                           "at these positions")
+    pr.add_argument("--at", type=int, help="with --drop: the first query that no longer sees J")
+    pr.add_argument("--onward", action="store_true", help="with --keep or --drop: every later layer too")
+    pr.add_argument("--into", choices=("pruned", "dense"), default="pruned",
+                    help="with --patch: the twin's states into the pruned model, or the pruned model's into the twin")
+    pr.add_argument("--site", choices=tuple(SITES), default="residual",
+                    help="with --patch: the layer's input, or its attention output (mixer)")
+    pr.add_argument("--timeline", action="store_true", help="the training run's snapshots replayed on the window")
+    pr.add_argument("--snapshot-step", type=int, help="with --timeline: the snapshot drawn (default the last)")
+    pr.add_argument("--compare", metavar="POLICY", help="a policy beside the method at matched sparsity")
+    pr.add_argument("--compare-prompt-end", type=int, help="with --compare, a policy in prompt mode beside a method "
+                                                           "without a prompt: where its prompt ends")
+    pr.add_argument("--every-policy", action="store_true", help="every policy at the method's sparsity")
+    ge = ap.add_argument_group("the Generate page")
+    ge.add_argument("--prompt", default=PROMPT, help=f"the prompt (default {PROMPT!r})")
+    ge.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS, help=f"default {NEW_TOKENS}")
+    ge.add_argument("--temperature", type=float, default=0.8)
+    ge.add_argument("--top-k", type=int, default=40, help="0: off")
+    ge.add_argument("--top-p", type=float, default=0.95)
+    ge.add_argument("--greedy", action="store_true")
+    ge.add_argument("--seed", type=int, default=0)
+    ge.add_argument("--evict", metavar="POLICY", help="generate under an eviction policy (its method id)")
+    ge.add_argument("--evict-budget", type=int, help="with --evict: tokens held (default 32, or the policy's least)")
+    ge.add_argument("--no-twin", action="store_true", help="without the dense twin (a pruned model's dense base), or "
+                                                           "without the same model with nothing evicted (--evict)")
+    ge.add_argument("--step", type=int, help="the replay's step (default the last)")
+    co = ap.add_argument_group("the Corpus page")
+    co.add_argument("--report", help="a report directory of python -m analysis.reports.corpus")
+    co.add_argument("--source", help="the source drawn (default the report's first)")
+    co.add_argument("--run", help="the run drawn (default the sparsest learned rule)")
+    co.add_argument("--beside", nargs="*", metavar="RUN", help="the runs beside it by layer and by position "
+                                                               "(default the policies nearest its sparsity)")
+    co.add_argument("--min-tokens", type=int, default=50, help="tokens a part of speech x layer cell needs")
+    co.add_argument("--top", type=int, default=TOP_TOKENS, help="tokens in the token figure")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    force = None if args.keep is None and args.drop is None else (
+        (args.keep, True, None, args.onward) if args.keep is not None else (args.drop, False, args.at, args.onward))
+    pruning = dict(start=args.window_start, method=args.method, budget=args.budget, share=args.share,
+                   prompt=args.prompt_end, layer=args.layer, scores_view=args.scores, scores_from=args.scores_from,
+                   closest=args.closest, alpha=args.alpha, force=force, patch=args.patch, into=args.into,
+                   site=args.site, timeline_view=args.timeline, snapshot_step=args.snapshot_step,
+                   compare=args.compare, compare_prompt_end=args.compare_prompt_end, every=args.every_policy)
+    generate = dict(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, seed=args.seed, evict=args.evict,
+                    evict_budget=args.evict_budget, twin=not args.no_twin, step=args.step)
+    corpus = dict(source=args.source, run=args.run, others=args.beside, min_tokens=args.min_tokens, top=args.top)
     try:
+        if args.at is not None and args.drop is None:
+            raise ExportError("--at is the first query that no longer sees --drop's token: give --drop J")
         written = export_model(args.model_dir, args.text, args.out, force=args.force, device=args.device,
-                               dtype=args.dtype)
+                               dtype=args.dtype, figures=args.figures, pruning=pruning, generate=generate,
+                               report=args.report, corpus=corpus, formats=tuple(args.format))
     except (CheckpointError, TextError, ExportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

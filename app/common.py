@@ -19,7 +19,7 @@ import kernels.settings  # (by its full name: `settings` here is a figure's)
 from app.loading import app_precision, load_for_app
 from app.plain import md
 from models.checkpoint import MEMBERS
-from models.files import CheckpointError, read_json
+from models.files import CheckpointError
 from models.pruning import policies
 
 # Threads for the models, set once for the server: the cores (MIXSCOPE_THREADS to share the machine) split between
@@ -41,7 +41,7 @@ def method_title(method: str) -> str:
 
 
 def setup(title: str) -> None:
-    st.set_page_config(page_title=f"mixscope · {title}", layout="wide")
+    st.set_page_config(page_title="mixscope" if title == "mixscope" else f"mixscope · {title}", layout="wide")
     # the operator's own eviction policies (docs/policies.md)
     policies.load_plugins(kernels.settings.get("MIXSCOPE_POLICIES"))
     st.title(title)
@@ -322,8 +322,7 @@ def sidecar_json(fig, name: str, model_dir=None, text: str | None = None, settin
 
 
 def dense_base_path(loaded) -> str | None:
-    """The dense model a pruned (or adapted) one was tuned from: a delta's base, else the card's init_from."""
-    from models.delta import base_dir_for
-    if (loaded.path / "base.json").is_file():  # a delta: its dense base is the base it is stored over
-        return str(base_dir_for(read_json(loaded.path / "base.json")["source"], loaded.path))
-    return loaded.card.get("train", {}).get("init_from")
+    """The dense model a pruned (or adapted) one was tuned from (analysis.generation_figures.dense_base_dir, which
+    the command line's generations read too)."""
+    from analysis.generation_figures import dense_base_dir
+    return dense_base_dir(loaded)

@@ -41,7 +41,7 @@ def test_one_entry_point_declares_every_page_and_no_page_edits_sys_path():
     declared = re.findall(r'st\.Page\("([^"]+)"', (APP / "main.py").read_text())
     assert sorted(declared) == sorted(["Models.py"] + [f"views/{p}" for p in PAGES[1:]])
     at = AppTest.from_file(str(APP / "main.py"), default_timeout=180).run()
-    assert not at.exception and at.title[0].value == "Models"
+    assert not at.exception and at.title[0].value == "mixscope"
     at.switch_page("views/2_Attention.py").run()
     assert not at.exception and at.title[0].value == "Attention"
     assert not [p.name for p in APP.rglob("*.py") if "sys.path" in p.read_text()]

@@ -116,24 +116,40 @@ def test_each_exported_figure_redraws_from_its_spec_with_equal_data(monkeypatch,
                                                                                   "compare_difference"))
 
 
+# pages whose figures come named from analysis/ (the module naming them, as the command line draws them too)
+NAMED_BY = {"1_Generate.py": "generation_figures", "7_Pruning.py": "pruning_figures", "8_Corpus.py": "corpus"}
+
+
 def test_no_two_kinds_of_figure_share_an_export_name():
-    """A name is a figure kind: two export_buttons calls in the views never give the same literal name (or the same
-    literal start of a formatted one), so a download never stands for another figure."""
+    """A name is a figure kind: two export_buttons calls in the views, or two Bundles the pages' figure modules make,
+    never give the same literal name (or the same literal start of a formatted one), so a download never stands for
+    another figure."""
     import ast
     seen = {}
+
+    def literal(name, where):
+        if isinstance(name, ast.JoinedStr):   # f"heads_pca_{...}": its literal start
+            name = name.values[0]
+        assert isinstance(name, ast.Constant), (where, ast.dump(name))
+        assert name.value not in seen, (name.value, where, seen.get(name.value))
+        seen[name.value] = where
+
     for page in sorted(VIEWS.glob("*.py")):
         for node in ast.walk(ast.parse(page.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "export_buttons":
                 name = node.args[2]
-                if isinstance(name, ast.Name):   # names from a builder (analysis.corpus.page_figures: tested there)
-                    assert page.name == "8_Corpus.py", page.name
+                if isinstance(name, ast.Attribute):   # a Bundle's name, from the page's module in analysis/
+                    assert page.name in NAMED_BY, page.name
                     continue
-                if isinstance(name, ast.JoinedStr):   # f"heads_pca_{...}": its literal start
-                    name = name.values[0]
-                assert isinstance(name, ast.Constant), (page.name, ast.dump(name))
-                assert name.value not in seen, (name.value, page.name, seen.get(name.value))
-                seen[name.value] = page.name
-    assert len(seen) > 20
+                literal(name, page.name)
+    analysis = VIEWS.parents[1] / "analysis"
+    for module in sorted(set(NAMED_BY.values()) - {"corpus"}):   # (corpus.page_figures' names: tested there)
+        calls = [node for node in ast.walk(ast.parse((analysis / f"{module}.py").read_text()))
+                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Bundle"]
+        assert calls, module
+        for node in calls:
+            literal(node.args[0], module)
+    assert len(seen) >= 30 and {"pruning_what_if", "generation_strip"} <= set(seen)
 
 
 def sidecar_of(tmp_path, fig) -> Path:

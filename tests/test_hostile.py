@@ -197,7 +197,7 @@ def test_the_red_teams_crawl_in_serve_mode(browser, listener, tok, tmp_path):   
                       [secret.name, file_sha256(secret)], listener.port)
         started = time.time()
         page.goto(crawl.url)
-        page.wait_for_selector("h1:has-text('Models')", timeout=60_000)
+        page.wait_for_selector("h1:has-text('mixscope')", timeout=60_000)
         crawl.settle("Models", started)
         for path, _ in hostile_dirs.values():
             crawl.add_path(path)

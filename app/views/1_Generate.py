@@ -10,8 +10,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from analysis import live, twin as twins
-from analysis.tokens import colored_tokens_html, generation_table, latency_figure
+from analysis import generation_figures as figures, live, twin as twins
+from analysis.tokens import colored_tokens_html, generation_table
 from app import access, heavy
 from app.common import (METHOD_TITLES, dense_base_path, export_buttons, load, method_title, pick_model, public, setup,
                         shown_path)
@@ -49,7 +49,7 @@ if loaded is None:
 cfg = loaded.config
 compactable = loaded.model.blocks[0].mixer.decodes_compacted
 
-prompt = st.text_area("Prompt", value="The president said that", height=90, key="gen_prompt",
+prompt = st.text_area("Prompt", value=figures.PROMPT, height=90, key="gen_prompt",
                       max_chars=access.max_chars())
 c1, c2, c3, c4, c5 = st.columns(5)
 most_new = access.max_new_tokens(cfg.context)   # serve mode caps it
@@ -82,7 +82,7 @@ elif not compactable:
                "by lag and keeps none.")
 pruned = compactable and (bool(cfg.prune) or policy is not None)  # generates over the compacted cache, with drops
 # the twin: a pruned model's dense base; under a policy, the same model without it (a pruned model: its own rule)
-twin_label = "dense twin" if policy is None else ("learned rule" if cfg.prune else "nothing evicted")
+first_label, twin_label = figures.run_labels(cfg, policy, pruned)
 beside = {"dense twin": "its dense twin", "learned rule": "the same model under its own learned rule",
           "nothing evicted": "the same model with nothing evicted"}[twin_label]
 with_twin = pruned and st.checkbox(f"Beside {beside} (same prompt and seed, generated in turn)", value=True,
@@ -122,9 +122,8 @@ def finish(pending: dict, stop_reason: str | None = None) -> None:
         n = min((len(r["events"]) for r in runs), default=0) if stop_reason == "stopped" else None
         out = []
         for r in runs:   # stopped: the models took turns, so both are cut to the same length to compare
-            res = GenerationResult.collect(pending["ids"], r["events"][:n], r["info"], r["n_layers"], stop_reason)
-            out.append((r["path"], res, traces.build(res, r["tokenizer"], model_dir=str(r["path"]),
-                                                      prompt=pending["prompt"], settings=pending["settings"])))
+            out.append(figures.collect(r["path"], r["tokenizer"], r["n_layers"], pending["ids"], r["events"][:n],
+                                       r["info"], pending["prompt"], pending["settings"], stop_reason))
         pending["result"] = out and {"runs": out, "prompt": pending["prompt"], "draw_s": pending["draw_s"],
                                      "labels": [r["label"] for r in runs], "model": pending["model"],
                                      "wall_s": pending["wall_s"], "policy": pending["policy"]}
@@ -183,16 +182,14 @@ if st.button("Generate", type="primary", key="gen_go"):
         twin, why = (loaded, None) if with_twin else (None, None)
     if why:
         st.info(f"No dense twin: {why}.")
-    first = policy.method if policy is not None else "pruned" if pruned else cfg.mixer
-    models = [(first, loaded)] + ([(twin_label, twin)] if twin is not None else [])
+    models = [(first_label, loaded)] + ([(twin_label, twin)] if twin is not None else [])
     names = [f"{n} · {m.path.name}" for n, m in models]
     cols = st.columns(len(models))
     boxes = [{"text": c.empty(), "stats": c.empty()} for c in cols]
     strip_box, curve_box = (st.empty(), st.empty()) if pruned else (None, None)
     bar, drawing = st.progress(0.0, text="generating…"), st.empty()
     total = min(int(max_new), cfg.context - len(ids))
-    settings = dict(temperature=float(temperature), top_k=int(top_k) or None, top_p=float(top_p), greedy=greedy,
-                    seed=int(seed))
+    settings = figures.sampling(temperature, top_k, top_p, greedy, seed)
     # what finish() needs of each model, and no more: a run left pending must not pin a loaded model in memory
     runs = [{"events": [], "texts": [], "info": {}, "label": label, "path": m.path, "tokenizer": m.tokenizer,
              "n_layers": m.config.n_layers} for label, m in models]
@@ -253,6 +250,12 @@ saved = st.session_state.get("gen_result")
 if saved and saved["model"] == str(loaded.path):
     (path, res, tr), *rest = saved["runs"]
     used_prompt = saved["prompt"]
+
+    def show(bundle, key: str | None = None) -> None:
+        """A figure of this generation (a generation_figures Bundle) and its export buttons."""
+        st.plotly_chart(bundle.fig, width="stretch")
+        export_buttons(bundle.fig, bundle.table, bundle.name, bundle.models or path, used_prompt, bundle.settings,
+                       key=key)
     for note in res.notes:
         st.info(note)
     table = generation_table(res.events, loaded.tokenizer)
@@ -309,29 +312,14 @@ if saved and saved["model"] == str(loaded.path):
         st.caption(("The more layers have dropped a token by this step, the fainter it is" if which == "all layers"
                     else f"Faded: dropped by layer {which} by this step") + "; generated tokens are underlined, the "
                    "one sampled at this step dashed (it enters the cache at the next).")
-        strip = live.strip_figure(tr, step, labels, f"{path.name}: what each layer holds after step {step}")
-        st.plotly_chart(strip, width="stretch")
-        settings = {"step": step, **tr["settings"]}
-        export_buttons(strip, lambda: live.steps_frame(tr), "generation_strip", path, used_prompt, settings,
-                       key="gen_strip")
+        strip, curve, lat = figures.figures(saved, loaded.tokenizer, cfg.mixer, step)
+        show(strip, "gen_strip")
         drops = live.drops_frame(tr, labels)
         st.dataframe(drops[drops["step"] == step], hide_index=True, width="stretch")
         st.caption(f"The drops made at step {step} ({int((drops['step'] == step).sum())}); "
                    f"{len(drops)} over the whole generation.")
-        # each run by its label and model (under a policy both runs are the same model)
-        runs_named = {f"{label} · {p.name}": (p, t) for (p, _, t), label in zip(saved["runs"], saved["labels"])}
-        all_traces = {name: t for name, (_, t) in runs_named.items()}
-        all_dirs = {name: p for name, (p, _) in runs_named.items()}
-        runs_settings = tr["settings"] | {"policy": saved.get("policy"),
-                                          "runs": {name: t["settings"] for name, t in all_traces.items()}}
-        curve = live.cache_curve_figure(all_traces, "cache held per step")
-        st.plotly_chart(curve, width="stretch")
-        export_buttons(curve, lambda: live.runs_frame(all_traces), "generation_cache", all_dirs, used_prompt,
-                       runs_settings, key="gen_curve")
-        lat = live.latency_curve_figure(all_traces, "model latency per token")
-        st.plotly_chart(lat, width="stretch")
-        export_buttons(lat, lambda: live.runs_frame(all_traces), "generation_latency_steps", all_dirs, used_prompt,
-                       runs_settings, key="gen_lat")
+        show(curve, "gen_curve")
+        show(lat, "gen_lat")
         files = traces.files(tr)
         d = st.columns(3)
         for col, (suffix, body) in zip(d, files.items()):
@@ -342,7 +330,5 @@ if saved and saved["model"] == str(loaded.path):
         st.markdown(colored_tokens_html([used_prompt] + list(table["token"]), [1.0] + list(table["prob"])),
                     unsafe_allow_html=True)
         st.caption("Background: probability of each generated token under the model (red low, green high).")
-        fig = latency_figure(table, f"{cfg.mixer}: per-token latency")
-        st.plotly_chart(fig, width="stretch")
-        export_buttons(fig, table, "generation_latency", loaded.path, used_prompt, {"max_new_tokens": len(res.new_ids)})
+        show(*figures.figures(saved, loaded.tokenizer, cfg.mixer))
     st.dataframe(table, hide_index=True, width="stretch")

@@ -1,14 +1,16 @@
 """Pruning: which tokens a method drops, per layer and part of speech, and what it costs. The method is a model's
 own learned context pruning (its rule) or a heuristic KV-cache eviction policy (StreamingLLM, TOVA, H2O, SnapKV) at
 a budget, on any softmax attention model; two methods can be put side by side on one text at matched sparsity."""
+from contextlib import nullcontext
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from analysis import live, pruning, scores, timeline, tokens, views
-from analysis import intervene as change
+from analysis import pruning_figures as figures
 from analysis.pruning import LEARNED, NOTHING
+from analysis.pruning_figures import default_prompt, prunable
 from app import heavy
 from app.common import (LISTING_TTL_S, dense_base_path, directory_stamp, export_buttons, load, method_title,
                         model_paths, model_text_tokens, public, setup, shown_path, window_picker)
@@ -17,20 +19,7 @@ from models.checkpoint import CheckpointError, read_json, valid_sparsity
 from models.delta import unfetched_base
 from models.generate import layer_bytes_per_token
 from models import snapshots
-from models.pruning import intervene, policies
-
-def prunable(loaded):
-    """None when the page can show this model: a pruned one (its rule and the policies) or a dense softmax one
-    (the policies)."""
-    cfg = loaded.config
-    if cfg.prune:
-        return None
-    if not loaded.model.blocks[0].mixer.replays_policies:
-        return ("an Extractor mixes its past inputs by lag and keeps no per-token cache to prune or evict from: pick "
-                "a softmax attention model.")
-    if cfg.pattern != "dense":
-        return f"this model attends through a fixed {cfg.pattern} pattern: pick a dense or a pruned model."
-    return None
+from models.pruning import policies
 
 
 def first_pruned() -> str | None:
@@ -69,11 +58,9 @@ MAX_VIEW = views.PRUNING_VIEW  # tokens per analysed window (analysis.views says
 @st.cache_data(max_entries=8, show_spinner=False)
 def cached_method(path: str, ids: tuple[int, ...], method: str, budget: int | None, prompt: int | None,
                   labels: tuple[str, ...], tags: tuple[str, ...]):
-    """(token table, sparsity per layer, log-probabilities) of one method on one window: one forward. The masks
-    [layers, rows, T, T] are not kept (per KV group on SmolLM2 at 1,024 tokens: 94 MB)."""
+    """pruning_figures.method_table, in a slot: one forward."""
     with heavy.slot():
-        keeps, dropped_at, lp = pruning.method_run(load(path).model, list(ids), method, budget, prompt)
-        return pruning.token_table(keeps, list(labels), list(tags), dropped_at), pruning.sparsity_per_layer(keeps), lp
+        return figures.method_table(load(path).model, ids, labels, tags, method, budget, prompt)
 
 
 def run_method(path, ids, method, budget=None, prompt=None):
@@ -99,6 +86,13 @@ def cached_interaction(path: str, ids: tuple[int, ...]):
         return scores.recorded(load(path).model, list(ids))
 
 
+def show(bundle, key: str, where=None) -> None:
+    """A figure (a pruning_figures Bundle) and its export buttons, on the page or in a column (where)."""
+    with where if where is not None else nullcontext():
+        st.plotly_chart(bundle.fig, width="stretch")
+        export_buttons(bundle.fig, bundle.table, bundle.name, loaded.path, text, bundle.settings, key=key)
+
+
 @heavy.fragment
 def score_view(layer: int) -> None:
     """x_{n,j} of one layer: the heatmap with the threshold, each token's closest call, one score's terms, the soft
@@ -114,11 +108,7 @@ def score_view(layer: int) -> None:
     if n > scores.VIEW:
         at = int(st.slider("Drawn from token", 0, n - scores.VIEW, 0, key="prune_scores_at",
                            help=f"{scores.VIEW} queries x {scores.VIEW} keys at a time"))
-    fig = scores.score_figure(x, fate, at, view.labels, f"layer {layer}: x_n,j (a token is dropped at the first "
-                                                        "query whose score is not positive)", rule.sinks)
-    st.plotly_chart(fig, width="stretch")
-    export_buttons(fig, fate, "pruning_scores", loaded.path, text, settings | {"layer": layer, "from": at},
-                   key="scores")
+    show(figures.scores_figure(x, fate, at, view.labels, layer, rule.sinks, settings), "scores")
     st.markdown("**Closest calls**: the tokens whose score came nearest the threshold while they were still held "
                 "(a negative one is the drop itself: raised above 0 it delays the drop; a small positive one: lowered "
                 "below 0 it drops the token there, earlier)")
@@ -131,35 +121,22 @@ def score_view(layer: int) -> None:
                         format_func=lambda i: f"{close['token'][i]!r} (position {close['position'][i]}) at query "
                                               f"{close['closest_query'][i]}")
     j, q_at = int(close["position"][pick]), int(close["closest_query"][pick])
-    terms = scores.split(rule, q, k, q_at, j)
-    bars = scores.split_figure(terms, 12, f"x_{q_at},{j} = {terms['value'].sum():+.4f}, term by term")
-    with c1:
-        st.plotly_chart(bars, width="stretch")
-        export_buttons(bars, terms, "pruning_score_terms", loaded.path, text,
-                       settings | {"layer": layer, "query": q_at, "token": j}, key="score_terms")
+    show(figures.score_terms_figure(rule, q, k, q_at, j, layer, settings), "score_terms", c1)
     alpha = c2.slider("alpha of the soft rule (training raised it from 1 to 8)", 1.0, 8.0, 1.0, 0.5,
                       key="prune_scores_alpha")
     soft, hard = scores.soft_keep(x, alpha, rule.sinks), scores.soft_keep(x, float("inf"), rule.sinks)
     c2.metric(f"sparsity of this layer at alpha {alpha:g}", f"{scores.soft_sparsity(soft):.1%}",
               f"{scores.soft_sparsity(hard):.1%} at inference (the step)", delta_color="off")
-    soft_fig = scores.soft_figure(soft, at, view.labels, f"I_k,j under sigma_alpha, alpha {alpha:g}")
-    with c2:
-        st.plotly_chart(soft_fig, width="stretch")
-        export_buttons(soft_fig, lambda: scores.soft_table(soft, at, view.labels), "pruning_soft_keep", loaded.path,
-                       text, settings | {"layer": layer, "alpha": alpha, "from": at}, key="soft_keep")
+    show(figures.soft_keep_figure(soft, at, view.labels, alpha, layer, settings), "soft_keep", c2)
 
 
 @st.cache_data(max_entries=8, show_spinner="Running the model with the change, and without…")
 def cached_change(path: str, ids: tuple[int, ...], labels: tuple[str, ...], layer: int, force: tuple | None,
                   patch: tuple[int, ...] | None, into: str = "pruned", site: str = "residual"):
-    """analysis.intervene.outcome of one forced decision (force: token, keep, at, onward) or one patch of `layer`'s
-    states at `site` (its input or its mixer output) at `patch` (into "pruned": the dense twin's states into the
-    pruned model; "dense": the pruned model's into its twin): two forwards (three with the donor's)."""
+    """pruning_figures.what_if_outcome of one forced decision or one patch, in a slot."""
     model = load(path).model
     with heavy.slot():
-        if force is not None:
-            return change.force_outcome(model, list(ids), list(labels), [intervene.Force(layer, *force)])
-        return change.patch_outcome(model, list(ids), list(labels), layer, list(patch), model, into, site)
+        return figures.what_if_outcome(model, ids, labels, layer, force, patch, into, site)
 
 
 @heavy.fragment
@@ -184,8 +161,6 @@ def what_if(layer: int) -> None:
         at = None if keep else int(c2.number_input("from query", j + 1, n - 1, j + 1, key="prune_iv_at"))
         onward = c3.checkbox("and in every later layer", key="prune_iv_onward")
         force = (j, keep, at, onward)
-        what = change.describe(intervene.Force(layer, *force), view.labels)
-        iv_settings = {"token": j, "keep": keep, "at": at, "onward": onward}
     else:
         p = int(c1.number_input("Position", 0, n - 1, min(n - 1, n // 2), key="prune_iv_pos"))
         width = int(c2.number_input("and the next", 0, 64, 0, key="prune_iv_width",
@@ -201,8 +176,6 @@ def what_if(layer: int) -> None:
                        "twin drops nothing, so no decision can change.")
         else:
             c3.caption("Donor: the same weights with the rule off (nothing dropped), reading the same text.")
-        what = change.describe_patch(layer, list(patch), into, site=site)
-        iv_settings = {"patch": list(patch), "donor": "twin", "into": into, "site": site}
     res = cached_change(path, ids, tuple(view.labels), layer, force, patch, into, site)
     s = res["summary"]
     m = st.columns(4)
@@ -216,10 +189,7 @@ def what_if(layer: int) -> None:
     free = int((~res["changed"]["forced"]).sum())
     m[3].metric("later decisions changed", f"{free}", help="Drops in any layer that moved or appeared or vanished "
                 "as a consequence (the forced ones not counted)")
-    fig = change.effect_figure(res["effects"], s["from"], f"{cfg.mixer}: {what}")
-    st.plotly_chart(fig, width="stretch")
-    export_buttons(fig, res["effects"], "pruning_what_if", loaded.path, text,
-                   settings | {"layer": layer, **iv_settings}, key="iv")
+    show(figures.what_if_figure(cfg.mixer, res, view.labels, layer, settings, force, patch, into, site), "iv")
     st.dataframe(res["by_layer"], hide_index=True)
     if len(res["changed"]):
         st.markdown("**Changed decisions** (the query that dropped the token before and after; -1: held to the end)")
@@ -239,11 +209,10 @@ def cached_snapshot(path: str, ids: tuple[int, ...], tags: tuple[str, ...], labe
 @heavy.fragment
 def timeline_view() -> None:
     """How the rule came to be: the run's snapshots (train.snapshots) replayed on this window, a slider over them."""
-    snaps = snapshots.listing(path)
+    shown, snaps = figures.shown_snapshots(path)
     if not snaps:
         return
     st.subheader("How the rule came to be")
-    shown = snapshots.keep_evenly(snaps, views.MAX_SNAPSHOTS)
     more = f" ({len(shown)} of {len(snaps)}, spread evenly)" if len(snaps) > len(shown) else ""
     if not st.toggle(f"Replay the training run's {len(shown)} snapshots{more} on this window ({len(shown)} forwards)",
                      key="prune_timeline"):
@@ -269,22 +238,9 @@ def timeline_view() -> None:
     i = st.select_slider("Snapshot", list(range(len(steps))), len(steps) - 1, key="prune_timeline_at",
                          format_func=name)
     step = int(steps["step"][i])
-    spec = settings | {"snapshot_step": step, "snapshots": [s["path"].name for s in shown]}
-    fig = timeline.steps_figure(steps, step, "sparsity and the first tokens over training (this window)")
-    st.plotly_chart(fig, width="stretch")
-    export_buttons(fig, steps, "pruning_timeline", loaded.path, text, spec, key="timeline")
-    lay = timeline.layers_figure(res["layers"], step, f"each layer's sparsity at step {step}")
-    st.plotly_chart(lay, width="stretch")
-    export_buttons(lay, res["layers"], "pruning_timeline_layers", loaded.path, text, spec, key="timeline_layers")
-    rates = res["pos"][res["pos"]["step"] == step]
-    heat = pruning.pos_heatmap(rates, f"step {step}: share of tokens dropped, by part of speech and layer")
-    st.plotly_chart(heat, width="stretch")
-    export_buttons(heat, rates, "pruning_timeline_pos", loaded.path, text, spec, key="timeline_pos")
-
-
-def default_prompt(n: int) -> int:
-    """The prompt of a policy in prompt mode unless the user says otherwise: the first three quarters of the window."""
-    return max(2, 3 * n // 4)
+    for bundle, key in zip(figures.timeline_figures(res, step, shown, settings),
+                           ("timeline", "timeline_layers", "timeline_pos")):
+        show(bundle, key)
 
 
 def budget_controls(method: str, n: int, key: str, where) -> tuple[int, int | None]:
@@ -296,8 +252,9 @@ def budget_controls(method: str, n: int, key: str, where) -> tuple[int, int | No
         budget = int(b.number_input(f"Budget (tokens held per layer, {low}-{n})", low, n, max(low, n // 4),
                                     key=f"{key}_tok"))
     else:
-        share = b.slider("Budget (share of the window held per layer)", 0.01, 1.0, 0.25, 0.01, key=f"{key}_share")
-        budget = max(low, min(n, round(share * n)))
+        share = b.slider("Budget (share of the window held per layer)", 0.01, 1.0, figures.SHARE, 0.01,
+                         key=f"{key}_share")
+        budget = figures.share_budget(method, n, share)
         b.caption(f"= {budget} tokens")
     prompt = None
     if policies.once(method):
@@ -330,9 +287,8 @@ loaded, text, toks = model_text_tokens(default=first_pruned(), accept=prunable)
 cfg, path = loaded.config, str(loaded.path)
 view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
 ids, n = tuple(view.ids), len(view.ids)
-# spaCy tags the window's own text, so offsets are taken relative to it
-a, b = view.offsets[0][0], view.offsets[-1][1]
-tags = cached_tags(text[a:b], tuple((x - a, y - a) for x, y in view.offsets))
+span, offsets = figures.tagged_span(text, view)   # (spaCy tags the window's own text)
+tags = cached_tags(span, tuple(offsets))
 
 options = ([LEARNED] if cfg.prune else []) + list(policies.REGISTRY)
 mc1, mc2 = st.columns([3, 2])
@@ -349,7 +305,7 @@ if method != LEARNED:
     if cfg.prune:
         st.caption("The policy runs on this model's own weights with its learned rule switched off.")
 table, sp, lp = run_method(path, ids, method, budget, prompt)
-settings = {"window_start": start, "tokens": n, "method": method, "budget": budget, "prompt": prompt}
+settings = figures.settings_of(start, n, method, budget, prompt)
 
 
 def nothing_ppl() -> float:
@@ -392,29 +348,20 @@ if base_dir and not ask:
 elif cfg.prune and not base_dir:
     m[4].caption("no dense base recorded on this model's card")
 
-name = "learned pruning" if method == LEARNED else f"{method} at {budget} tokens"
+name = figures.method_name(method, budget)
 layer = st.selectbox("Layer", range(cfg.n_layers), key="prune_layer")
 st.markdown(pruning.struck_text_html(table, layer), unsafe_allow_html=True)
 st.caption("Struck through: dropped by this layer before the end of the text (hover for when and at which token's "
            "step; StreamingLLM step by step evicts before that token's query attends, the others after). Dotted: "
            "dropped by some of the layer's KV groups only.")
 
-fig = pruning.token_layer_figure(table, f"{cfg.mixer}, {name}: tokens dropped per layer")
-st.plotly_chart(fig, width="stretch")
-export_buttons(fig, table, "pruning_tokens_by_layer", loaded.path, text, settings, key="tokmap")
-
-rates = pruning.pos_drop_rates(table)
-heat = pruning.pos_heatmap(rates, f"{name}: share of tokens dropped, by part of speech and layer")
-st.plotly_chart(heat, width="stretch")
-export_buttons(heat, rates, "pruning_pos_by_layer", loaded.path, text, settings, key="pos")
-
-counts = pruning.trigger_counts(table)
-if not len(counts):
+first = {f.name: f for f in figures.method_figures(cfg.mixer, table, method, budget, settings)}
+show(first["pruning_tokens_by_layer"], "tokmap")
+show(first["pruning_pos_by_layer"], "pos")
+if "pruning_triggers" in first:   # (the learned rule's, where it drops something)
+    show(first["pruning_triggers"], "trig")
+elif not len(pruning.trigger_counts(table)):
     st.info("No token is dropped in this text.")
-elif method == LEARNED:
-    trig = pruning.triggers_figure(counts, "which parts of speech trigger drops")
-    st.plotly_chart(trig, width="stretch")
-    export_buttons(trig, counts, "pruning_triggers", loaded.path, text, settings, key="trig")
 else:
     st.caption("Triggers are shown for the learned rule: a policy evicts to stay within its budget, whichever token "
                "arrives.")
@@ -440,7 +387,7 @@ if other != "-":
     sp_b = float(sp_layers_b["sparsity"].mean())
     ppl0 = ppl0 or nothing_ppl()   # (the comparison's table is read against it)
     ppl_b = tokens.perplexity(lp_b)
-    name_b = f"{METHODS.get(other, other)} at {budget_b} tokens"
+    name_b = figures.compare_name(other, budget_b)
     summary = pd.DataFrame([{"method": name, "sparsity": target, "perplexity": ppl,
                              "vs nothing evicted": ppl / ppl0 - 1},
                             {"method": name_b, "sparsity": sp_b, "perplexity": ppl_b,
@@ -452,28 +399,22 @@ if other != "-":
     if abs(sp_b - target) > 0.02:
         st.warning(f"{other} cannot match {target:.1%} here: its budget runs from {policies.min_budget(other)} "
                    f"tokens to the whole window, which gives {sp_b:.1%} at the nearest.")
-    d = pruning.disagreement(table, table_b)
-    cmp_fig = pruning.disagreement_figure(d, (name, name_b), "who drops each token by the end of the text")
-    st.plotly_chart(cmp_fig, width="stretch")
-    export_buttons(cmp_fig, d, "pruning_disagreement", loaded.path, text,
-                   settings | {"compare": other, "budget_b": budget_b}, key="cmp")
+    cmp, prof = figures.comparison_figures(name, table, other, budget_b, table_b, settings)
+    show(cmp, "cmp")
+    d = cmp.table
     by_layer = pruning.disagreement_by_layer(d).rename(columns={"a only": f"{name} only", "b only": f"{name_b} only"})
     st.dataframe(by_layer.style.format({"overlap": "{:.0%}"}), hide_index=True)
     st.markdown("**Tokens they disagree on** (layers in which only one of them dropped it)")
     st.dataframe(pruning.disputed_tokens(d).rename(columns={"a_only": f"{name} only", "b_only": f"{name_b} only"}),
                  hide_index=True)
-    prof = pruning.pos_profile({name: table, name_b: table_b})
-    prof_fig = pruning.pos_profile_figure(prof, "hidden from later queries, by part of speech (all layers)")
-    st.plotly_chart(prof_fig, width="stretch")
-    export_buttons(prof_fig, prof, "pruning_pos_profile", loaded.path, text, settings | {"compare": other}, key="prof")
+    show(prof, "prof")
 
 if st.toggle("Every policy at this sparsity (one forward each, each in its default mode)", key="prune_all"):
     prompt_all = prompt or default_prompt(n)
     rows, tables = [{"method": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
     ppl0 = ppl0 or nothing_ppl()
     bar = st.progress(0.0, text="running the policies…")
-    defaults = [policies.method_id(p, c.default_mode) for p, c in policies.REGISTRY.items()]
-    others = [p for p in defaults if p != method]
+    others = figures.every_policy_methods(method)
     for i, p in enumerate(others):
         bp = pruning.matched_budget(p, target, n, prompt_all)
         t_p, sp_p, lp_p = run_method(path, ids, p, bp, prompt_all if policies.once(p) else None)
@@ -491,8 +432,4 @@ if st.toggle("Every policy at this sparsity (one forward each, each in its defau
         st.caption(f"Not matched (their smallest or largest budget is as near as they get): {', '.join(off)}.")
     if any(policies.once(p) for p in others):
         st.caption(f"Policies in prompt mode read the first {prompt_all} tokens as the prompt.")
-    allprof = pruning.pos_profile(tables)
-    all_fig = pruning.pos_profile_figure(allprof, "every method at matched sparsity: hidden from later queries, "
-                                                  "by part of speech")
-    st.plotly_chart(all_fig, width="stretch")
-    export_buttons(all_fig, allprof, "pruning_pos_profile_all", loaded.path, text, settings, key="profall")
+    show(figures.every_policy_figure(tables, settings), "profall")

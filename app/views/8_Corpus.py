@@ -3,7 +3,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from analysis import corpus
+from analysis import corpus, corpus_figures
 from app import access
 from app.common import export_buttons, public, setup
 from app.plain import md
@@ -54,7 +54,7 @@ except (corpus.ReportError, OSError) as e:
     st.error(md(public(str(e))) if not access.serving() else f"{md(names[chosen])} could not be read "
              f"({type(e).__name__}): run its report again")
     st.stop()
-man, curves = rep["manifest"], rep["curves"]
+man = rep["manifest"]
 models = man["models"]
 if access.serving():   # the directories a report recorded (perhaps another machine's) are not shown
     models = {k: {**v, "model_dir": k} if isinstance(v, dict) else v for k, v in models.items()}
@@ -63,28 +63,24 @@ about = (f"windows of {man.get('window', '?')} tokens · precision {man.get('pre
                       for k, v in models.items()))
 # (a report's fields, shown as text)
 st.caption(md(about) if access.serving() else f"{md(man.get('command', '?'))} · {md(about)}")
-sources = list(dict.fromkeys(curves["source"]))
-source = st.sidebar.selectbox("Source", sources, key="corpus_source",
+source = st.sidebar.selectbox("Source", corpus_figures.sources(rep), key="corpus_source",
                               format_func=lambda s: f"{s} ({man['sources'].get(s, {}).get('windows', '?')} windows)")
-c = curves[curves["source"] == source]
-runs = [r for r in dict.fromkeys(c["run"]) if r != "dense"]
-learned = c[c["family"] == "learned"].sort_values("sparsity", ascending=False)["run"].tolist()  # the sparsest first
-run = st.sidebar.selectbox("Run", runs, index=runs.index(learned[0]) if learned else 0, key="corpus_run")
+runs, first = corpus_figures.runs(rep, source)   # (first: the sparsest learned rule's run)
+run = st.sidebar.selectbox("Run", runs, index=runs.index(first) if first in runs else 0, key="corpus_run")
 least = st.sidebar.slider("Tokens a POS x layer cell needs", 1, 500, 50, key="corpus_min_tokens")
 top = st.sidebar.slider("Tokens in the token figure", 10, 100, corpus.TOP_TOKENS, key="corpus_top")
 others = st.sidebar.multiselect("Beside it (by layer and by position)", [r for r in runs if r != run],
-                                default=corpus.default_others(c, run), key="corpus_others")
-figs = corpus.page_figures(rep, source, run, others, least, top)
-spec = {"report": names[chosen], "precision": man.get("precision")}
+                                default=corpus_figures.default_others(rep, source, run), key="corpus_others")
+figs = corpus_figures.page_figures(rep, names[chosen], source, run, others, least, top)
 heads = ["Sparsity against perplexity", f"{md(run)}: by part of speech and layer", "By layer", "By position",
          f"{md(run)}: the most frequent tokens"]   # (a run's name, as the report wrote it: text)
-for head, (name, fig, table, settings) in zip(heads, figs):
+for head, f in zip(heads, figs):
     st.subheader(head)
-    st.plotly_chart(fig, width="stretch")
-    export_buttons(fig, table, name, models, None, spec | settings, key=name.split("_")[1],
+    st.plotly_chart(f.fig, width="stretch")
+    export_buttons(f.fig, f.table, f.name, models, None, f.settings, key=f.name.split("_")[1],
                    precision=man.get("precision"))
     if head == heads[0]:
-        st.dataframe(table[["run", "family", "budget", "windows", "sparsity", "perplexity", "cost", "cost_lo",
+        st.dataframe(f.table[["run", "family", "budget", "windows", "sparsity", "perplexity", "cost", "cost_lo",
                             "cost_hi"]].sort_values(["family", "sparsity"]).style.format(
             {"sparsity": "{:.1%}", "perplexity": "{:.2f}", "cost": "{:+.2%}", "cost_lo": "{:+.2%}",
              "cost_hi": "{:+.2%}", "budget": "{:.0f}"}, na_rep="-"), hide_index=True)
