@@ -1,5 +1,6 @@
 """Every page of the app against the real models in assets/models (streamlit AppTest, no browser)."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,11 @@ def test_page_renders_without_exceptions(name):
     at = page(name).run()
     assert not at.exception, at.exception
     assert not at.error, [e.value for e in at.error]
+    # a browser user has the page, not the checkout: no text sends them to a file of it (a report's recorded
+    # command line, shown as data, names its output directory)
+    shown = [e.value for kind in ("markdown", "caption", "info", "warning", "subheader", "header", "title")
+             for e in getattr(at, kind) if not e.value.startswith("python -m ")]
+    assert not [t for t in shown if re.search(r"README|docs/|\w\.md\b|papers", t)]
 
 
 def listed(at) -> list[str]:

@@ -281,8 +281,8 @@ st.caption("Which earlier tokens a model can do without. A context-pruned model 
            "later query n whose interaction score x_{n,j} is not positive; a KV-cache eviction policy keeps a budget "
            "of tokens per layer, or per KV group (the query heads that share one K/V head), and evicts by position "
            "(StreamingLLM) or by attention (TOVA, H2O, SnapKV), step by step or once after a prompt; the oracle "
-           "evicts what later queries attend to least, reading the future: a reference, not a rule (and not always a "
-           "bound: see docs/eviction.md).")
+           "evicts what later queries attend to least, reading the future: a reference, not a rule, and not always a "
+           "bound (it reads the full model's attention, not what the evicted cache leaves the model to need).")
 loaded, text, toks = model_text_tokens(default=first_pruned(), accept=prunable)
 cfg, path = loaded.config, str(loaded.path)
 view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)

@@ -35,7 +35,7 @@ def cached_report(path: str, stamp: tuple[float, ...]) -> dict:
 
 setup("Corpus")
 st.caption("What a learned rule and the training-free policies drop over a whole corpus, from a report of "
-           "`python -m analysis.reports.corpus` (docs/app.md). A token counts as dropped when the last query of its "
+           "`python -m analysis.reports.corpus`. A token counts as dropped when the last query of its "
            "window no longer sees it (the window's last token is left out); intervals are 95 % bootstrap over "
            "windows, none for a group seen in fewer than 5.")
 roots = report_roots()
