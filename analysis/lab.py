@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis import export as exporting, pruning, views
+from analysis import export as exporting, pruning, pruning_figures, views
 from analysis.pruning import LEARNED, NOTHING
 from analysis.text import Tokens, check_text, tokenize, window
 from analysis.tokens import perplexity
@@ -222,15 +222,15 @@ class Drawing:
 
 
 def _figure(kind: str, rs: list[Run]) -> tuple[go.Figure, pd.DataFrame]:
-    """(figure, the table it draws) of the Pruning page, titled as the page titles it."""
+    """(figure, the table it draws) of the Pruning page, titled as the page titles it: a run's own figures are the
+    page's first view (pruning_figures.method_figures), so the two are equal for one window and one method."""
     r = rs[0]
-    title = f"{r.loaded.config.mixer}, {r.name}"
-    if kind == "tokens_by_layer":
-        return pruning.token_layer_figure(r.table, f"{title}: tokens dropped per layer"), r.table
-    if kind == "pos_by_layer":
-        rates = r.pos_rates
-        return pruning.pos_heatmap(rates, f"{title}: share of tokens dropped, by part of speech and layer"), rates
-    if kind == "triggers":
+    if kind in ("tokens_by_layer", "pos_by_layer", "triggers"):
+        drawn = {b.name: b for b in pruning_figures.method_figures(r.loaded.config.mixer, r.table, r.method,
+                                                                   r.budget, r.settings)}
+        if f"pruning_{kind}" in drawn:
+            return drawn[f"pruning_{kind}"].fig, drawn[f"pruning_{kind}"].table
+        # the page draws triggers for a learned rule that drops something; asked for, a policy's are drawn alike
         counts = r.triggers
         return pruning.triggers_figure(counts, "which parts of speech trigger drops"), counts
     if kind == "pos_profile":
