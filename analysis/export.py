@@ -326,10 +326,12 @@ def app_windows(tokens, context: int) -> dict:
             "attribution": views.first_window(tokens, views.ATTRIBUTION_VIEW, context)}
 
 
-def check_memory(cfg, weights: int, groups=("model",), twin: bool = False, tokens: int | None = None) -> None:
+def check_memory(cfg, weights: int, groups=("model",), twin: bool = False, tokens: int | None = None,
+                 twin_model: bool | None = None) -> None:
     """Refuse (ExportError), before the model runs, a model whose figures in `groups` (GROUPS) would not fit the
     memory budget: at the app's windows, the Pruning page's costliest method over its window, a generation of
-    `tokens` in all (prompt and new; default the model's context) beside the dense twin's when `twin`. The windows
+    `tokens` in all (prompt and new; default the model's context) beside a second generation when `twin`, run on a
+    second model of the same size (the dense base) when `twin_model` (default: when `twin`). The windows
     do not grow with the text (at most analysis.views.MAX_CHARS characters), so only the model's size can pass
     them."""
     from analysis import budgets, views
@@ -354,7 +356,7 @@ def check_memory(cfg, weights: int, groups=("model",), twin: bool = False, token
         t = min(cfg.context, tokens or cfg.context)
         runs = 2 if twin else 1
         cache = runs * 2 * cfg.n_layers * cfg.n_heads * cfg.d_head * 4 * t   # K and V of every token, every head
-        held = weights * runs
+        held = weights * (2 if (twin if twin_model is None else twin_model) else 1)
         need = held + RUNTIME_BYTES + kept + forward_bytes(cfg, 1, t) + cache
         if need > budget:
             raise ExportError(f"a generation of {t} tokens (prompt and new) needs about {gb(need)} with "
@@ -498,11 +500,16 @@ def export_model(model_dir: str | Path | None, text_file: str | Path | None, out
         except CheckpointError:
             cfg = None   # (load_model_dir says what is wrong with the directory)
         if cfg is not None:   # before the weights are read (a twin: a pruned model's dense base, the same size)
-            twin = bool(cfg.prune) and generate.get("twin", True) and generate.get("evict") in (None, "learned")
+            # two generations (the model's and its twin's, or the policy's and the model's unevicted), and a second
+            # model only when the twin is the dense base
+            evict = generate.get("evict")
+            twin = generate.get("twin", True) and (bool(cfg.prune) or evict not in (None, "learned", "none"))
+            second_model = twin and bool(cfg.prune) and evict in (None, "learned")
             # a byte-level BPE token is at least one byte: the prompt's UTF-8 bytes bound its tokens
             tokens = len(generate.get("prompt", generation_figures.PROMPT).encode("utf-8")) + 1 + generate.get(
                 "max_new_tokens", generation_figures.NEW_TOKENS)
-            check_memory(cfg, planned_weights(cfg), groups, twin, tokens)
+            check_memory(cfg, planned_weights(cfg), groups, twin, tokens, second_model)
+    if model_dir is not None and set(groups) - {"corpus"}:   # (corpus figures read the report alone)
         loaded = load_model_dir(model_dir, device=device, dtype=dtype)
         precision = precision_of(loaded.model)
         if {"pruning", "generate"} & set(groups):

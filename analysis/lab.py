@@ -94,8 +94,7 @@ class Run:
     @property
     def name(self) -> str:
         """How the page names the method: "learned pruning", "tova at 37 tokens", "nothing evicted"."""
-        return {LEARNED: "learned pruning", NOTHING: "nothing evicted"}.get(
-            self.method, f"{self.method} at {self.budget} tokens")
+        return pruning_figures.method_name(self.method, self.budget)
 
     @property
     def perplexity(self) -> float:

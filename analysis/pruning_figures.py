@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from analysis import intervene as change, pruning, scores, timeline, views
 from analysis.bundle import Bundle
-from analysis.pruning import LEARNED
+from analysis.pruning import LEARNED, NOTHING
 from analysis.text import Tokens, check_text, tokenize, window
 from models import snapshots
 from models.pruning import intervene, policies
@@ -55,8 +55,8 @@ def share_budget(method: str, n: int, share: float = SHARE) -> int:
 
 
 def method_name(method: str, budget: int | None) -> str:
-    """How the page's titles and tables name a method: "learned pruning", "tova at 12 tokens"."""
-    return "learned pruning" if method == LEARNED else f"{method} at {budget} tokens"
+    """How the page's titles and tables name a method: "learned pruning", "nothing evicted", "tova at 12 tokens"."""
+    return {LEARNED: "learned pruning", NOTHING: "nothing evicted"}.get(method, f"{method} at {budget} tokens")
 
 
 def compare_name(other: str, budget: int) -> str:
@@ -246,6 +246,14 @@ def every_policy_methods(method: str) -> list[str]:
     return [p for p in defaults if p != method]
 
 
+def every_policy_plan(method: str, target: float, n: int, prompt: int | None) -> list[tuple[str, int, int | None]]:
+    """(policy, its budget matched to `target` sparsity on n tokens, the prompt it reads or None) of every policy the
+    every-policy view runs beside `method`; a policy in prompt mode reads the first method's prompt or the default."""
+    prompt_all = prompt or default_prompt(n)
+    return [(p, pruning.matched_budget(p, target, n, prompt_all), prompt_all if policies.once(p) else None)
+            for p in every_policy_methods(method)]
+
+
 def every_policy_figure(tables: dict, settings: dict) -> Bundle:
     """Every method's token table (the first method's, then each policy's at its matched budget, named
     "<policy> at <budget>") as one part-of-speech profile."""
@@ -364,11 +372,8 @@ def page_figures(loaded, text: str, *, start: int = 0, method: str | None = None
         table_b, _, _ = method_table(loaded.model, ids, labels, tags, compare, budget_b, prompt_b)
         out += comparison_figures(name, table, compare, budget_b, table_b, settings)
     if every:
-        prompt_all = prompt or default_prompt(n)
         tables = {name: table}
-        for p in every_policy_methods(method):
-            bp = pruning.matched_budget(p, target, n, prompt_all)
-            tables[f"{p} at {bp}"] = method_table(loaded.model, ids, labels, tags, p, bp,
-                                                  prompt_all if policies.once(p) else None)[0]
+        for p, bp, prompt_p in every_policy_plan(method, target, n, prompt):
+            tables[f"{p} at {bp}"] = method_table(loaded.model, ids, labels, tags, p, bp, prompt_p)[0]
         out.append(every_policy_figure(tables, settings))
     return out

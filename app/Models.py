@@ -8,7 +8,7 @@ from app import access
 from app.common import MAX_PATH, add_path, export_buttons, listing, model_paths, public, setup, shown_path
 from app.plain import md
 
-from analysis import headline
+from analysis import corpus, headline
 from analysis.text import TextError, check_text
 from analysis.zoo import efficiency_figure, model_id, models_root, zoo_rows
 from models.delta import unfetched_base
@@ -23,15 +23,19 @@ st.markdown(
 
 
 @st.cache_data(max_entries=2, show_spinner=False)
-def main_report(stamp: float) -> dict | None:
+def main_report(stamp: tuple[float, ...]) -> dict | None:
     return headline.read_main_report()
 
 
-def report_stamp() -> float:
-    try:
-        return (headline.REPORT / "curves.parquet").stat().st_mtime
-    except OSError:
-        return 0.0
+def report_stamp() -> tuple[float, ...]:
+    """When each of the report's files last changed (0 for one missing): a rewritten report is read again."""
+    stamps = []
+    for name in corpus.REPORT_FILES:
+        try:
+            stamps.append((headline.REPORT / name).stat().st_mtime)
+        except OSError:
+            stamps.append(0.0)
+    return tuple(stamps)
 
 
 def go_prune(text: str) -> None:
@@ -56,15 +60,13 @@ def try_it(flagship) -> None:
         text = st.text_area(f"At most {limit:,} characters", key=f"front_text_{choice}",
                             value=samples.get(choice, "")[:limit], height=130, max_chars=limit,
                             placeholder="Paste a text")
-    try:
-        problem = None
-        check_text(text, limit)
-    except TextError as e:
-        problem = str(e)
-        st.warning(md(problem))
-    if go.button("See what it drops, beside every policy at the same sparsity", type="primary",
-                 disabled=bool(problem), key="front_go"):
-        go_prune(text)
+    # checked on the click, not before: a button disabled by the last run's text would swallow the first click
+    # after typing
+    if go.button("See what it drops, beside every policy at the same sparsity", type="primary", key="front_go"):
+        try:
+            go_prune(check_text(text, limit))
+        except TextError as e:
+            st.warning(md(str(e)))
     st.caption("Opens the Pruning page on this text: the tokens each layer drops, struck through, and every "
                "training-free policy run on the same weights (the learned rule switched off) at the budget that "
                "matches the rule's sparsity. A short text shows fewer drops: the rule drops more as a text grows.")
@@ -80,13 +82,14 @@ if flagship is not None:
                 "learns which earlier tokens no later query needs and drops them for good.")
     try_it(flagship)
 if report is not None:
-    parts = headline.headline(report)
-    where = " and ".join(dict.fromkeys({"in domain": "in domain", "held out": "on a source never used in training"}
-                                       [p["kind"].split(":")[0]] for p in parts))
+    parts = headline.headline(report, models_root())
+    kinds = {p["kind"].split(":")[0] for p in parts if p["kind"]}
+    where = " and ".join(w for k, w in (("in domain", "in domain"), ("held out", "on a source the fine-tuning never "
+                                                                     "saw")) if k in kinds) or "on its sources"
     st.markdown(f"Measured over a corpus, {where} (every position scored; intervals: 95 % bootstrap over "
                 "windows). Each policy's line sweeps its token budget; the learned rule is one point. "
                 "Lower right is better: more dropped, less perplexity lost.")
-    for part, col in zip(parts, st.columns(len(parts))):
+    for part, col in zip(parts, st.columns(max(1, len(parts)))):
         with col:
             st.plotly_chart(part["figure"], width="stretch", key=f"headline_{part['source']}")
             if part["line"]:
@@ -146,12 +149,13 @@ def show(rows: pd.DataFrame, first: list[str]) -> pd.DataFrame:
 
 st.caption(f"{len(good)} model(s) found. Pick a page on the left to look inside one.")
 if len(other):
-    st.subheader("Real models")
+    st.subheader("Other models")
     show(other.drop(columns=["PRR", "PEoP"], errors="ignore"),
          ["model", "mixer", "adapter", "test ppl", "trainable %", "attention params", "total params",
           "KV-cache bytes/token", "note"])
-    st.caption("test ppl: on each model's own test set, in its own tokenizer (SmolLM2's for its deltas). A delta "
-               "holds only what its fine-tuning changed and opens on its base model.")
+    st.caption("Each scored on its own test set, in its own tokenizer: the shipped SmolLM2-135M deltas (a delta "
+               "holds only what its fine-tuning changed and opens on its base model) and any model not trained on "
+               "the toy zoo's data.")
 if len(small):
     st.subheader("Small models: the toy zoo")
     st.markdown("Four-layer models trained on one small corpus, one per token mixer (MHA, SHA, MQA, SKV, EL-ATT, "

@@ -99,7 +99,8 @@ def on_ray(ray, workers: int, args, sources, plan, proto, parts: Path) -> dict:
     corpus.check_protocol(parts, proto)
     with timed(cluster) as stamps:
         start = time.perf_counter()
-        failed = cluster.run_windows(args, sources, plan, parts, proto, ray, cluster.Layout("cpu", workers, 1))
+        failed = cluster.run_windows(args, sources, plan, parts, proto, ray, cluster.Layout("cpu", workers, 1),
+                                      corpus.window_result)
     if failed:
         raise SystemExit(cluster.failure_report(failed, parts))
     return row(f"Ray, {workers} worker{'s' * (workers > 1)} of 1 thread", workers, start, stamps)

@@ -54,14 +54,14 @@ def test_the_first_screen_tells_the_story_and_shows_the_main_result_without_the_
     # the committed report's sources, in domain and held out, each with the flagship's measured line
     assert any("test (in domain)" in t for t in titles) and any("kjv (held out)" in t for t in titles)
     report = headline.read_main_report()
-    for part in headline.headline(report):
+    for part in headline.headline(report, models_root()):
         assert part["line"] in shown.replace("\\", "")
     # no base: said how to get it, and no button that would open a model that cannot load
     assert any("SmolLM2-135M, is not on this machine yet" in i.value for i in at.info)
     assert not [b for b in at.button if b.key == "front_go"]
     # the models below: the real ones first, then the zoo with its efficiency view
     heads = [s.value for s in at.subheader]
-    assert heads.index("Real models") < heads.index("Small models: the toy zoo")
+    assert heads.index("Other models") < heads.index("Small models: the toy zoo")
     real, zoo = at.dataframe[0].value, at.dataframe[1].value
     assert headline.FLAGSHIP in set(real["model"]) and "mha" not in set(real["model"])
     assert {"mha", "sha", "mhe-add", "mhe-mul", "me"} <= set(zoo["model"])
@@ -82,11 +82,15 @@ def test_with_the_base_one_click_opens_the_flagship_on_the_pruning_page_with_eve
     assert at.query_params.get("model") in (headline.FLAGSHIP, [headline.FLAGSHIP])
 
 
-def test_own_text_must_not_be_empty_before_the_click(fake_base):
+def test_own_text_is_checked_on_the_click(fake_base):
     at = front().run()
     at.selectbox(key="front_sample").select("my own text").run()
-    assert at.button(key="front_go").disabled
-    assert any("empty" in w.value for w in at.warning)
+    assert not at.button(key="front_go").disabled and not at.warning
+    at.button(key="front_go").click().run()
+    assert any("empty" in w.value for w in at.warning) and "prune_all" not in at.session_state
+    at.text_area(key="front_text_my own text").input("A text of my own, typed just now.").run()
+    at.button(key="front_go").click().run()
+    assert at.session_state["shared_text"] == "A text of my own, typed just now."
 
 
 def test_without_a_report_the_page_still_lists_the_models(monkeypatch, tmp_path):
@@ -95,6 +99,19 @@ def test_without_a_report_the_page_still_lists_the_models(monkeypatch, tmp_path)
     assert not at.exception and not at.error
     assert not any("sparsity against perplexity cost" in t for t in chart_titles(at))
     assert len(at.dataframe) == 2
+
+
+def test_a_source_is_held_out_only_when_no_run_was_fine_tuned_on_it():
+    report = headline.read_main_report()
+    trained = headline.trained_dirs(report, models_root())
+    assert trained == {"data/smollm2"}   # the cards of the report's learned runs
+    man = {"sources": {"test": {"spec": "data/smollm2:test"}, "kjv": {"spec": "data/heldout_kjv:all"},
+                       "mine": {"spec": "my_texts/"}, "every": {"spec": "data/smollm2:all"}}}
+    assert headline.source_kind(man, "test", trained).startswith("in domain: the test split")
+    assert headline.source_kind(man, "kjv", trained).startswith("held out")
+    assert headline.source_kind(man, "every", trained).startswith("in domain: its training split included")
+    assert headline.source_kind(man, "mine", trained) is None
+    assert headline.source_kind(man, "kjv", set()) is None   # no card read: nothing is claimed
 
 
 def test_no_text_on_the_front_page_sends_the_reader_to_a_file():

@@ -200,6 +200,9 @@ def test_draw_uses_the_pages_builders_and_export_writes_the_apps_bundle(model, l
     assert heat.name == "pruning_pos_by_layer" and heat.settings == learned.settings
     for kind in ("tokens_by_layer", "triggers", "pos_profile"):
         assert lab.draw(learned, kind).name == f"pruning_{kind}"
+    for run, name in ((learned, "learned pruning"), (lab.run(model, TEXT, lab.NOTHING), "nothing evicted")):
+        assert run.name == name   # the page's name for the method, in the run and in its figures' titles
+        assert lab.draw(run, "tokens_by_layer").fig.layout.title.text.endswith(f", {name}: tokens dropped per layer")
     with pytest.raises(ValueError, match="draws 2"):
         lab.draw(learned, "disagreement")
     with pytest.raises(ValueError, match="unknown figure"):

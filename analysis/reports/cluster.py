@@ -1,14 +1,18 @@
 """The corpus report's windows on a Ray cluster (`python -m analysis.reports.corpus ... --ray [ADDRESS]`): the same
-parts, and so the same report, as one process computes.
+parts, and so the same report, as one process computes. The held-out protocol (analysis.reports.matched and
+analysis.reports.real, --ray) runs its two phases' windows on the same workers. What a worker computes of a window
+is the command's own function (corpus.window_result, matched.window_result), sent by reference: this module imports
+neither command.
 
 The command cuts what --parts lacks into (source, run, window) parts, ordered by model as run_all orders them. Each
 worker is a Ray actor that holds one loaded model at a time; an idle worker gets the next part of the model it holds
 or, when that model has none left, the first part of the next model that has: a worker loads each model at most once.
-A worker computes a window with one_window (its part-of-speech tags cached per window, as run_all caches them) and
-sends back its rows and metrics; the command writes them with write_window, so the parts land under --parts on the
-machine that runs the command, exactly as a one-process run writes them (one process appends each windows.jsonl:
-appends from several hosts to one file on a network filesystem can interleave). A window that raises, or whose
-worker dies, is named and skipped while the rest go on; a rerun redoes only what is missing (done_windows).
+A worker computes a window with the command's function (the corpus report's caches each window's part-of-speech
+tags, as run_all does) and sends back its rows and metrics; the command writes them with write_window, so the parts
+land under --parts on the machine that runs the command, exactly as a one-process run writes them (one process
+appends each windows.jsonl: appends from several hosts to one file on a network filesystem can interleave). A window
+that raises, or whose worker dies, is named and skipped while the rest go on; a rerun redoes only what is missing
+(done_windows).
 
 Models reach workers by path: every node opens the same absolute path (a shared filesystem or a synced copy), and a
 worker refuses a model whose weights' sha256 differs from what the command read. Ray is imported here only, and
@@ -28,7 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from analysis.reports.corpus import commit_now, done_windows, one_window, tags_of, write_window
+from analysis.reports.parts import commit_now, done_windows, write_window
 
 INSTALL = "--ray needs Ray: pip install 'mixscope[cluster]' (or, in this checkout, make install)"
 LOCAL = "local"     # --ray with no address: a Ray instance of its own on this machine
@@ -72,13 +76,15 @@ class Layout:
 # ---- the worker --------------------------------------------------------------------------------------------------
 
 class WindowWorker:
-    """A Ray actor's state: one loaded model at a time and the tags of the windows it has seen."""
+    """A Ray actor's state: one loaded model at a time, and what `compute` keeps between windows (the corpus
+    report's part-of-speech tags). compute(loaded, (source, window), ids, run, kept) -> (rows, metrics) is the
+    command's: corpus.window_result or matched.window_result."""
 
-    def __init__(self, device: str, threads: int):
+    def __init__(self, device: str, threads: int, compute):
         import torch
         torch.set_num_threads(threads)   # (its share of the host's cores: workers on one host do not oversubscribe)
-        self.device = device
-        self.model_key, self.loaded, self.tags = None, None, {}
+        self.device, self.compute = device, compute
+        self.model_key, self.loaded, self.kept = None, None, {}
         self.commit = commit_now()   # (this node's code: each window's line names what computed it)
 
     def ready(self) -> bool:
@@ -94,9 +100,7 @@ class WindowWorker:
             self.model_key, self.loaded = None, None   # (the previous model freed before the next one loads)
             self.loaded = load_checked(model["path"], model["sha256"], self.device)
             self.model_key = model["key"]
-        if (source, w) not in self.tags:
-            self.tags[(source, w)] = tags_of(self.loaded.tokenizer, ids)
-        rows, metrics = one_window(self.loaded.model, ids, self.tags[(source, w)], run)
+        rows, metrics = self.compute(self.loaded, (source, w), ids, run, self.kept)
         return rows, metrics, self.commit
 
 
@@ -187,12 +191,13 @@ def layout(ray, device: str, workers: int | None, threads: int | None) -> Layout
     return Layout(device, workers, threads)
 
 
-def start_workers(ray, lay: Layout, count: int, models: dict[str, dict]) -> list:
+def start_workers(ray, lay: Layout, count: int, models: dict[str, dict], compute,
+                  prog: str = "corpus") -> list:
     """`count` workers, each placed where it gets its threads (and a GPU), restarted after a death. A worker that
     cannot start, or whose node lacks a model (model_problem), is left out with why; none left is an error."""
     remote = ray.remote(WindowWorker).options(num_cpus=lay.threads, num_gpus=1 if lay.device == "cuda" else 0,
                                               max_restarts=RESTARTS, max_task_retries=0)
-    actors = [remote.remote(lay.device, lay.threads) for _ in range(count)]
+    actors = [remote.remote(lay.device, lay.threads, compute) for _ in range(count)]
     checks = [actor.check.remote(list(models.values())) for actor in actors]
     started, problems = [], []
     for actor, check in zip(actors, checks):
@@ -202,7 +207,7 @@ def start_workers(ray, lay: Layout, count: int, models: dict[str, dict]) -> list
             problem = f"a worker did not start: {reason(ray, e)}"
         if problem:
             problems.append(problem)
-            print(f"corpus: {problem} (that worker is left out)", file=sys.stderr)
+            print(f"{prog}: {problem} (that worker is left out)", file=sys.stderr)
         else:
             started.append(actor)
     if not started:
@@ -255,8 +260,9 @@ class Dispatch:
     """The command's side of a run: the parts queued per model, the model each worker holds, what is in flight (one
     part a worker, or a probe asking a restarting worker whether it is back) and what failed."""
 
-    def __init__(self, ray, actors: list, todo: list[Part], sources: dict, models: dict, parts: Path, bar: tqdm):
-        self.ray, self.actors, self.bar = ray, actors, bar
+    def __init__(self, ray, actors: list, todo: list[Part], sources: dict, models: dict, parts: Path, bar: tqdm,
+                 prog: str = "corpus"):
+        self.ray, self.actors, self.bar, self.prog = ray, actors, bar, prog
         self.sources, self.models, self.parts = sources, models, parts
         self.queues: dict[str, deque] = {}
         for p in todo:
@@ -265,6 +271,7 @@ class Dispatch:
         self.pending: dict = {}              # ref -> (worker, its part, or None for a probe)
         self.probe_at: dict[int, float] = {}  # a restarting worker -> when to ask again
         self.down_since: dict[int, float] = {}
+        self.gone: set[int] = set()          # workers left out (not back in time): a later phase skips them
         self.failed: list[tuple[Part, str]] = []
 
     def run(self) -> list[tuple[Part, str]]:
@@ -318,14 +325,15 @@ class Dispatch:
 
     def fail(self, part: Part, why: str) -> None:
         self.failed.append((part, why))
-        tqdm.write(f"corpus: {part} failed: {why}", file=sys.stderr)
+        tqdm.write(f"{self.prog}: {part} failed: {why}", file=sys.stderr)
         self.bar.set_postfix_str(f"{len(self.failed)} failed")
         self.bar.update()
 
     def come_back(self, i: int) -> None:
         now = time.monotonic()
         if now - self.down_since.setdefault(i, now) > COMEBACK_S:
-            tqdm.write(f"corpus: a Ray worker not back after {COMEBACK_S} s is left out", file=sys.stderr)
+            self.gone.add(i)
+            tqdm.write(f"{self.prog}: a Ray worker not back after {COMEBACK_S} s is left out", file=sys.stderr)
         else:
             self.probe_at[i] = now + PROBE_S
 
@@ -336,25 +344,47 @@ class Dispatch:
             self.pending[self.actors[i].ready.remote()] = (i, None)
 
 
+class Pool:
+    """Workers for one command, started when a phase first has parts and kept for the next phase (a worker keeps
+    the model it holds; more are started, up to the layout's, when a later phase has more parts than workers)."""
+
+    def __init__(self, ray, lay: Layout, models: dict[str, dict], compute, prog: str = "corpus"):
+        self.ray, self.lay, self.models, self.compute, self.prog = ray, lay, models, compute, prog
+        self.actors: list = []
+
+    def run(self, todo: list[Part], sources: dict[str, list[list[int]]], parts: Path, desc: str,
+            total: int | None = None) -> list[tuple[Part, str]]:
+        """The parts of todo, each written under parts as it comes back; one bar of `total` (default: todo's
+        length) with what is already done counted in; returns the parts that failed (with why)."""
+        if not todo:
+            return []
+        more = min(self.lay.workers, len(todo)) - len(self.actors)
+        if more > 0:
+            self.actors += start_workers(self.ray, self.lay, more, self.models, self.compute, self.prog)
+        total = len(todo) if total is None else total
+        n = len(self.actors)
+        bar = tqdm(total=total, initial=total - len(todo), desc=f"{desc} ({n} Ray worker{'s' * (n > 1)})",
+                   file=sys.stderr)
+        dispatch = Dispatch(self.ray, self.actors, todo, sources, self.models, parts, bar, self.prog)
+        try:
+            return dispatch.run()
+        finally:
+            bar.close()
+            self.actors = [a for i, a in enumerate(self.actors) if i not in dispatch.gone]
+
+
 def run_windows(args, sources: dict[str, list[list[int]]], plan: list[dict], parts: Path, protocol: dict,
-                ray, lay: Layout) -> list[tuple[Part, str]]:
-    """What --parts lacks, on the cluster `ray` is connected to; returns the parts that failed (with why)."""
+                ray, lay: Layout, compute) -> list[tuple[Part, str]]:
+    """What --parts lacks, each window computed by `compute` on the cluster `ray` is connected to; returns the parts
+    that failed (with why)."""
     todo = parts_todo(sources, plan, parts)
-    if not todo:
-        return []
-    models = model_specs(args, protocol)
-    actors = start_workers(ray, lay, min(lay.workers, len(todo)), models)
-    desc = f"windows x runs ({len(actors)} Ray worker{'s' * (len(actors) > 1)})"
-    bar = tqdm(total=len(todo), desc=desc, file=sys.stderr)
-    try:
-        return Dispatch(ray, actors, todo, sources, models, parts, bar).run()
-    finally:
-        bar.close()
+    return Pool(ray, lay, model_specs(args, protocol), compute).run(todo, sources, parts, "windows x runs")
 
 
-def failure_report(failed: list[tuple[Part, str]], parts: Path) -> str:
-    """The end of a run with failures: what failed, and that a rerun redoes only those."""
-    lines = [f"corpus: {len(failed)} window(s) failed, no report written:"]
+def failure_report(failed: list[tuple[Part, str]], parts: Path, prog: str = "corpus", also: str = "") -> str:
+    """The end of a run with failures: what failed, and that a rerun redoes only those (and `also`: what waited
+    on them)."""
+    lines = [f"{prog}: {len(failed)} window(s) failed, no report written:"]
     lines += [f"  {part}: {why}" for part, why in failed]
-    lines.append(f"every other window is in {parts}: the same command again redoes only these")
+    lines.append(f"every other window is in {parts}: the same command again redoes only these{also}")
     return "\n".join(lines)

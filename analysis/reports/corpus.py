@@ -39,6 +39,7 @@ from tqdm import tqdm
 from analysis import budgets, corpus, pruning
 from models.memory import OverBudget
 from analysis.reports.matched import SOURCE_NAME, Windows, cut_windows, source_windows
+from analysis.reports.parts import check_protocol, done_windows, window_ids_sha256, write_window
 from models.files import write_atomic
 from models.data.corpus import DataError
 from models.pruning import policies
@@ -108,61 +109,21 @@ def one_window(model, ids: list[int], tags: list[str], run: dict) -> tuple[pd.Da
     return corpus.window_rows(keeps, ids, tags), window_metrics(keeps, lp)
 
 
+def window_result(loaded, key: tuple, ids: list[int], run: dict, tags: dict) -> tuple[pd.DataFrame, dict]:
+    """one_window of a loaded model, its part-of-speech tags computed once per window (key) in `tags`: what a Ray
+    worker computes of a corpus part (analysis.reports.cluster)."""
+    if key not in tags:
+        tags[key] = tags_of(loaded.tokenizer, ids)
+    return one_window(loaded.model, ids, tags[key], run)
+
+
 def tags_of(tokenizer, ids: list[int]) -> list[str]:
     from analysis.text import from_ids
     text, toks = from_ids(tokenizer, ids)
     return pruning.pos_tags(text, toks.offsets)
 
 
-def done_windows(part_dir: Path) -> dict[int, dict]:
-    log = part_dir / "windows.jsonl"
-    if not log.is_file():
-        return {}
-    out = {}
-    for line in log.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:   # a line cut short by a stop: that window runs again
-            continue
-        if (part_dir / f"{rec['window']:05d}.parquet").is_file():
-            out[rec["window"]] = rec
-    return out
 
-
-def write_window(part_dir: Path, w: int, rows: pd.DataFrame, metrics: dict, commit: str | None = None) -> None:
-    """The rows first (written whole, then renamed), then the line that says the window is done (and which code
-    computed it: `commit`, a Ray worker's, or this process's)."""
-    part_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(part_dir / f"{w:05d}.parquet", lambda p: rows.to_parquet(p, index=False))
-    log = part_dir / "windows.jsonl"
-    cut = log.is_file() and log.stat().st_size and not log.read_bytes().endswith(b"\n")   # a line a stop cut short
-    with open(log, "a", encoding="utf-8") as f:
-        f.write(("\n" if cut else "") + json.dumps({"window": w, **metrics, "commit": commit or commit_now()}) + "\n")
-
-
-def commit_now() -> str:
-    from analysis.export import code_version
-    v = code_version()
-    return f"{v['commit']}{'-dirty' if v['uncommitted_changes'] else ''}"
-
-
-def check_protocol(parts: Path, protocol: dict) -> None:
-    """Parts of another protocol (other models' weights, other windows' tokens, window size, sources, device or
-    dtype) are refused, not mixed in; the code that computed each window is on its line (the manifest lists them)."""
-    path = parts / "protocol.json"
-    if not path.is_file() and any(parts.glob("*/*/windows.jsonl")):
-        raise CorpusError(f"{parts} holds parts with no protocol.json: give another --parts, or remove that directory")
-    if path.is_file():
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError:
-            saved = {}
-        differ = [k for k in protocol if k != "runs" and saved.get(k) != protocol[k]]
-        if differ:
-            raise CorpusError(f"{parts} holds parts of another protocol (it differs in {', '.join(differ)}): "
-                              "give another --parts, or remove that directory")
-    parts.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda p: p.write_text(json.dumps(protocol, indent=1), encoding="utf-8"))
 
 
 def run_all(args, sources: dict[str, list[list[int]]], plan: list[dict], parts: Path) -> None:
@@ -301,12 +262,6 @@ def main(argv=None) -> int:
         return 2
 
 
-def window_ids_sha256(windows: list[list[int]]) -> str:
-    """The source's windows as tokens: parts computed on other text (an edited file, a re-prepared split) differ."""
-    import hashlib
-    return hashlib.sha256(np.asarray(windows, dtype=np.int64).tobytes()).hexdigest()
-
-
 def run(args) -> int:
     from analysis import export
     from analysis.export import model_entry
@@ -364,15 +319,15 @@ def _compute(args, sources: dict[str, list[list[int]]], plan: list[dict], parts:
     if args.ray is None:
         from models.device import resolve
         protocol = protocol_on(resolve(args.device).type)
-        check_protocol(parts, protocol)
+        check_protocol(parts, protocol, CorpusError)
         run_all(args, sources, plan, parts)
         return protocol, []
     from analysis.reports import cluster
     with cluster.connected(args.ray) as ray:
         lay = cluster.layout(ray, args.device, args.ray_workers, args.ray_threads)
         protocol = protocol_on(lay.device)
-        check_protocol(parts, protocol)
-        return protocol, cluster.run_windows(args, sources, plan, parts, protocol, ray, lay)
+        check_protocol(parts, protocol, CorpusError)
+        return protocol, cluster.run_windows(args, sources, plan, parts, protocol, ray, lay, window_result)
 
 
 def _check_arguments(args) -> tuple[list[str], list[str], list[int], list[str] | None]:

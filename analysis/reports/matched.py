@@ -4,6 +4,7 @@ docs/real.md (analysis.reports.real runs it beside the rest of that report; this
     python -m analysis.reports.matched --base DIR PRUNED_DIR [PRUNED_DIR ...] --source test=data/smollm2:test
         --source kjv=data/heldout_kjv:all [--window 512] [--windows 24] [--policies METHOD,...]
         [--prompt-share 0.75] [--match PRUNED_NAME] [--out docs/real_matched.md] [--json RESULTS.json]
+        [--parts DIR] [--ray [ADDRESS] [--ray-workers N] [--ray-threads T]]
     python -m analysis.reports.matched --merge A.json B.json [...] --out docs/real_matched.md
 
 A long run can be split by source across processes (one core each): each writes --json, and --merge renders the
@@ -24,6 +25,13 @@ Intervals: a 95 % bootstrap over windows (2,000 resamples, seed 0), paired where
 resampled windows for both). A window past a model's context, past what a replay reads, or whose runs would not fit
 the memory budget beside every model loaded (analysis.budgets) is refused before they load, naming the largest
 that fits.
+
+Resumable, in two phases: (1) the dense base and every model on every window, then the budgets matched to --match's
+sparsity from those windows, then (2) every policy at its budget on every window. Each (source, run, window) is
+written under --parts as it finishes (default: beside --json, else --out, as NAME.parts; removed once the report is
+written), a protocol of other models, windows or device is refused there, a window that fails is named while the
+rest go on (exit 1), and a rerun computes only what is missing. --ray computes each phase's windows on Ray workers
+(analysis.reports.cluster; pip install mixscope[cluster]): the same parts, so the same tables (docs/cluster.md).
 """
 from __future__ import annotations
 
@@ -34,16 +42,18 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 import torch
 from tqdm import tqdm
 
 from analysis import bootstrap, pruning
-from analysis.budgets import check_dirs, report_window_bytes
+from analysis.budgets import check_dirs, config_of, report_window_bytes
 import kernels.settings  # (by its full name: `settings` here is the protocol's)
 from models.checkpoint import load_model_dir
-from models.files import code_version, file_sha256
+from models.files import CheckpointError, code_version, file_sha256
 from models.data.corpus import DataError, load_tokens
 from models.device import add_arguments as add_device_arguments
 from models.memory import OverBudget
@@ -79,14 +89,11 @@ class Windows:
     def add(self, visible, logprobs) -> None:
         """visible [L,R,T,T] (uint8 or bool; R rows per layer: its KV groups under a per-group policy, else one),
         logprobs [T-1] (query i predicts token i+1)."""
-        # query i's sparsity, mean over layers and rows: summed per window here, so the window's mean is
-        # models.pruning.mean_sparsity(count_first=True) over the same queries (query 0 counted as 0)
-        v = torch.as_tensor(visible)
-        # one [T, T] mask in float at a time: the whole [L, R, T, T] in float32 would be 4 bytes a cell (1 GB at 1,700
-        # tokens on SmolLM2, per group)
-        s = torch.cat([sparsity(m[None].float()) for m in v.reshape(-1, *v.shape[-2:])])[:, :-1].mean(0)
-        s = s.numpy()[self.first:]
-        lp = np.asarray(logprobs, dtype=np.float64)[self.first:]
+        self.add_queries(*query_values(visible, logprobs))
+
+    def add_queries(self, s: np.ndarray, lp: np.ndarray) -> None:
+        """One window from its per-query values (query_values: sparsity float32, log-probability float64)."""
+        s, lp = s[self.first:], lp[self.first:]
         late = max(0, LATE - self.first)
         self.nll.append(-lp.sum())
         self.tokens.append(len(lp))
@@ -99,6 +106,17 @@ class Windows:
         if late:
             return np.array(self.nll_late), np.array(self.tokens_late), np.array(self.hidden_late)
         return np.array(self.nll), np.array(self.tokens), np.array(self.hidden)
+
+
+def query_values(visible, logprobs) -> tuple[np.ndarray, np.ndarray]:
+    """Per query of a window: its sparsity (share of its earlier tokens it cannot see, mean over layers and rows;
+    float32) and its log-probability (float64). Windows sums them, so a window's mean sparsity is
+    models.pruning.mean_sparsity(count_first=True) over the same queries (query 0 counted as 0)."""
+    v = torch.as_tensor(visible)
+    # one [T, T] mask in float at a time: the whole [L, R, T, T] in float32 would be 4 bytes a cell (1 GB at 1,700
+    # tokens on SmolLM2, per group)
+    s = torch.cat([sparsity(m[None].float()) for m in v.reshape(-1, *v.shape[-2:])])[:, :-1].mean(0)
+    return s.numpy(), np.asarray(logprobs, dtype=np.float64)
 
 
 def source_windows(spec: str, window: int, count: int | None) -> list[list[int]]:
@@ -261,52 +279,258 @@ def render(command: str, results: dict[str, dict], match: str, window: int, prom
     return "\n".join(lines + sections(results, match))
 
 
-def evaluate(base, models: list, sources: dict[str, list[list[int]]], names: list[str], window: int,
-             match: str, prompt: int | None = None) -> dict[str, dict]:
-    """The protocol on loaded models: per source, the dense base, each model (a pruned one under its own rule, any
-    other dense: a fine-tune's control) and each step policy at the budget matched to `match`'s sparsity there
-    -> {source: {"budgets", "all", "late"}}; with `prompt`, also the prompt-then-generation reading, every policy
-    in `names` (SnapKV too) matched over the queries after the prompt -> "prompt": {"length", "budgets", "rows"}."""
-    results = {}
-    for source, windows in sources.items():
-        runs, gen = {"dense": Windows()}, {"dense": Windows(first=prompt or 0)}
-        for ids in tqdm(windows, desc=f"{source}: dense and pruned", file=sys.stderr):
-            for name, model, method in [("dense", base.model, pruning.NOTHING)] + [
-                    (p.path.name, p.model, pruning.LEARNED if p.config.prune else pruning.NOTHING) for p in models]:
-                vis, _, lp = pruning.method_run(model, ids, method)
-                runs.setdefault(name, Windows()).add(vis, lp)
-                gen.setdefault(name, Windows(first=prompt or 0)).add(vis, lp)   # the same forward, its later queries
-        target, budgets = pooled_sparsity(runs[match], late=False), {}
-        for name in names:
-            if policies.once(name):
-                continue
-            budgets[name] = b = policies.budget_for(name, target, window - 1)
-            for ids in tqdm(windows, desc=f"{source}: {name} at {b}", file=sys.stderr):
-                vis, _, lp = pruning.method_run(base.model, ids, name, b)
-                runs.setdefault(name, Windows()).add(vis, lp)
-        results[source] = {"budgets": budgets, "all": summary(runs, "dense", match, False),
-                           "late": summary(runs, "dense", match, True)}
+# ---- the protocol's windows, as parts -----------------------------------------------------------------------------
+#
+# Each (source, run, window) is a part under the parts directory: PARTS/SOURCE/RUN/NNNNN.parquet (the window's
+# per-query sparsity and log-probability), then its line in PARTS/SOURCE/RUN/windows.jsonl (written as the corpus
+# report writes its parts: analysis.reports.parts.write_window). Phase one runs the dense base ("dense") and each
+# model (its directory's name) on every window; the policies' budgets are then matched, per source, to the --match
+# model's sparsity read back from its parts; phase two runs each policy at its budget ("NAME@BUDGET", and
+# "NAME@BUDGET-after-PROMPT" in the prompt reading). The tables are assembled from the parts alone, so a window
+# computed here or on a Ray worker (analysis.reports.cluster, with window_result) gives the same report.
+# (analysis.reports.corpus imports this module, so its part helpers are imported where they are used.)
+
+PHASES = ("phase 1 of 2: dense base and models, windows", "phase 2 of 2: policies at matched budgets, windows")
+
+
+class HeldOutFailed(RuntimeError):
+    """Windows failed: the message lists them, and that a rerun redoes only what is missing."""
+
+
+def model_run(name: str, prunes: bool) -> dict:
+    """Phase one's run of the dense base ("dense") or a model: a pruned one under its own rule, any other dense."""
+    return {"run": name, "method": pruning.LEARNED if prunes else pruning.NOTHING, "budget": None, "prompt": None}
+
+
+def policy_run(name: str, budget: int, prompt: int | None = None) -> dict:
+    """Phase two's run of a policy at its matched budget, over the whole window or after a `prompt`-token prompt."""
+    run = f"{name}@{budget}" + (f"-after-{prompt}" if prompt else "")
+    return {"run": run, "method": name, "budget": budget, "prompt": prompt}
+
+
+def window_part(model, ids: list[int], run: dict):
+    """(rows, metrics) of one window under one run: the per-query values Windows sums, and what the window's line
+    in windows.jsonl records besides."""
+    vis, _, lp = pruning.method_run(model, ids, run["method"], run["budget"], run["prompt"])
+    s, lp = query_values(vis, lp)
+    return pd.DataFrame({"sparsity": s, "logprob": lp}), {"method": run["method"], "budget": run["budget"],
+                                                          "prompt": run["prompt"]}
+
+
+def window_result(loaded, key: tuple, ids: list[int], run: dict, cache: dict):
+    """window_part of a loaded model: what a Ray worker computes of a held-out part (analysis.reports.cluster)."""
+    return window_part(loaded.model, ids, run)
+
+
+def read_part(part_dir: Path, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """A part's per-query values, as window_part computed them (float32 sparsity, float64 log-probabilities)."""
+    rows = pd.read_parquet(part_dir / f"{w:05d}.parquet")
+    return rows["sparsity"].to_numpy(), rows["logprob"].to_numpy()
+
+
+def read_run(part_dir: Path, n: int, firsts: tuple[int, ...]) -> list[Windows]:
+    """A run's n windows from its parts, as Windows for each `first` (query the sums start at) in firsts."""
+    out = [Windows(first=f) for f in firsts]
+    for w in range(n):
+        values = read_part(part_dir, w)
+        for windows in out:
+            windows.add_queries(*values)
+    return out
+
+
+def missing(every: list, parts: Path) -> list:
+    """The parts of `every` that parts lacks (analysis.reports.parts.done_windows: a Parquet file and its line)."""
+    from analysis.reports.parts import done_windows
+    done: dict[tuple[str, str], dict] = {}
+    out = []
+    for part in every:
+        key = (part.source, part.run["run"])
+        if key not in done:
+            done[key] = done_windows(parts / part.source / part.run["run"])
+        if part.window not in done[key]:
+            out.append(part)
+    return out
+
+
+class Here:
+    """Windows computed in this process on the models loaded here ({model key: model}), written as they finish;
+    a window that raises is named and the rest go on (as on Ray workers)."""
+
+    def __init__(self, models: dict, prog: str):
+        from analysis.reports.parts import commit_now
+        self.models, self.prog, self.commit = models, prog, commit_now()
+
+    def run(self, todo: list, sources: dict[str, list[list[int]]], parts: Path, desc: str, total: int) -> list:
+        from analysis.reports.parts import write_window
+        if not todo:
+            return []
+        failed = []
+        with tqdm(total=total, initial=total - len(todo), desc=desc, file=sys.stderr) as bar:
+            for part in todo:
+                try:
+                    rows, metrics = window_part(self.models[part.model], sources[part.source][part.window], part.run)
+                except Exception as e:   # (any window's error: named below, and the rest still run)
+                    failed.append((part, f"{type(e).__name__}: {e}"))
+                    tqdm.write(f"{self.prog}: {part} failed: {failed[-1][1]}", file=sys.stderr)
+                    bar.set_postfix_str(f"{len(failed)} failed")
+                else:
+                    write_window(parts / part.source / part.run["run"], part.window, rows, metrics,
+                                 commit=self.commit)
+                bar.update()
+        return failed
+
+
+def evaluate(models: dict[str, bool], sources: dict[str, list[list[int]]], names: list[str], window: int,
+             match: str, prompt: int | None, parts: Path, compute, prog: str = "matched") -> dict[str, dict]:
+    """The protocol over parts: models ({name: prunes}, in order; each part's model key is "base" for the dense
+    row, else the name) -> {source: {"budgets", "all", "late"}} and, with `prompt`, "prompt": {"length",
+    "budgets", "rows"}. compute(todo, sources, parts, desc, total) computes and writes the parts --parts lacks and
+    returns those that failed (Here.run, or analysis.reports.cluster.Pool.run); HeldOutFailed when any did.
+
+    Per source: the dense base, each model (a pruned one under its own rule, any other dense: a fine-tune's
+    control) and each step policy at the budget matched to `match`'s sparsity there; with a prompt, every policy
+    in `names` (SnapKV too) matched over the queries after the prompt."""
+    from analysis.reports.cluster import Part, failure_report
+    firsts = (0, prompt) if prompt else (0,)
+    runs = {"dense": model_run("dense", False)} | {name: model_run(name, p) for name, p in models.items()}
+    every = [Part("base" if name == "dense" else name, source, run, w)
+             for name, run in runs.items() for source, ws in sources.items() for w in range(len(ws))]
+    failed = compute(missing(every, parts), sources, parts, PHASES[0], len(every))
+    # the budgets, from the match model's parts (on a source where all of them are there)
+    lost = {(p.source, p.run["run"]) for p, _ in failed}
+    budgets, gen_budgets, every = {}, {}, []
+    for source, ws in sources.items():
+        if (source, match) in lost:
+            continue
+        targets = [pooled_sparsity(w, late=False) for w in read_run(parts / source / match, len(ws), firsts)]
+        budgets[source] = {name: policies.budget_for(name, targets[0], window - 1)
+                           for name in names if not policies.once(name)}
+        every += [Part("base", source, policy_run(name, b), w) for name, b in budgets[source].items()
+                  for w in range(len(ws))]
         if prompt:
-            target, gen_budgets = pooled_sparsity(gen[match], late=False), {}
-            for name in names:
-                gen_budgets[name] = b = policies.budget_for(name, target, window - 1, prompt, first=prompt)
-                for ids in tqdm(windows, desc=f"{source}: {name} at {b} after a {prompt}-token prompt",
-                                file=sys.stderr):
-                    vis, _, lp = pruning.method_run(base.model, ids, name, b, prompt)
-                    gen.setdefault(name, Windows(first=prompt)).add(vis, lp)
-            results[source]["prompt"] = {"length": prompt, "budgets": gen_budgets,
+            gen_budgets[source] = {name: policies.budget_for(name, targets[1], window - 1, prompt, first=prompt)
+                                   for name in names}
+            every += [Part("base", source, policy_run(name, b, prompt), w) for name, b in gen_budgets[source].items()
+                      for w in range(len(ws))]
+    failed += compute(missing(every, parts), sources, parts, PHASES[1], len(every))
+    if failed:
+        waiting = [s for s in sources if s not in budgets]
+        also = (f" and then the policies on {', '.join(waiting)} (their budgets wait for {match}'s windows there)"
+                if waiting else "")
+        raise HeldOutFailed(failure_report(failed, parts, prog, also))
+    results = {}
+    for source, ws in sources.items():
+        n = len(ws)
+        whole, gen = {}, {}
+        for name, run in runs.items():
+            whole[name], *after = read_run(parts / source / run["run"], n, firsts)
+            if prompt:
+                gen[name] = after[0]
+        for name, b in budgets[source].items():
+            whole[name], = read_run(parts / source / policy_run(name, b)["run"], n, (0,))
+        results[source] = {"budgets": budgets[source], "all": summary(whole, "dense", match, False),
+                           "late": summary(whole, "dense", match, True)}
+        if prompt:
+            for name, b in gen_budgets[source].items():
+                gen[name], = read_run(parts / source / policy_run(name, b, prompt)["run"], n, (prompt,))
+            results[source]["prompt"] = {"length": prompt, "budgets": gen_budgets[source],
                                          "rows": summary(gen, "dense", match, False)}
         for r in results[source]["all"]:
             print(f"{source} {r['method']}: sparsity {r['sparsity']:.1%}, cost {r['cost']:+.2%}", file=sys.stderr)
     return results
 
 
-def check_window(ap: argparse.ArgumentParser, dirs: list[str], window: int) -> None:
-    """ap.error, before any model loads, when `window` does not fit (models.memory's planner, through
-    analysis.budgets.check_dirs): the models in dirs are held at once (the base and every run), one window's runs
-    beside them (analysis.budgets.report_window_bytes)."""
+def parts_protocol(window: int, weights: dict[str, str], sources: dict[str, list[list[int]]], device: str) -> dict:
+    """What every part under one --parts shares: the window, the models' weights (sha256, by run's model key), each
+    source's windows as tokens and the device type (float32: load_model_dir's, here and on Ray workers). The
+    policies, their budgets and the prompt are in the runs' names, so other ones add runs beside these."""
+    from analysis.reports.parts import window_ids_sha256
+    return {"window": window, "models": weights, "precision": {"device": device, "dtype": "float32"},
+            "sources": {s: {"windows": len(ws), "ids_sha256": window_ids_sha256(ws)} for s, ws in sources.items()}}
+
+
+def default_parts(output: str) -> Path:
+    """Where a run keeps its parts unless --parts says: beside its output (docs/real.md: docs/real.parts)."""
+    return Path(output).with_suffix(".parts")
+
+
+def remove_parts(parts: Path) -> None:
+    """A default parts directory once its report is written: the files this protocol wrote, and the directories
+    they leave empty (anything else there stays)."""
+    from analysis.reports.parts import done_windows
+    for log in parts.glob("*/*/windows.jsonl"):
+        for w in done_windows(log.parent):
+            (log.parent / f"{w:05d}.parquet").unlink(missing_ok=True)
+        log.unlink()
+    (parts / "protocol.json").unlink(missing_ok=True)
+    for d in sorted((d for d in parts.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)) + [parts]:
+        try:
+            d.rmdir()
+        except OSError:   # (not empty: not ours alone)
+            pass
+
+
+def run_protocol(args, base: str, dirs: list[str], prunes: list[bool], sources: dict[str, list[list[int]]],
+                 names: list[str], match: str, prompt: int | None, parts: Path, loaded: dict | None,
+                 prog: str) -> dict[str, dict]:
+    """evaluate in this process on the models `loaded` ({"base": model, name: model}) or, with --ray, on Ray
+    workers that open base and dirs themselves; the parts' protocol is checked against --parts first (ValueError
+    naming what differs). HeldOutFailed when windows failed."""
+    from analysis.reports.parts import check_protocol
+    keys = ["base", *(Path(d).name for d in dirs)]
+    weights = dict(zip(keys, weights_sha256([base, *dirs]).values()))
+    models = {Path(d).name: p for d, p in zip(dirs, prunes)}
+    if args.ray is None:
+        from models.device import resolve
+        check_protocol(parts, parts_protocol(args.window, weights, sources, resolve(args.device).type))
+        return evaluate(models, sources, names, args.window, match, prompt, parts, Here(loaded, prog).run, prog)
+    from analysis.reports import cluster
+    with cluster.connected(args.ray) as ray:
+        lay = cluster.layout(ray, args.device, args.ray_workers, args.ray_threads)
+        check_protocol(parts, parts_protocol(args.window, weights, sources, lay.device))
+        specs = {k: {"key": k, "path": str(Path(d).resolve()), "sha256": weights[k]}
+                 for k, d in zip(keys, [base, *dirs])}
+        pool = cluster.Pool(ray, lay, specs, window_result, prog=prog)
+        return evaluate(models, sources, names, args.window, match, prompt, parts, pool.run, prog)
+
+
+def add_compute_arguments(ap: argparse.ArgumentParser, out: str) -> None:
+    """--parts and the --ray options (the protocol's windows on a Ray cluster: docs/cluster.md)."""
+    ap.add_argument("--parts", default=None,
+                    help=f"where finished windows are kept, so a rerun redoes only what is missing (default: beside "
+                         f"{out}, NAME.parts, removed once the report is written)")
+    ap.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="compute the windows on Ray workers: a local Ray instance, or the cluster at ADDRESS "
+                         "(HEAD:6379); give it after the model directories (docs/cluster.md)")
+    ap.add_argument("--ray-workers", type=int, default=None,
+                    help="Ray workers, each holding one model (default: one a CPU, or a GPU with --device cuda)")
+    ap.add_argument("--ray-threads", type=int, default=None,
+                    help="torch threads (Ray CPUs) a worker holds (default: its share of the cores, at least 1)")
+
+
+def check_ray(ap: argparse.ArgumentParser, args) -> None:
+    """ap.error unless --ray is usable: Ray installed (before any model loads), an address that is not a model
+    directory argparse took for it, and the worker options only with it."""
+    if args.ray is None:
+        if args.ray_workers is not None or args.ray_threads is not None:
+            ap.error("--ray-workers and --ray-threads go with --ray")
+        return
+    if args.ray != "local" and Path(args.ray).exists():
+        ap.error(f"--ray {args.ray}: that is a path, not a Ray address; give --ray after the model directories, "
+                 "or --ray=ADDRESS")
+    from analysis.reports.cluster import ClusterError, import_ray
     try:
-        check_dirs(dirs, window, report_window_bytes)
+        import_ray()
+    except ClusterError as e:
+        ap.error(str(e))
+
+
+def check_window(ap: argparse.ArgumentParser, dirs: list[str], window: int, one_at_a_time: bool = False) -> None:
+    """ap.error, before any model loads, when `window` does not fit (models.memory's planner, through
+    analysis.budgets.check_dirs): the models in dirs are held at once (the base and every run; a Ray worker: one at
+    a time), one window's runs beside them (analysis.budgets.report_window_bytes)."""
+    try:
+        check_dirs(dirs, window, report_window_bytes, one_at_a_time=one_at_a_time)
     except OverBudget as e:
         ap.error(str(e))
 
@@ -330,7 +554,7 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
     with what is wrong."""
     if args.windows < 1:
         ap.error(f"--windows must be at least 1, got {args.windows}")
-    names = [n for n in args.policies.split(",") if n]
+    names = list(dict.fromkeys(n for n in args.policies.split(",") if n))   # (a name twice is one row)
     bad = policies.check_methods(names)
     if bad:
         ap.error(f"--policies: {'; '.join(bad)}")
@@ -356,11 +580,13 @@ def parse(ap: argparse.ArgumentParser, args, window: int) -> tuple[dict[str, lis
 
 def match_name(ap: argparse.ArgumentParser, args, models: list) -> str:
     """--match, or the first pruned model; it must be one of the pruned models. Rows are keyed by directory
-    name: two models of one name, or one named like the dense row or a policy, would mix their windows."""
+    name: two models of one name, or one named like the dense row, a policy or a policy's run (NAME@BUDGET),
+    would mix their windows."""
     names = [p.path.name for p in models]
-    clash = sorted({n for n in names if names.count(n) > 1 or n == "dense" or n in policies.REGISTRY})
+    clash = sorted({n for n in names if names.count(n) > 1 or n == "dense" or n in policies.REGISTRY or "@" in n})
     if clash:
-        ap.error(f"model directory names must be unique and not 'dense' or a policy's name: {', '.join(clash)}")
+        ap.error(f"model directory names must be unique, not 'dense' or a policy's name, and without '@': "
+                 f"{', '.join(clash)}")
     pruned = [p.path.name for p in models if p.config.prune]
     if not pruned:
         ap.error("no pruned model (model.prune) to match the policies to")
@@ -451,11 +677,12 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", nargs="+", default=None, metavar="RUN.json",
                     help="render saved runs (--json) of one protocol as one report instead of running")
     add_arguments(ap, required=False)  # checked below: not with --merge
+    add_compute_arguments(ap, "--json, else --out")
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
     if args.merge:
-        if args.pruned or args.source:
-            ap.error("--merge renders saved runs: give no model directories or --source")
+        if args.pruned or args.source or args.parts or args.ray:
+            ap.error("--merge renders saved runs: give no model directories, --source, --parts or --ray")
         try:
             protocol, results = merge(args.merge)
         except ValueError as e:
@@ -466,16 +693,35 @@ def main(argv=None) -> int:
         write(args.out or DEFAULT_OUT, render(command, results, protocol["match"], window,
                                prompt_length(protocol["prompt_share"], window)))
         return 0
+    check_ray(ap, args)   # (first: --ray given before the model directories takes one of them)
     if not args.pruned or not args.base or not args.source:
         ap.error("give the pruned model directories, --base and at least one --source (or --merge)")
     policies.load_plugins(kernels.settings.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
-    check_window(ap, [args.base, *args.pruned], args.window)   # (before any source is read)
+    check_window(ap, [args.base, *args.pruned], args.window, one_at_a_time=args.ray is not None)  # (before any source)
     sources, names, prompt = parse(ap, args, args.window)
     ran = provenance(args, args.pruned) if args.json else {}
-    base = load_model_dir(args.base, device=args.device)
-    pruned = [load_model_dir(p, device=args.device) for p in args.pruned]
+    if args.ray is None:
+        base = load_model_dir(args.base, device=args.device)
+        pruned = [load_model_dir(p, device=args.device) for p in args.pruned]
+        loaded = {"base": base.model} | {Path(p).name: m.model for p, m in zip(args.pruned, pruned)}
+    else:   # (the workers load the models: here only their configs, for --match)
+        try:
+            pruned = [SimpleNamespace(path=Path(d), config=config_of(d)) for d in args.pruned]
+        except CheckpointError as e:
+            ap.error(str(e))
+        loaded = None
     match = match_name(ap, args, pruned)
-    results = evaluate(base, pruned, sources, names, args.window, match, prompt)
+    given = args.parts is not None
+    parts = Path(args.parts) if given else default_parts(args.json or args.out or DEFAULT_OUT)
+    try:
+        results = run_protocol(args, args.base, args.pruned, [p.config.prune for p in pruned], sources, names, match,
+                               prompt, parts, loaded, "matched")
+    except HeldOutFailed as e:
+        print(e, file=sys.stderr)
+        return 1
+    except ValueError as e:   # (parts of another protocol; a Ray cluster not reached, or workers that do not fit)
+        print(f"matched: {e}", file=sys.stderr)
+        return 2
     protocol = settings(args, args.pruned, match) | ran
     command = (f"python -m analysis.reports.matched {' '.join(args.pruned)} --base {args.base} --window {args.window} "
                + command_flags(protocol))
@@ -483,6 +729,8 @@ def main(argv=None) -> int:
         write(args.json, json.dumps(protocol | {"results": results}, indent=1))
     if args.out or not args.json:
         write(args.out or DEFAULT_OUT, render(command, results, match, args.window, prompt))
+    if not given:
+        remove_parts(parts)
     return 0
 
 

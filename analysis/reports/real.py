@@ -4,7 +4,7 @@
         [--source NAME=DIR:SPLIT|all ...] [--windows 24] [--policies METHOD,...]
         [--prompt-share 0.75] [--match RUN_NAME]
         [--window 512] [--max-windows N] [--pos-docs 6] [--out docs/real.md] [--figure docs/real_pos.png]
-        [--matched RUN.json ...]
+        [--matched RUN.json ...] [--parts DIR] [--ray [ADDRESS] [--ray-workers N] [--ray-threads T]]
 
 --matched takes the held-out protocol from saved runs of analysis.reports.matched (--json; several processes can
 each run some sources) instead of running it here: they must be runs of these models, base and window.
@@ -17,7 +17,11 @@ position in the window, so positions below 100 are not in it). Sparsity per laye
 (docs/methods.md#adaptively-sparse-attention: which tags are dropped, which trigger drops, per layer) come from the
 first `pos-docs` test documents, each cut to one window, tagged with spaCy. Every model stays loaded; a window past a
 model's context, past what a replay reads, or whose runs would not fit the memory budget beside them
-(analysis.budgets) is refused before they load, naming the largest that fits."""
+(analysis.budgets) is refused before they load, naming the largest that fits.
+
+The held-out protocol keeps each finished window under --parts (default: beside --out, docs/real.parts, removed once
+the report is written), so a rerun after an interruption or a failed window redoes only what is missing; --ray
+computes its windows on Ray workers (analysis.reports.matched, docs/cluster.md), the rest of the report here."""
 from __future__ import annotations
 
 import argparse
@@ -80,7 +84,8 @@ def render(command: str, cards: dict, buckets: pd.DataFrame, layers: pd.DataFram
              "|---|---:|---:|---:|---:|---|---:|---|"]
     for name, card in cards.items():
         tr, cfg = card.get("train", {}), card.get("config", {})
-        lines.append(f"| {name} | {card.get('steps', '-')} | {card.get('trainable_params', '-'):,} | "
+        params = card.get("trainable_params")   # (a card of a run trained from scratch has none)
+        lines.append(f"| {name} | {card.get('steps', '-')} | {f'{params:,}' if isinstance(params, int) else '-'} | "
                      f"{tr.get('gamma', '-')} | {cfg.get('context', '-')} | {cfg.get('adapter') or '-'} | "
                      f"{card.get('wall_time_s', 0) / 60:.1f} min | {card.get('device', '-')} |"
                      if "steps" in card else f"| {name} (base) | - | - | - | - | - | - | - |")
@@ -164,15 +169,17 @@ def main(argv=None) -> int:
     ap.add_argument("--matched", nargs="+", default=None, metavar="RUN.json",
                     help="the held-out protocol's saved runs (analysis.reports.matched --json) instead of running it")
     matched.add_arguments(ap, default_source="test=DATA:test")
+    matched.add_compute_arguments(ap, "--out")
     add_device_arguments(ap, dtype=None)  # perplexity in float32 on any device
     args = ap.parse_args(argv)
     policies.load_plugins(kernels.settings.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     saved = None
     if args.matched:
-        given = [n for n in ("source", "match") if getattr(args, n)] + [
+        given = [n for n in ("source", "match", "parts", "ray") if getattr(args, n)] + [
             n for n in ("policies", "windows", "prompt_share") if getattr(args, n) != ap.get_default(n)]
         if given:
-            ap.error("--matched brings its own sources, policies, windows, prompt share and match: drop "
+            ap.error("--matched brings its own sources, policies, windows, prompt share and match, and runs nothing: "
+                     "drop "
                      + ", ".join("--" + n.replace("_", "-") for n in given))
         try:
             saved = matched.merge(args.matched)
@@ -183,6 +190,7 @@ def main(argv=None) -> int:
             ap.error(f"--matched: {why}")
     args.source = args.source or [f"test={args.data}:test"]
     sources, names, prompt = matched.parse(ap, args, args.window) if not saved else ({}, [], None)
+    matched.check_ray(ap, args)
     matched.check_window(ap, [args.base, *args.runs], args.window)
     docs_text = load_documents(args.data, "test")
     buckets, cards, layer_rows, rates, triggers, figures, runs = [], {}, {}, [], [], {}, []
@@ -215,8 +223,18 @@ def main(argv=None) -> int:
         flags = f" {matched.command_flags(settings)} (the protocol from runs joined by --matched)"
     elif any(r.config.prune for r in runs[1:]):
         match = matched.match_name(ap, args, runs[1:])
-        protocol = (matched.evaluate(runs[0], runs[1:], sources, names, args.window, match, prompt), match, args.window,
-                    prompt)
+        parts = Path(args.parts) if args.parts else matched.default_parts(args.out)
+        loaded = {"base": runs[0].model} | {Path(d).name: r.model for d, r in zip(args.runs, runs[1:])}
+        try:
+            results = matched.run_protocol(args, args.base, args.runs, [r.config.prune for r in runs[1:]], sources,
+                                           names, match, prompt, parts, loaded, "real")
+        except matched.HeldOutFailed as e:
+            print(e, file=sys.stderr)
+            return 1
+        except ValueError as e:   # (parts of another protocol; a Ray cluster not reached, or workers that do not fit)
+            print(f"real: {e}", file=sys.stderr)
+            return 2
+        protocol = (results, match, args.window, prompt)
         flags = " " + matched.command_flags(matched.settings(args, args.runs, match))
     command = ("python -m analysis.reports.real --base " + " ".join([args.base, *args.runs])
                + f" --window {args.window}" + (f" --max-windows {args.max_windows}" if args.max_windows else "")
@@ -227,6 +245,8 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text, encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)
+    if protocol and not saved and not args.parts:
+        matched.remove_parts(parts)
     return 0
 
 

@@ -122,7 +122,7 @@ def score_view(layer: int) -> None:
                                               f"{close['closest_query'][i]}")
     j, q_at = int(close["position"][pick]), int(close["closest_query"][pick])
     show(figures.score_terms_figure(rule, q, k, q_at, j, layer, settings), "score_terms", c1)
-    alpha = c2.slider("alpha of the soft rule (training raised it from 1 to 8)", 1.0, 8.0, 1.0, 0.5,
+    alpha = c2.slider("alpha of the soft rule (training raised it from 1 to 8)", *figures.ALPHA, figures.ALPHA[0], 0.5,
                       key="prune_scores_alpha")
     soft, hard = scores.soft_keep(x, alpha, rule.sinks), scores.soft_keep(x, float("inf"), rule.sinks)
     c2.metric(f"sparsity of this layer at alpha {alpha:g}", f"{scores.soft_sparsity(soft):.1%}",
@@ -281,8 +281,9 @@ st.caption("Which earlier tokens a model can do without. A context-pruned model 
            "later query n whose interaction score x_{n,j} is not positive; a KV-cache eviction policy keeps a budget "
            "of tokens per layer, or per KV group (the query heads that share one K/V head), and evicts by position "
            "(StreamingLLM) or by attention (TOVA, H2O, SnapKV), step by step or once after a prompt; the oracle "
-           "evicts what later queries attend to least, reading the future: a reference, not a rule, and not always a "
-           "bound (it reads the full model's attention, not what the evicted cache leaves the model to need).")
+           "evicts what later queries of the full model attend to least, summed, reading the future: a reference, "
+           "not a rule, and not always a bound (the sum favours tokens every query glances at over the newest ones "
+           "the next queries need).")
 loaded, text, toks = model_text_tokens(default=first_pruned(), accept=prunable)
 cfg, path = loaded.config, str(loaded.path)
 view, start = window_picker(toks, cfg.context, "prune_window", MAX_VIEW)
@@ -410,18 +411,16 @@ if other != "-":
     show(prof, "prof")
 
 if st.toggle("Every policy at this sparsity (one forward each, each in its default mode)", key="prune_all"):
-    prompt_all = prompt or default_prompt(n)
     rows, tables = [{"method": name, "budget": budget, "sparsity": target, "perplexity": ppl}], {name: table}
     ppl0 = ppl0 or nothing_ppl()
     bar = st.progress(0.0, text="running the policies…")
-    others = figures.every_policy_methods(method)
-    for i, p in enumerate(others):
-        bp = pruning.matched_budget(p, target, n, prompt_all)
-        t_p, sp_p, lp_p = run_method(path, ids, p, bp, prompt_all if policies.once(p) else None)
+    plan = figures.every_policy_plan(method, target, n, prompt)
+    for i, (p, bp, prompt_p) in enumerate(plan):
+        t_p, sp_p, lp_p = run_method(path, ids, p, bp, prompt_p)
         tables[f"{p} at {bp}"] = t_p
         rows.append({"method": p, "budget": bp, "sparsity": float(sp_p["sparsity"].mean()),
                      "perplexity": tokens.perplexity(lp_p)})
-        bar.progress((i + 1) / len(others), text=f"{p} done")
+        bar.progress((i + 1) / len(plan), text=f"{p} done")
     bar.empty()
     every = pd.DataFrame(rows).assign(vs_nothing_evicted=lambda f: f["perplexity"] / ppl0 - 1)
     every["budget"] = every["budget"].astype("Int64")  # tokens (none for the learned rule)
@@ -430,6 +429,7 @@ if st.toggle("Every policy at this sparsity (one forward each, each in its defau
     off = [r["method"] for r in rows[1:] if abs(r["sparsity"] - target) > 0.02]
     if off:
         st.caption(f"Not matched (their smallest or largest budget is as near as they get): {', '.join(off)}.")
-    if any(policies.once(p) for p in others):
-        st.caption(f"Policies in prompt mode read the first {prompt_all} tokens as the prompt.")
+    read = {prompt_p for _, _, prompt_p in plan} - {None}
+    if read:
+        st.caption(f"Policies in prompt mode read the first {read.pop()} tokens as the prompt.")
     show(figures.every_policy_figure(tables, settings), "profall")
