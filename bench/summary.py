@@ -224,6 +224,15 @@ def h_policy_decode(d: dict) -> str:
     return head + ", ".join(f"`{r['method']}` {ratio(r['vs_dense'])}" for r in others) + " dense's step time"
 
 
+def h_ray_scaling(d: dict) -> str:
+    rows = {r["workers"]: r for r in d.get("rows", [])}
+    same = all(r.get("same_parts_as_one_process", True) for r in rows.values())
+    return (f"{d.get('protocol', {}).get('window_runs', '?')} window x runs; 2 workers against 1: steady rate "
+            f"{d['steady_speedup_2_workers_vs_1']:.2f}x, whole run {d['speedup_2_workers_vs_1']:.2f}x (Ray's start "
+            f"{d.get('ray_startup_s', float('nan')):.1f} s); "
+            + ("the same parts as one process" if same else "parts DIFFER from one process's"))
+
+
 def h_step_launches(d: dict) -> str:
     return "kernels a step: " + "; ".join(
         f"{Path(r['model']).name} {r['cache']} {r['dtype']} {r['kernels_per_step']}" for r in d.get("rows", []))
@@ -364,6 +373,10 @@ BENCHMARKS = [
               "The GPU tests, bf16 training, generation through the app's loader, CUDA-graph decode, the pruned "
               "training step's profile, the tuned kernel benchmark and the app's pages, in parts; the report "
               "merges a split check's calls ([on a GPU](gpu.md#make-gpu-check)).", h_gpu_check),
+    Benchmark("ray_scaling", "The corpus report on Ray", "python -m bench.ray_scaling",
+              "The corpus report's windows on a local Ray instance, one worker against two of one thread each, "
+              "beside one process: time to the first window, to all, and the steady rate; every setting's parts "
+              "checked equal to one process's ([cluster](cluster.md)).", h_ray_scaling),
     Benchmark("before_after", "Before and after a change", "python -m bench.before_after --before DIR",
               "The same cases in two checkouts, each in a fresh process, the tree that goes first alternating: "
               "batch-1 greedy decode tokens/s and a pruned training step; after over before "
