@@ -557,12 +557,10 @@ def comma_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from analysis.corpus import TOP_TOKENS
     from analysis.generation_figures import NEW_TOKENS, PROMPT
     from analysis.pruning_figures import SHARE
-    from analysis.text import TextError
-    from models.checkpoint import CheckpointError
     from models.device import add_arguments as add_device_arguments
     from models.pruning.intervene import SITES
 
@@ -634,7 +632,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                "(default the policies nearest its sparsity)")
     co.add_argument("--min-tokens", type=int, default=50, help="tokens a part of speech x layer cell needs")
     co.add_argument("--top", type=int, default=TOP_TOKENS, help="tokens in the token figure")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from analysis.text import TextError
+    from models.checkpoint import CheckpointError
+
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     force = None if args.keep is None and args.drop is None else (
         (args.keep, True, None, args.onward) if args.keep is not None else (args.drop, False, args.at, args.onward))

@@ -265,6 +265,73 @@ def every_policy_figure(tables: dict, settings: dict) -> Bundle:
 
 # ---- the page's whole chain ----------------------------------------------------------------------------------------
 
+def checked_method(method: str, budget: int | None, share: float, prompt: int | None, n: int
+                   ) -> tuple[int | None, int | None]:
+    """(budget, prompt) of the method on an n-token window: a policy's budget from `share` unless given, its prompt
+    by default in prompt mode; ValueError for a setting the method does not take or a value out of range."""
+    if method == LEARNED:
+        if budget is not None or prompt is not None:
+            raise ValueError("the learned rule has no budget and no prompt: those are a policy's")
+        return None, None
+    if budget is None and not 0 < share <= 1:
+        raise ValueError(f"share {share:g}: a budget is a share of the window in (0, 1]")
+    budget = share_budget(method, n, share) if budget is None else budget
+    low = min(policies.min_budget(method), n)
+    if not low <= budget <= n:
+        raise ValueError(f"budget {budget}: {method} holds {low}-{n} tokens of this {n}-token window")
+    if policies.once(method):
+        prompt = default_prompt(n) if prompt is None else prompt
+    elif prompt is not None:
+        raise ValueError(f"{method} evicts step by step: a prompt is for a policy in prompt mode ({method}:prompt)")
+    if prompt is not None and not 2 <= prompt <= n:
+        raise ValueError(f"prompt {prompt}: the prompt ends after token 2-{n} of this {n}-token window")
+    return budget, prompt
+
+
+def checked_change(cfg, n: int, layer: int, force: tuple | None, patch, into: str, site: str) -> list[int] | None:
+    """The what-if view's change, checked: a forced decision or patched positions (sorted, unique), not both."""
+    if force is not None and patch is not None:
+        raise ValueError("one change at a time: force a decision or patch states, not both")
+    if force is not None:
+        intervene.check_forces([intervene.Force(layer, *force)], cfg.n_layers, n)
+    if patch is None:
+        return None
+    patch = sorted(set(int(p) for p in patch))
+    if not patch or not 0 <= patch[0] <= patch[-1] < n:
+        raise ValueError(f"patch {patch}: positions of this {n}-token window are 0-{n - 1}")
+    if into not in ("pruned", "dense") or site not in intervene.SITES:
+        raise ValueError(f"patch into {into!r} at {site!r}: into 'pruned' (the dense twin's states into the pruned "
+                         f"model) or 'dense' (the other way), at {' or '.join(map(repr, intervene.SITES))}")
+    return patch
+
+
+def checked_timeline(loaded, snapshot_step: int | None) -> list[dict]:
+    """The training snapshots the timeline view replays; ValueError when there are none or the step is not one."""
+    shown, _ = shown_snapshots(loaded.path)
+    if not shown:
+        raise ValueError(f"{loaded.path.name} holds no training snapshots (train.snapshots) to replay")
+    steps = [s["step"] for s in shown]
+    if snapshot_step is not None and snapshot_step not in steps:
+        raise ValueError(f"snapshot step {snapshot_step}: the snapshots replayed are at steps {steps}")
+    return shown
+
+
+def checked_compare(compare: str | None, method: str, prompt: int | None, n: int, asked: int | None) -> int | None:
+    """The prompt the policy beside the method reads (compare_prompt), None without one; ValueError for the method
+    itself or a prompt of its own where it reads the method's."""
+    if compare is None:
+        return None
+    if compare in (LEARNED, method):
+        raise ValueError(f"compare with {compare!r}: a policy other than the method ({method})")
+    prompt_b = compare_prompt(compare, prompt, n, asked)
+    if asked is not None and prompt_b != asked:
+        raise ValueError(f"{compare} reads the method's prompt ({prompt}): a prompt of its own is for a policy in "
+                         "prompt mode beside a method without one")
+    if prompt_b is not None and not 2 <= prompt_b <= n:
+        raise ValueError(f"prompt {prompt_b}: the prompt ends after token 2-{n} of this {n}-token window")
+    return prompt_b
+
+
 def page_figures(loaded, text: str, *, start: int = 0, method: str | None = None, budget: int | None = None,
                  share: float = SHARE, prompt: int | None = None, layer: int = 0, scores_view: bool = False,
                  scores_from: int = 0, closest: int = 0, alpha: float = 1.0, force: tuple | None = None,
@@ -300,20 +367,7 @@ def page_figures(loaded, text: str, *, start: int = 0, method: str | None = None
     view = window_of(toks, cfg.context, start)
     ids, labels, n = view.ids, view.labels, len(view.ids)
     # every setting is checked before the first forward: a mistake costs nothing
-    if method == LEARNED:
-        if budget is not None or prompt is not None:
-            raise ValueError("the learned rule has no budget and no prompt: those are a policy's")
-    else:
-        if budget is None and not 0 < share <= 1:
-            raise ValueError(f"share {share:g}: a budget is a share of the window in (0, 1]")
-        budget = share_budget(method, n, share) if budget is None else budget
-        low = min(policies.min_budget(method), n)
-        if not low <= budget <= n:
-            raise ValueError(f"budget {budget}: {method} holds {low}-{n} tokens of this {n}-token window")
-        if policies.once(method):
-            prompt = default_prompt(n) if prompt is None else prompt
-        elif prompt is not None:
-            raise ValueError(f"{method} evicts step by step: a prompt is for a policy in prompt mode ({method}:prompt)")
+    budget, prompt = checked_method(method, budget, share, prompt, n)
     changed = force is not None or patch is not None
     if (scores_view or changed or timeline_view) and method != LEARNED:
         raise ValueError(f"the why, what-if and timeline views are the learned rule's: the method is {method}")
@@ -321,36 +375,9 @@ def page_figures(loaded, text: str, *, start: int = 0, method: str | None = None
         raise ValueError(f"layer {layer}: the model has layers 0-{cfg.n_layers - 1}")
     if scores_view:
         check_scores_view(n, scores_from, alpha)
-    if force is not None and patch is not None:
-        raise ValueError("one change at a time: force a decision or patch states, not both")
-    if force is not None:
-        intervene.check_forces([intervene.Force(layer, *force)], cfg.n_layers, n)
-    if patch is not None:
-        patch = sorted(set(int(p) for p in patch))
-        if not patch or not 0 <= patch[0] <= patch[-1] < n:
-            raise ValueError(f"patch {patch}: positions of this {n}-token window are 0-{n - 1}")
-        if into not in ("pruned", "dense") or site not in intervene.SITES:
-            raise ValueError(f"patch into {into!r} at {site!r}: into 'pruned' (the dense twin's states into the pruned "
-                             f"model) or 'dense' (the other way), at {' or '.join(map(repr, intervene.SITES))}")
-    shown = []
-    if timeline_view:
-        shown, _ = shown_snapshots(loaded.path)
-        if not shown:
-            raise ValueError(f"{loaded.path.name} holds no training snapshots (train.snapshots) to replay")
-        steps = [s["step"] for s in shown]
-        if snapshot_step is not None and snapshot_step not in steps:
-            raise ValueError(f"snapshot step {snapshot_step}: the snapshots replayed are at steps {steps}")
-    prompt_b = None
-    if compare is not None:
-        if compare in (LEARNED, method):
-            raise ValueError(f"compare with {compare!r}: a policy other than the method ({method})")
-        prompt_b = compare_prompt(compare, prompt, n, compare_prompt_end)
-        if compare_prompt_end is not None and prompt_b != compare_prompt_end:
-            raise ValueError(f"{compare} reads the method's prompt ({prompt}): a prompt of its own is for a policy in "
-                             "prompt mode beside a method without one")
-    for p in (prompt, prompt_b):
-        if p is not None and not 2 <= p <= n:
-            raise ValueError(f"prompt {p}: the prompt ends after token 2-{n} of this {n}-token window")
+    patch = checked_change(cfg, n, layer, force, patch, into, site)
+    shown = checked_timeline(loaded, snapshot_step) if timeline_view else []
+    prompt_b = checked_compare(compare, method, prompt, n, compare_prompt_end)
 
     span, offsets = tagged_span(text, view)
     tags = pruning.pos_tags(span, offsets)
