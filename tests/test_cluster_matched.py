@@ -1,9 +1,10 @@
 """The held-out protocol's parts and --ray (analysis.reports.matched, analysis.reports.cluster): a run keeps each
 (source, run, window) under --parts; a window that fails is named while the rest go on, the command exits 1, and a
-rerun computes only what is missing (phase two waits for the budgets of a source whose matched model lost a
-window); parts of another protocol are refused; the default parts, beside the output, are gone once the report is
-written; and on a local 2-worker Ray instance the same protocol gives the one-process run's tables and parts, a
-window failing on a worker is named and a rerun redoes only it."""
+rerun computes only what is missing (phase two waits for the budgets of a source whose matched model lost a window);
+parts of another protocol are refused; the default parts, beside the output, are gone once the report is written (a
+directory kept there with --parts stays); the code that computed the windows is listed; and on a local 2-worker Ray
+instance the same protocol gives the one-process run's tables and parts, a window failing on a worker is named and a
+rerun redoes only it."""
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from analysis.reports import cluster, matched
+from analysis.reports.parts import commit_now, done_windows, write_window
 from models.pruning import policies
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +87,8 @@ def test_parts_hold_what_the_tables_pool(one_process, source):
     assert row["sparsity"] == pytest.approx(sum(float(s.sum()) for s, _ in values) / (3 * 129), rel=1e-6)
     assert row["perplexity"] == pytest.approx(np.exp(-sum(lp.sum() for _, lp in values) / (3 * 129)), rel=1e-12)
     assert held["budgets"]["tova"] == policies.budget_for("tova", row["sparsity"], 129)
+    assert held["computed_by"] == [commit_now()]   # (each window's line names its code; the report lists them)
+    assert f"Code that computed the windows (commit): `{commit_now()}`" in (one_process / "m.md").read_text()
     after = sum(float(s[65:].sum()) for s, _ in values) / (3 * 64)
     assert held["prompt"]["budgets"]["h2o:prompt"] == policies.budget_for("h2o:prompt", after, 129, 65, first=65)
 
@@ -150,29 +154,48 @@ def test_parts_of_another_protocol_are_refused(one_process, source, tmp_path, ca
     more = argv(source, tmp_path, *parts)
     more[more.index("--policies") + 1] = "streamingllm,h2o"
     more[more.index("--prompt-share") + 1] = "0"
-    assert matched.main(more) == 0
-    added = set((one_process / "parts").rglob("*.parquet")) - before
-    assert {p.parent.name for p in added} == {f"h2o@{results(tmp_path)['held']['budgets']['h2o']}"}
-    for p in added:
-        p.unlink()
-    for log in {p.parent / "windows.jsonl" for p in added}:
-        log.unlink()
-        log.parent.rmdir()
+    try:
+        assert matched.main(more) == 0
+        added = set((one_process / "parts").rglob("*.parquet")) - before
+        assert {p.parent.name for p in added} == {f"h2o@{results(tmp_path)['held']['budgets']['h2o']}"}
+    finally:   # (the module's parts as they were, for the tests after this one)
+        added = set((one_process / "parts").rglob("*.parquet")) - before
+        for log in {p.parent / "windows.jsonl" for p in added}:
+            for p in log.parent.iterdir():
+                p.unlink()
+            log.parent.rmdir()
+
+
+def test_only_a_parts_directory_the_run_made_at_its_default_place_is_removed(tmp_path):
+    kept = tmp_path / "real.parts"   # (an earlier run's, kept there with --parts)
+    write_window(kept / "held" / "dense", 0, pd.DataFrame({"sparsity": [0.0]}), {}, commit="abc")
+    assert matched.default_parts(str(tmp_path / "real.md")) == kept
+    matched.remove_parts(kept)
+    assert done_windows(kept / "held" / "dense") == {0: {"window": 0, "commit": "abc"}}
+    made = matched.default_parts(str(tmp_path / "m.json"))
+    write_window(made / "held" / "dense", 0, pd.DataFrame({"sparsity": [0.0]}), {}, commit="abc")
+    matched.remove_parts(made)
+    assert not made.exists()
 
 
 def test_ray_options_are_checked_before_anything_runs(source, tmp_path, monkeypatch, capsys):
+    from analysis.reports import real   # (real passes --ray and --parts to the protocol; saved runs take neither)
     with pytest.raises(SystemExit):
         matched.main(argv(source, tmp_path, "--ray-workers", "2"))
     assert "go with --ray" in capsys.readouterr().err
     with pytest.raises(SystemExit):   # --ray before the model directories: argparse takes one for the address
         matched.main(["--ray", *argv(source, tmp_path)])
     assert "not a Ray address" in capsys.readouterr().err
+    dense = str(ROOT / "assets/models/mha-1024")
+    with pytest.raises(SystemExit):   # (no pruned run: no held-out protocol for --ray to compute)
+        real.main([dense, "--base", dense, "--source", f"held={source}:test", "--window", "130", "--windows", "3",
+                   "--ray"])
+    assert "needs a pruned run" in capsys.readouterr().err
     monkeypatch.setitem(__import__("sys").modules, "ray", None)   # (import ray raises ImportError)
     with pytest.raises(SystemExit):
         matched.main(argv(source, tmp_path, "--ray"))
     assert "pip install 'mixscope[cluster]'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
-    from analysis.reports import real   # (real passes --ray and --parts to the protocol; saved runs take neither)
     with pytest.raises(SystemExit):
         real.main([*MODELS, "--matched", str(tmp_path / "m.json"), "--parts", str(tmp_path / "p"), "--ray"])
     assert "drop --parts, --ray" in capsys.readouterr().err

@@ -123,9 +123,6 @@ def tags_of(tokenizer, ids: list[int]) -> list[str]:
     return pruning.pos_tags(text, toks.offsets)
 
 
-
-
-
 def run_all(args, sources: dict[str, list[list[int]]], plan: list[dict], parts: Path) -> None:
     """Runs what is not in --parts yet, one model loaded at a time."""
     from models.checkpoint import load_model_dir
@@ -324,7 +321,8 @@ def _compute(args, sources: dict[str, list[list[int]]], plan: list[dict], parts:
         return protocol, []
     from analysis.reports import cluster
     with cluster.connected(args.ray) as ray:
-        lay = cluster.layout(ray, args.device, args.ray_workers, args.ray_threads)
+        lay = cluster.layout(ray, args.device, args.ray_workers, args.ray_threads,
+                             cluster.worker_bytes([args.base, *args.pruned], args.window))
         protocol = protocol_on(lay.device)
         check_protocol(parts, protocol, CorpusError)
         return protocol, cluster.run_windows(args, sources, plan, parts, protocol, ray, lay, window_result)
@@ -387,9 +385,11 @@ def _check_models(args) -> None:
         if not budgets.config_of(d).prune:
             raise CorpusError(f"{d} does not prune: give the pruned models, and the dense one as --base")
     names_seen = [Path(d).name for d in args.pruned]
-    clash = sorted({n for n in names_seen if names_seen.count(n) > 1 or n == "dense" or n in policies.REGISTRY})
-    if clash:
-        raise CorpusError(f"model directory names must be unique and not 'dense' or a policy's: {', '.join(clash)}")
+    clash = sorted({n for n in names_seen
+                    if names_seen.count(n) > 1 or n == "dense" or n in policies.REGISTRY or "@" in n})
+    if clash:   # (a run's parts are kept under its name: h2o@16 is a policy's run)
+        raise CorpusError("model directory names must be unique, not 'dense' or a policy's name, and without '@': "
+                          + ", ".join(clash))
 
 
 def _sources(args, tokenizer) -> tuple[dict[str, list[list[int]]], dict[str, dict]]:

@@ -29,9 +29,10 @@ that fits.
 Resumable, in two phases: (1) the dense base and every model on every window, then the budgets matched to --match's
 sparsity from those windows, then (2) every policy at its budget on every window. Each (source, run, window) is
 written under --parts as it finishes (default: beside --json, else --out, as NAME.parts; removed once the report is
-written), a protocol of other models, windows or device is refused there, a window that fails is named while the
-rest go on (exit 1), and a rerun computes only what is missing. --ray computes each phase's windows on Ray workers
-(analysis.reports.cluster; pip install mixscope[cluster]): the same parts, so the same tables (docs/cluster.md).
+written, when this run made it), a protocol of other models, windows or device is refused there, a window that
+fails is named while the rest go on (exit 1), and a rerun computes only what is missing. --ray computes each phase's
+windows on Ray workers (analysis.reports.cluster; pip install mixscope[cluster]): the same parts, so the same tables
+(docs/cluster.md).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from tqdm import tqdm
 
 from analysis import bootstrap, pruning
 from analysis.budgets import check_dirs, config_of, report_window_bytes
+from analysis.reports.parts import check_protocol, commit_now, done_windows, window_ids_sha256, write_window
 import kernels.settings  # (by its full name: `settings` here is the protocol's)
 from models.checkpoint import load_model_dir
 from models.files import CheckpointError, code_version, file_sha256
@@ -262,8 +264,10 @@ def _table(title: str, rows: list[dict], budgets: dict, match: str) -> list[str]
 
 
 def sections(results: dict[str, dict], match: str) -> list[str]:
-    """The markdown tables per source: every position; positions >= LATE; after a prompt (when read)."""
-    lines = []
+    """The markdown tables per source: every position; positions >= LATE; after a prompt (when read); first, the
+    code that computed the windows (runs saved before it was recorded have none)."""
+    code = sorted({c for res in results.values() for c in res.get("computed_by", ())})
+    lines = [f"Code that computed the windows (commit): {', '.join(f'`{c}`' for c in code)}", ""] if code else []
     for source, res in results.items():
         lines += _table(f"{source}: every position", res["all"], res["budgets"], match)
         lines += _table(f"{source}: positions >= {LATE}", res["late"], res["budgets"], match)
@@ -288,7 +292,6 @@ def render(command: str, results: dict[str, dict], match: str, window: int, prom
 # model's sparsity read back from its parts; phase two runs each policy at its budget ("NAME@BUDGET", and
 # "NAME@BUDGET-after-PROMPT" in the prompt reading). The tables are assembled from the parts alone, so a window
 # computed here or on a Ray worker (analysis.reports.cluster, with window_result) gives the same report.
-# (analysis.reports.corpus imports this module, so its part helpers are imported where they are used.)
 
 PHASES = ("phase 1 of 2: dense base and models, windows", "phase 2 of 2: policies at matched budgets, windows")
 
@@ -340,7 +343,6 @@ def read_run(part_dir: Path, n: int, firsts: tuple[int, ...]) -> list[Windows]:
 
 def missing(every: list, parts: Path) -> list:
     """The parts of `every` that parts lacks (analysis.reports.parts.done_windows: a Parquet file and its line)."""
-    from analysis.reports.parts import done_windows
     done: dict[tuple[str, str], dict] = {}
     out = []
     for part in every:
@@ -357,11 +359,9 @@ class Here:
     a window that raises is named and the rest go on (as on Ray workers)."""
 
     def __init__(self, models: dict, prog: str):
-        from analysis.reports.parts import commit_now
         self.models, self.prog, self.commit = models, prog, commit_now()
 
     def run(self, todo: list, sources: dict[str, list[list[int]]], parts: Path, desc: str, total: int) -> list:
-        from analysis.reports.parts import write_window
         if not todo:
             return []
         failed = []
@@ -430,11 +430,16 @@ def evaluate(models: dict[str, bool], sources: dict[str, list[list[int]]], names
             whole[name], = read_run(parts / source / policy_run(name, b)["run"], n, (0,))
         results[source] = {"budgets": budgets[source], "all": summary(whole, "dense", match, False),
                            "late": summary(whole, "dense", match, True)}
+        read = [*runs.values(), *(policy_run(name, b) for name, b in budgets[source].items())]
         if prompt:
             for name, b in gen_budgets[source].items():
                 gen[name], = read_run(parts / source / policy_run(name, b, prompt)["run"], n, (prompt,))
             results[source]["prompt"] = {"length": prompt, "budgets": gen_budgets[source],
                                          "rows": summary(gen, "dense", match, False)}
+            read += [policy_run(name, b, prompt) for name, b in gen_budgets[source].items()]
+        # (the code each window's line names: a default --parts is removed once the report is written)
+        results[source]["computed_by"] = sorted({m.get("commit", "unknown") for r in read
+                                                 for m in done_windows(parts / source / r["run"]).values()})
         for r in results[source]["all"]:
             print(f"{source} {r['method']}: sparsity {r['sparsity']:.1%}, cost {r['cost']:+.2%}", file=sys.stderr)
     return results
@@ -444,20 +449,31 @@ def parts_protocol(window: int, weights: dict[str, str], sources: dict[str, list
     """What every part under one --parts shares: the window, the models' weights (sha256, by run's model key), each
     source's windows as tokens and the device type (float32: load_model_dir's, here and on Ray workers). The
     policies, their budgets and the prompt are in the runs' names, so other ones add runs beside these."""
-    from analysis.reports.parts import window_ids_sha256
     return {"window": window, "models": weights, "precision": {"device": device, "dtype": "float32"},
             "sources": {s: {"windows": len(ws), "ids_sha256": window_ids_sha256(ws)} for s, ws in sources.items()}}
 
 
+DEFAULT_MARK = "made-at-the-default-place"
+
+
 def default_parts(output: str) -> Path:
-    """Where a run keeps its parts unless --parts says: beside its output (docs/real.md: docs/real.parts)."""
-    return Path(output).with_suffix(".parts")
+    """Where a run keeps its parts unless --parts says: beside its output (docs/real.md: docs/real.parts). A
+    directory made here is marked, so that only such a one is removed once its report is written (one kept with
+    --parts at the same place stays)."""
+    parts = Path(output).with_suffix(".parts")
+    if not parts.exists():
+        parts.mkdir(parents=True)
+        (parts / DEFAULT_MARK).write_text("parts a run made at its default place; removed once its report is written\n",
+                                          encoding="utf-8")
+    return parts
 
 
 def remove_parts(parts: Path) -> None:
-    """A default parts directory once its report is written: the files this protocol wrote, and the directories
-    they leave empty (anything else there stays)."""
-    from analysis.reports.parts import done_windows
+    """A parts directory that default_parts made, once its report is written: the files this protocol wrote, and
+    the directories they leave empty (anything else there stays). One default_parts did not make is kept."""
+    if not (parts / DEFAULT_MARK).is_file():
+        return
+    (parts / DEFAULT_MARK).unlink()
     for log in parts.glob("*/*/windows.jsonl"):
         for w in done_windows(log.parent):
             (log.parent / f"{w:05d}.parquet").unlink(missing_ok=True)
@@ -476,7 +492,6 @@ def run_protocol(args, base: str, dirs: list[str], prunes: list[bool], sources: 
     """evaluate in this process on the models `loaded` ({"base": model, name: model}) or, with --ray, on Ray
     workers that open base and dirs themselves; the parts' protocol is checked against --parts first (ValueError
     naming what differs). HeldOutFailed when windows failed."""
-    from analysis.reports.parts import check_protocol
     keys = ["base", *(Path(d).name for d in dirs)]
     weights = dict(zip(keys, weights_sha256([base, *dirs]).values()))
     models = {Path(d).name: p for d, p in zip(dirs, prunes)}
@@ -485,8 +500,9 @@ def run_protocol(args, base: str, dirs: list[str], prunes: list[bool], sources: 
         check_protocol(parts, parts_protocol(args.window, weights, sources, resolve(args.device).type))
         return evaluate(models, sources, names, args.window, match, prompt, parts, Here(loaded, prog).run, prog)
     from analysis.reports import cluster
-    with cluster.connected(args.ray) as ray:
-        lay = cluster.layout(ray, args.device, args.ray_workers, args.ray_threads)
+    with cluster.connected(args.ray, prog) as ray:
+        lay = cluster.layout(ray, args.device, args.ray_workers, args.ray_threads,
+                             cluster.worker_bytes([base, *dirs], args.window))
         check_protocol(parts, parts_protocol(args.window, weights, sources, lay.device))
         specs = {k: {"key": k, "path": str(Path(d).resolve()), "sha256": weights[k]}
                  for k, d in zip(keys, [base, *dirs])}
@@ -498,7 +514,7 @@ def add_compute_arguments(ap: argparse.ArgumentParser, out: str) -> None:
     """--parts and the --ray options (the protocol's windows on a Ray cluster: docs/cluster.md)."""
     ap.add_argument("--parts", default=None,
                     help=f"where finished windows are kept, so a rerun redoes only what is missing (default: beside "
-                         f"{out}, NAME.parts, removed once the report is written)")
+                         f"{out}, NAME.parts, removed once the report is written when the run made it)")
     ap.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="compute the windows on Ray workers: a local Ray instance, or the cluster at ADDRESS "
                          "(HEAD:6379); give it after the model directories (docs/cluster.md)")

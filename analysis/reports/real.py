@@ -20,8 +20,9 @@ model's context, past what a replay reads, or whose runs would not fit the memor
 (analysis.budgets) is refused before they load, naming the largest that fits.
 
 The held-out protocol keeps each finished window under --parts (default: beside --out, docs/real.parts, removed once
-the report is written), so a rerun after an interruption or a failed window redoes only what is missing; --ray
-computes its windows on Ray workers (analysis.reports.matched, docs/cluster.md), the rest of the report here."""
+the report is written when this run made it), so a rerun after an interruption or a failed window redoes only what
+is missing; --ray computes its windows on Ray workers (analysis.reports.matched, docs/cluster.md; it needs a pruned
+run), the rest of the report here."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import pruning
+from analysis.budgets import config_of
 from analysis.reports import matched
 from analysis.text import tokenize, window
 import kernels.settings  # (by its full name: `settings` here is the protocol's)
@@ -38,6 +40,7 @@ from models.checkpoint import load_model_dir
 from analysis.reports.pruning import model_buckets
 from models.data import load_documents
 from models.device import add_arguments as add_device_arguments
+from models.files import CheckpointError
 from models.pruning import policies
 
 
@@ -66,6 +69,15 @@ def ran_elsewhere(protocol: dict, runs: list[str], base: str, window: int) -> st
     if protocol.get("weights") and not matched.same_weights(protocol["weights"], [base, *runs]):
         return "the weights in those directories changed since it ran"
     return None
+
+
+def prunes(model_dir: str) -> bool:
+    """Whether a run prunes, from its config before anything loads (one that cannot be read: left to the loader,
+    whose error names the file)."""
+    try:
+        return bool(config_of(model_dir).prune)
+    except CheckpointError:
+        return True
 
 
 def figure_path(figure: str, name: str, several: bool) -> Path:
@@ -156,7 +168,22 @@ def render(command: str, cards: dict, buckets: pd.DataFrame, layers: pd.DataFram
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def pruned_views(loaded, docs: list[str], window: int) -> tuple[pd.Series, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """A pruned run's rows of the report on the first documents: the share each layer drops (every token but each
+    window's last), drop rates by part of speech and layer (the figure's), by part of speech alone, and the parts of
+    speech whose step triggers most drops."""
+    name = loaded.path.name
+    table = pos_view(loaded, docs, window)
+    per_layer = table[table["position"] < table["position"].max()].groupby("layer")["dropped"].mean()
+    rate = pruning.pos_drop_rates(table)
+    by_pos = (rate.groupby("pos", as_index=False).agg(tokens=("tokens", "sum"), drop_rate=("drop_rate", "mean"))
+              .assign(model=name).sort_values("drop_rate", ascending=False))
+    trig = (table[table["dropped"]].groupby("trigger_pos").size().reset_index(name="drops")
+            .assign(model=name).sort_values("drops", ascending=False).head(6))
+    return per_layer, rate, by_pos, trig
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m analysis.reports.real")
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--base", required=True)
@@ -171,6 +198,11 @@ def main(argv=None) -> int:
     matched.add_arguments(ap, default_source="test=DATA:test")
     matched.add_compute_arguments(ap, "--out")
     add_device_arguments(ap, dtype=None)  # perplexity in float32 on any device
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     policies.load_plugins(kernels.settings.get("MIXSCOPE_POLICIES"))  # the operator's own policies (docs/policies.md)
     saved = None
@@ -191,6 +223,9 @@ def main(argv=None) -> int:
     args.source = args.source or [f"test={args.data}:test"]
     sources, names, prompt = matched.parse(ap, args, args.window) if not saved else ({}, [], None)
     matched.check_ray(ap, args)
+    if args.ray and not any(map(prunes, args.runs)):
+        ap.error("--ray computes the held-out protocol, which needs a pruned run (model.prune) among the runs; "
+                 "the rest of the report runs here: drop --ray")
     matched.check_window(ap, [args.base, *args.runs], args.window)
     docs_text = load_documents(args.data, "test")
     buckets, cards, layer_rows, rates, triggers, figures, runs = [], {}, {}, [], [], {}, []
@@ -201,15 +236,9 @@ def main(argv=None) -> int:
         runs.append(loaded)
         buckets += model_buckets(loaded, args.window, args.data, args.max_windows)
         if loaded.config.prune:
-            table = pos_view(loaded, docs_text[:args.pos_docs], args.window)
-            per_layer = table[table["position"] < table["position"].max()].groupby("layer")["dropped"].mean()
-            layer_rows[name] = per_layer
-            rate = pruning.pos_drop_rates(table)
-            rates.append(rate.groupby("pos", as_index=False)
-                         .agg(tokens=("tokens", "sum"), drop_rate=("drop_rate", "mean"))
-                         .assign(model=name).sort_values("drop_rate", ascending=False))
-            triggers.append(table[table["dropped"]].groupby("trigger_pos").size().reset_index(name="drops")
-                            .assign(model=name).sort_values("drops", ascending=False).head(6))
+            layer_rows[name], rate, by_pos, trig = pruned_views(loaded, docs_text[:args.pos_docs], args.window)
+            rates.append(by_pos)
+            triggers.append(trig)
             if args.figure:  # one figure per pruned run, never one over another
                 from analysis.export import figure_bytes
                 figures[name] = figure_path(args.figure, name, len(args.runs) > 1)
