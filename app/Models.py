@@ -147,15 +147,28 @@ def show(rows: pd.DataFrame, first: list[str]) -> pd.DataFrame:
     return rows
 
 
+def efficiency_view(rows: pd.DataFrame, shown: pd.DataFrame) -> None:
+    """Perplexity against attention parameters of the rows scored on one test set, with its export buttons."""
+    if not rows["test ppl"].notna().any():
+        return
+    fig = efficiency_figure(shown)
+    st.plotly_chart(fig, width="stretch")
+    drawn = rows[rows["test ppl"].notna()]   # (each named with its weights' hash)
+    export_buttons(fig, shown, "zoo_efficiency", dict(zip(drawn["model"], drawn["path"])),
+                   settings={"models": list(shown["model"])})
+
+
 st.caption(f"{len(good)} model(s) found. Pick a page on the left to look inside one.")
 if len(other):
     st.subheader("Other models")
-    show(other.drop(columns=["PRR", "PEoP"], errors="ignore"),
-         ["model", "mixer", "adapter", "test ppl", "trainable %", "attention params", "total params",
-          "KV-cache bytes/token", "note"])
+    shown = show(other.drop(columns=["PRR", "PEoP"], errors="ignore"),
+                 ["model", "mixer", "adapter", "test ppl", "trainable %", "attention params", "total params",
+                  "KV-cache bytes/token", "note"])
     st.caption("Each scored on its own test set, in its own tokenizer: the shipped SmolLM2-135M deltas (a delta "
                "holds only what its fine-tuning changed and opens on its base model) and any model not trained on "
                "the toy zoo's data.")
+    if not len(small):   # a models folder of one's own, with no toy zoo: its models' efficiency view
+        efficiency_view(other, shown)
 if len(small):
     st.subheader("Small models: the toy zoo")
     st.markdown("Four-layer models trained on one small corpus, one per token mixer (MHA, SHA, MQA, SKV, EL-ATT, "
@@ -166,13 +179,7 @@ if len(small):
     st.caption("attention params: the token mixer without its output projection. PRR (performance retention "
                "ratio): 1 minus the relative perplexity increase over the zoo's MHA model (1: as good as MHA). PEoP "
                "(performance elevation over parameters): the relative perplexity drop from the zoo's SHA model per "
-               "relative increase in attention parameters. KV-cache "
-               "bytes/token: the decode state each new token adds, all layers, float32. Listed from configs, cards "
-               "and weight headers: weight values (NaN, a base's checksum) are checked when a page opens the "
-               "model.")
-    if small["test ppl"].notna().any():
-        fig = efficiency_figure(shown)
-        st.plotly_chart(fig, width="stretch")
-        drawn = small[small["test ppl"].notna()]   # (each named with its weights' hash)
-        export_buttons(fig, shown, "zoo_efficiency", dict(zip(drawn["model"], drawn["path"])),
-                       settings={"models": list(shown["model"])})
+               "relative increase in attention parameters. KV-cache bytes/token: the decode state each new token "
+               "adds, all layers, float32. Listed from configs, cards and weight headers: weight values (NaN, a "
+               "base's checksum) are checked when a page opens the model.")
+    efficiency_view(small, shown)

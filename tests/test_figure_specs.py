@@ -400,6 +400,7 @@ def _pruning_cases():
     a, b = token_table(seed=0), token_table(seed=1)
     d = pruning.disagreement(a, b)
     runs = [SimpleNamespace(loaded=SimpleNamespace(config=SimpleNamespace(mixer="mha")), name=n, table=t,
+                            method=n, budget=3, settings={},   # (a method's id, as a plug-in policy may name itself)
                             pos_rates=pruning.pos_drop_rates(t), triggers=pruning.trigger_counts(t))
             for n, t in ((HOSTILE[0], a), (HOSTILE[1], b))]
     return {
