@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from analysis import budgets, corpus, pruning
 from models.memory import OverBudget
-from analysis.reports.matched import SOURCE_NAME, Windows, cut_windows, source_windows
+from analysis.reports.matched import (SOURCE_NAME, Windows, add_ray_arguments, cut_windows, ray_problem,
+                                      source_windows)
 from analysis.reports.parts import check_protocol, done_windows, window_ids_sha256, write_window
 from models.files import write_atomic
 from models.data.corpus import DataError
@@ -241,13 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--figures", default=None,
                     help="the runs whose figures are written, comma-separated (default: every pruned model's)")
     ap.add_argument("--force", action="store_true", help="write over the report files already in --out")
-    ap.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                    help="compute the windows on Ray workers: a local Ray instance, or the cluster at ADDRESS "
-                         "(HEAD:6379); give it after the model directories (docs/cluster.md)")
-    ap.add_argument("--ray-workers", type=int, default=None,
-                    help="Ray workers, each holding one model (default: one a CPU, or a GPU with --device cuda)")
-    ap.add_argument("--ray-threads", type=int, default=None,
-                    help="torch threads (Ray CPUs) a worker holds (default: its share of the cores, at least 1)")
+    add_ray_arguments(ap)
     from models.device import add_arguments as add_device_arguments
     add_device_arguments(ap, dtype=None)
     args = ap.parse_args(argv)
@@ -364,17 +359,10 @@ def _check_arguments(args) -> tuple[list[str], list[str], list[int], list[str] |
 
 
 def _check_ray(args) -> None:
-    """--ray's: Ray installed (before any model loads), an address that is not a model directory argparse took for
-    it, and the worker options only with it."""
-    if args.ray is None:
-        if args.ray_workers is not None or args.ray_threads is not None:
-            raise CorpusError("--ray-workers and --ray-threads go with --ray")
-        return
-    if args.ray != "local" and Path(args.ray).exists():
-        raise CorpusError(f"--ray {args.ray}: that is a path, not a Ray address; give --ray after the model "
-                          "directories, or --ray=ADDRESS")
-    from analysis.reports.cluster import import_ray
-    import_ray()
+    """--ray's options usable (matched.ray_problem), else CorpusError."""
+    problem = ray_problem(args)
+    if problem:
+        raise CorpusError(problem)
 
 
 def _check_models(args) -> None:

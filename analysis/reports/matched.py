@@ -510,11 +510,8 @@ def run_protocol(args, base: str, dirs: list[str], prunes: list[bool], sources: 
         return evaluate(models, sources, names, args.window, match, prompt, parts, pool.run, prog)
 
 
-def add_compute_arguments(ap: argparse.ArgumentParser, out: str) -> None:
-    """--parts and the --ray options (the protocol's windows on a Ray cluster: docs/cluster.md)."""
-    ap.add_argument("--parts", default=None,
-                    help=f"where finished windows are kept, so a rerun redoes only what is missing (default: beside "
-                         f"{out}, NAME.parts, removed once the report is written when the run made it)")
+def add_ray_arguments(ap: argparse.ArgumentParser) -> None:
+    """--ray and its worker options (the windows on a Ray cluster: docs/cluster.md), the corpus report's too."""
     ap.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="compute the windows on Ray workers: a local Ray instance, or the cluster at ADDRESS "
                          "(HEAD:6379); give it after the model directories (docs/cluster.md)")
@@ -524,21 +521,37 @@ def add_compute_arguments(ap: argparse.ArgumentParser, out: str) -> None:
                     help="torch threads (Ray CPUs) a worker holds (default: its share of the cores, at least 1)")
 
 
-def check_ray(ap: argparse.ArgumentParser, args) -> None:
-    """ap.error unless --ray is usable: Ray installed (before any model loads), an address that is not a model
-    directory argparse took for it, and the worker options only with it."""
+def add_compute_arguments(ap: argparse.ArgumentParser, out: str) -> None:
+    """--parts and the --ray options (the protocol's windows on a Ray cluster: docs/cluster.md)."""
+    ap.add_argument("--parts", default=None,
+                    help=f"where finished windows are kept, so a rerun redoes only what is missing (default: beside "
+                         f"{out}, NAME.parts, removed once the report is written when the run made it)")
+    add_ray_arguments(ap)
+
+
+def ray_problem(args) -> str | None:
+    """Why the --ray options cannot be used, or None: Ray not installed (found before any model loads), an address
+    that is a model directory argparse took for it, or the worker options without --ray."""
     if args.ray is None:
         if args.ray_workers is not None or args.ray_threads is not None:
-            ap.error("--ray-workers and --ray-threads go with --ray")
-        return
+            return "--ray-workers and --ray-threads go with --ray"
+        return None
     if args.ray != "local" and Path(args.ray).exists():
-        ap.error(f"--ray {args.ray}: that is a path, not a Ray address; give --ray after the model directories, "
-                 "or --ray=ADDRESS")
+        return (f"--ray {args.ray}: that is a path, not a Ray address; give --ray after the model directories, "
+                "or --ray=ADDRESS")
     from analysis.reports.cluster import ClusterError, import_ray
     try:
         import_ray()
     except ClusterError as e:
-        ap.error(str(e))
+        return str(e)
+    return None
+
+
+def check_ray(ap: argparse.ArgumentParser, args) -> None:
+    """ap.error unless --ray is usable (ray_problem)."""
+    problem = ray_problem(args)
+    if problem:
+        ap.error(problem)
 
 
 def check_window(ap: argparse.ArgumentParser, dirs: list[str], window: int, one_at_a_time: bool = False) -> None:
