@@ -301,6 +301,12 @@ COLUMNS["stats_position"] |= {"positions"}
 COLUMNS["stats_token"] |= {"token"}
 
 
+def report_stamp(path: Path) -> tuple[float, ...]:
+    """When each of a report directory's files last changed (a cache key: a rewritten report is read again);
+    OSError when one is missing."""
+    return tuple((Path(path) / f).stat().st_mtime for f in REPORT_FILES)
+
+
 def file_sha256(path: Path) -> str:
     import hashlib
     return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -28,14 +28,11 @@ def main_report(stamp: tuple[float, ...]) -> dict | None:
 
 
 def report_stamp() -> tuple[float, ...]:
-    """When each of the report's files last changed (0 for one missing): a rewritten report is read again."""
-    stamps = []
-    for name in corpus.REPORT_FILES:
-        try:
-            stamps.append((headline.REPORT / name).stat().st_mtime)
-        except OSError:
-            stamps.append(0.0)
-    return tuple(stamps)
+    """The committed report's files' times (corpus.report_stamp), () when one is missing (it reads as no report)."""
+    try:
+        return corpus.report_stamp(headline.REPORT)
+    except OSError:
+        return ()
 
 
 def go_prune(text: str) -> None:
@@ -122,7 +119,6 @@ if st.session_state.get("added_paths"):
                      format_func=shown_path, placeholder="added paths to forget")
     go.button("Remove", key="remove_added_button", on_click=remove_added,
               disabled=not st.session_state.get("remove_added"))
-paths = model_paths()
 if not paths:
     st.info(f"No models found in {md(shown_path(models_root()))}: add a model directory by path above.")
     st.stop()

@@ -48,8 +48,7 @@ if not found:
 names = {str(p): label(i, p, roots) for i, p in found}
 chosen = st.sidebar.selectbox("Report", list(names), format_func=names.get, key="corpus_report")
 try:
-    stamp = tuple((Path(chosen) / f).stat().st_mtime for f in corpus.REPORT_FILES)
-    rep = cached_report(chosen, stamp)
+    rep = cached_report(chosen, corpus.report_stamp(Path(chosen)))
 except (corpus.ReportError, OSError) as e:
     st.error(md(public(str(e))) if not access.serving() else f"{md(names[chosen])} could not be read "
              f"({type(e).__name__}): run its report again")
