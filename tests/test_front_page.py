@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from analysis import headline
@@ -42,6 +43,9 @@ def fake_base():
     yield
     if not existed:
         shutil.rmtree(where)
+        # the pages cache what they read of the models folder (the Pruning page's choice of model among them) by the
+        # folder's own files: a base gone again must not stay cached as present for the tests that follow
+        st.cache_data.clear()
 
 
 def test_the_first_screen_tells_the_story_and_shows_the_main_result_without_the_base():
